@@ -1,0 +1,44 @@
+"""Errors a replica raises for bad input; each names what was wrong.
+
+The HTTP edge maps them to OpenAI-format errors: ``status_code`` is the HTTP status
+and ``error_type`` the OpenAI ``error.type``.
+"""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """Base class of errors caused by a request or an adapter, not by the server."""
+
+    status_code: int = 400
+    error_type: str = "invalid_request_error"
+
+
+class InvalidRequestError(ServingError):
+    """A request's parameters are invalid (e.g. a prompt longer than the maximum)."""
+
+
+class CheckpointError(ServingError):
+    """A base-model checkpoint is missing a file, has a wrong tensor, or is unsupported."""
+
+
+class AdapterNotFoundError(ServingError):
+    """A request or admin call names an adapter that is not registered."""
+
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class InvalidAdapterError(ServingError):
+    """An adapter's files or config do not fit the base model or the server's limits."""
+
+
+class AdapterSourceError(ServingError):
+    """An adapter's source URL is not allowed, not reachable, or too large."""
+
+
+class CapacityError(ServingError):
+    """The server cannot take the request now (e.g. every adapter slot is pinned)."""
+
+    status_code = 503
+    error_type = "server_error"

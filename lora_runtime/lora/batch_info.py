@@ -1,0 +1,70 @@
+"""Per-step adapter metadata handed to the jitted step; every shape is static."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRABatchInfo:
+    """Which slot each token uses, and the slot-sorted view SGMV needs.
+
+    `token_slots[t] == -1` means token t uses no adapter. Tokens are sorted by slot
+    (stable; no-adapter tokens last) into `sorted_order`; segment i covers sorted
+    positions `segment_starts[i] : segment_starts[i + 1]` and uses slot
+    `segment_slots[i]`. Unused segments have slot -1 and zero length.
+    """
+
+    token_slots: jax.Array  # i32[T]
+    slot_scalings: jax.Array  # f32[S]
+    slot_ranks: jax.Array  # i32[S]
+    sorted_order: jax.Array  # i32[T]
+    segment_starts: jax.Array  # i32[S + 1]
+    segment_slots: jax.Array  # i32[S]
+    num_segments: jax.Array  # i32[]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_scalings.shape[0]
+
+
+def build_batch_info(
+    token_slots: np.ndarray,  # i32[T], -1 = no adapter
+    slot_scalings: np.ndarray,  # f32[S]
+    slot_ranks: np.ndarray,  # i32[S]
+) -> LoRABatchInfo:
+    """Computes the sorted/segment metadata on the host (cheap numpy) and packs it."""
+    token_slots = np.asarray(token_slots, dtype=np.int32)
+    num_slots = int(np.asarray(slot_scalings).shape[0])
+    if token_slots.ndim != 1:
+        raise ValueError(f"token_slots must be 1-D, got shape {token_slots.shape}")
+    bad = token_slots[(token_slots < -1) | (token_slots >= num_slots)]
+    if bad.size:
+        raise ValueError(f"token slot {int(bad[0])} outside [-1, {num_slots})")
+    # No-adapter tokens sort last: key them past every real slot.
+    keys = np.where(token_slots < 0, num_slots, token_slots)
+    sorted_order = np.argsort(keys, kind="stable").astype(np.int32)
+    used, counts = np.unique(token_slots[token_slots >= 0], return_counts=True)
+    n = len(used)
+    segment_slots = np.full(num_slots, -1, dtype=np.int32)
+    segment_slots[:n] = used
+    starts = np.zeros(num_slots + 1, dtype=np.int32)
+    starts[1 : n + 1] = np.cumsum(counts)
+    starts[n + 1 :] = starts[n]
+    return LoRABatchInfo(
+        token_slots=token_slots,
+        slot_scalings=np.asarray(slot_scalings, dtype=np.float32),
+        slot_ranks=np.asarray(slot_ranks, dtype=np.int32),
+        sorted_order=sorted_order,
+        segment_starts=starts,
+        segment_slots=segment_slots,
+        num_segments=np.int32(n),
+    )
