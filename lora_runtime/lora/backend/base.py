@@ -7,6 +7,12 @@ and kernels):
 S slots, R = max_lora_rank; an adapter of rank r < R fills rows [0, r) of each slice
 and leaves the rest zero, so padded rows contribute nothing.
 
+Tensor parallelism: with a mesh whose "tensor" axis has size N > 1, a column-parallel
+group (qkv, gate_up) has x and A replicated and each B_i and y_i sharded on out; a
+row-parallel group (o, down) has x and A sharded on in, so the shrink is a partial sum
+reduced over the tensor axis, and B and y replicated. Each call says which with
+`parallel` ("column" or "row"); backends use it to place or shard_map their work.
+
 Semantics, for every token t with s = token_slots[t] >= 0 (tokens with s == -1 are
 left unchanged):
     v[t]      = (x[t] @ A[s]ᵀ) * slot_scalings[s]                   run_lora_a_gemm
@@ -28,6 +34,9 @@ class BaseLoRABackend(abc.ABC):
 
     name: str
 
+    def __init__(self, mesh: jax.sharding.Mesh | None = None):
+        self.mesh = mesh
+
     def prepare_lora_batch(
         self,
         token_slots: np.ndarray,  # i32[T], -1 = no adapter
@@ -45,6 +54,7 @@ class BaseLoRABackend(abc.ABC):
         info: LoRABatchInfo,
         *,
         prefill: bool,
+        parallel: str,
     ) -> jax.Array:  # f32[T, n*R], scaled by slot_scalings; zero for slot -1
         """Shrink: v[t] = (x[t] @ A[slot[t]]ᵀ) * scaling[slot[t]]."""
 
@@ -57,6 +67,7 @@ class BaseLoRABackend(abc.ABC):
         info: LoRABatchInfo,
         *,
         prefill: bool,
+        parallel: str,
     ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
         """Expand: y_i[t] = base_i[t] + v[t, i*R:(i+1)*R] @ B_i[slot[t]]."""
 
@@ -69,19 +80,20 @@ class BaseLoRABackend(abc.ABC):
         info: LoRABatchInfo,
         *,
         prefill: bool,
+        parallel: str,
     ) -> tuple[jax.Array, ...]:
         """Shrink then expand; backends with a fused kernel override this."""
-        v = self.run_lora_a_gemm(x, a, info, prefill=prefill)
-        return self.run_lora_b_gemm(v, b, base_outputs, info, prefill=prefill)
+        v = self.run_lora_a_gemm(x, a, info, prefill=prefill, parallel=parallel)
+        return self.run_lora_b_gemm(v, b, base_outputs, info, prefill=prefill, parallel=parallel)
 
     def run_qkv_lora(self, x, a, b, base_outputs, info, *, prefill: bool):
         """Fused q/k/v: one shrink over 3 stacked slices, three expands (GQA sizes)."""
         if len(b) != 3 or len(base_outputs) != 3:
             raise ValueError(f"qkv needs 3 slices, got {len(b)} B and {len(base_outputs)} outputs")
-        return self.run_lora(x, a, b, base_outputs, info, prefill=prefill)
+        return self.run_lora(x, a, b, base_outputs, info, prefill=prefill, parallel="column")
 
     def run_gate_up_lora(self, x, a, b, base_outputs, info, *, prefill: bool):
         """Fused gate/up: one shrink over 2 stacked slices, two expands."""
         if len(b) != 2 or len(base_outputs) != 2:
             raise ValueError(f"gate_up needs 2 slices, got {len(b)} B and {len(base_outputs)} outputs")
-        return self.run_lora(x, a, b, base_outputs, info, prefill=prefill)
+        return self.run_lora(x, a, b, base_outputs, info, prefill=prefill, parallel="column")
