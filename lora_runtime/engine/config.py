@@ -1,0 +1,67 @@
+"""Engine configuration: the limits that fix every compiled shape of a replica."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    """Static limits of one replica's engine; each one bounds a compiled shape or a cache."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch: int = Field(8, ge=1, description="Sequences decoded together (KV cache rows).")
+    max_seq_len: int = Field(512, ge=8, description="Longest prompt plus completion, in tokens.")
+    max_prefill_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="Most prompt tokens packed into one prefill step; None means max_seq_len. "
+        "Prefill lengths are bucketed to powers of two from 16 up to this.",
+    )
+    max_loras_per_batch: int = Field(
+        4, ge=0, description="Device adapter slots, so distinct adapters in one batch; 0 disables LoRA."
+    )
+    max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank a slot can hold.")
+    max_cpu_loras: int = Field(64, ge=1, description="Adapters kept in the host cache.")
+    max_cpu_lora_bytes: int = Field(
+        2 << 30, ge=1, description="Bytes of adapter weights kept in the host cache."
+    )
+    lora_backend: str = Field("auto", description="LoRA backend: auto, reference, xla or pallas.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Devices the model is sharded over.")
+    dtype: str | None = Field(
+        None, description="float32 or bfloat16; None takes the checkpoint's dtype."
+    )
+    adapter_roots: list[str] | None = Field(
+        None, description="URL prefixes adapters may be loaded from; None allows any."
+    )
+    max_adapter_bytes: int = Field(1 << 30, ge=1, description="Largest adapter accepted, in bytes.")
+    max_wait_steps: int = Field(
+        32,
+        ge=1,
+        description="Steps a request for a cold adapter may be passed over before the "
+        "scheduler stops admitting others until it gets a slot.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or None")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.max_seq_len:
+            raise ValueError(
+                f"max_prefill_tokens={self.max_prefill_tokens} must be >= "
+                f"max_seq_len={self.max_seq_len} so any prompt fits one prefill step"
+            )
+        return self
+
+    @property
+    def prefill_budget(self) -> int:
+        return self.max_prefill_tokens or self.max_seq_len
+
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Token counts a prefill step is padded to: powers of two from 16, capped."""
+        buckets, n = [], 16
+        while n < self.prefill_budget:
+            buckets.append(n)
+            n *= 2
+        buckets.append(self.prefill_budget)
+        return tuple(buckets)

@@ -1,0 +1,117 @@
+"""Sampling parameters of a request, and the on-device sampler of a whole batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lora_runtime.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen and when it stops."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raises InvalidRequestError naming the first bad field; returns self."""
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens} must be >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequestError(f"temperature={self.temperature} must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError(f"seed={self.seed} must be in [0, 2**63)")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError(f"stop={list(self.stop)!r} contains an empty string")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"stop_token_ids {bad} outside [0, {vocab_size})")
+        return self
+
+    def resolved_seed(self) -> int:
+        """The request's seed, or a fresh random one: each request gets its own stream."""
+        return self.seed if self.seed is not None else secrets.randbits(62)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as device arrays."""
+
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+    seed: jax.Array  # u32[B, 2]: the request seed split into two 32-bit words
+    step: jax.Array  # i32[B]: tokens generated so far, so each step draws fresh noise
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[SamplingParams, int, int] | None]) -> "SamplingBatch":
+        """rows[i] = (params, seed, tokens generated so far), or None for an idle row."""
+        n = len(rows)
+        temperature = np.zeros(n, np.float32)
+        top_k = np.zeros(n, np.int32)
+        top_p = np.ones(n, np.float32)
+        seed = np.zeros((n, 2), np.uint32)
+        step = np.zeros(n, np.int32)
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            params, s, generated = row
+            temperature[i] = params.temperature
+            top_k[i] = params.top_k
+            top_p[i] = params.top_p
+            seed[i] = (s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF
+            step[i] = generated
+        return cls(temperature, top_k, top_p, seed, step)
+
+
+def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    key = jax.random.wrap_key_data(seed, impl="threefry2x32")
+    return jax.random.fold_in(key, step)
+
+
+def sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V] -> i32[B]
+    """Greedy where temperature is 0; otherwise temperature, top-k, then top-p sampling.
+
+    A row's draw depends only on its own seed and step, not on the rest of the batch,
+    so a seeded request gives the same tokens however it is batched.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
+    # top-k: keep logits >= the k-th largest (k = 0 keeps all).
+    k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    # top-p over the top-k survivors: keep the smallest prefix whose mass reaches p.
+    ranks = jnp.arange(vocab)[None, :]
+    sorted_kept = jnp.where(ranks < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_kept, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = (mass_before < batch.top_p[:, None]) & (ranks < k[:, None])
+    cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.maximum(kth, cutoff)
+    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    keys = jax.vmap(_row_key)(batch.seed, batch.step)
+    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    return jnp.where(batch.temperature > 0, drawn, greedy)

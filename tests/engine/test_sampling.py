@@ -1,0 +1,86 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lora_runtime.engine.sampling import SamplingBatch, SamplingParams, sample
+from lora_runtime.errors import InvalidRequestError
+
+
+def _batch(*rows):
+    return SamplingBatch.from_rows(list(rows))
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return jnp.asarray(np.random.RandomState(0).randn(4, 64), jnp.float32)
+
+
+def test_greedy_is_argmax(logits):
+    b = _batch(*[(SamplingParams(temperature=0.0), s, 0) for s in range(4)])
+    np.testing.assert_array_equal(sample(logits, b), np.argmax(logits, -1))
+
+
+def test_top_k_one_is_argmax_at_any_temperature(logits):
+    b = _batch(*[(SamplingParams(temperature=5.0, top_k=1), s, 3) for s in range(4)])
+    np.testing.assert_array_equal(sample(logits, b), np.argmax(logits, -1))
+
+
+def test_tiny_top_p_keeps_only_the_best(logits):
+    b = _batch(*[(SamplingParams(temperature=2.0, top_p=1e-6), s, 0) for s in range(4)])
+    np.testing.assert_array_equal(sample(logits, b), np.argmax(logits, -1))
+
+
+def test_top_k_draws_stay_in_the_top_k(logits):
+    k = 3
+    top = np.argsort(-np.asarray(logits), -1)[:, :k]
+    fn = jax.jit(sample)
+    for step in range(20):
+        b = _batch(*[(SamplingParams(temperature=10.0, top_k=k), 7, step) for _ in range(4)])
+        drawn = np.asarray(fn(logits, b))
+        assert all(drawn[i] in top[i] for i in range(4))
+
+
+def test_top_p_draws_stay_in_the_nucleus():
+    # Probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two only.
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.asarray(np.log(probs)[None].repeat(4, 0), jnp.float32)
+    seen = set()
+    for step in range(40):
+        b = _batch(*[(SamplingParams(temperature=1.0, top_p=0.7), s, step) for s in range(4)])
+        seen |= set(np.asarray(sample(logits, b)).tolist())
+    assert seen == {0, 1}
+
+
+def test_seeded_draw_depends_only_on_seed_and_step(logits):
+    p = SamplingParams(temperature=1.0)
+    a = sample(logits, _batch((p, 11, 5), (p, 12, 5), (p, 13, 5), (p, 14, 5)))
+    # Same row content at another batch position, other rows different.
+    b = sample(logits[::-1], _batch((p, 14, 5), (p, 99, 0), (p, 98, 1), (p, 11, 5)))
+    assert int(a[0]) == int(b[3])
+    assert int(a[3]) == int(b[0])
+
+
+def test_sampling_follows_the_distribution():
+    probs = np.array([0.6, 0.3, 0.1])
+    logits = jnp.asarray(np.log(probs)[None].repeat(1000, 0), jnp.float32)
+    p = SamplingParams(temperature=1.0)
+    drawn = np.asarray(sample(logits, _batch(*[(p, s, 0) for s in range(1000)])))
+    freq = np.bincount(drawn, minlength=3) / 1000
+    np.testing.assert_allclose(freq, probs, atol=0.05)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(stop=("",)), "stop"),
+        (dict(stop_token_ids=(500,)), "stop_token_ids"),
+    ],
+)
+def test_bad_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**kwargs).validate(vocab_size=100)
