@@ -1,0 +1,45 @@
+"""Admin bearer-token check: constant-time compare, closed when no token is set."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+
+
+class AuthError(Exception):
+    """An admin call was refused; ``status_code`` is 401 (no/garbled token) or 403."""
+
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class AdminAuth:
+    """Checks ``Authorization: Bearer <token>`` against the token in env var ``env_var``."""
+
+    env_var: str
+    token: str | None
+
+    @classmethod
+    def from_env(cls, env_var: str) -> "AdminAuth":
+        token = os.environ.get(env_var) or None
+        return cls(env_var=env_var, token=token)
+
+    def check(self, authorization: str | None) -> None:
+        """Raises AuthError unless ``authorization`` carries the configured token."""
+        if self.token is None:
+            # Refuse rather than run an open admin API when the operator forgot the token.
+            raise AuthError(
+                403,
+                f"admin API is disabled: no token configured in env var {self.env_var!r}",
+            )
+        if not authorization:
+            raise AuthError(401, "missing Authorization header; expected 'Bearer <token>'")
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise AuthError(401, f"Authorization scheme {scheme!r} is not 'Bearer <token>'")
+        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            raise AuthError(403, "admin token is not valid")

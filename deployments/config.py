@@ -1,0 +1,142 @@
+"""Application arguments for ``build_app``: every field validated and described."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_REGISTRY_URL = os.path.join("~", ".cache", "multilora-serve", "registry.json")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class AppArgs(BaseModel):
+    """Arguments of the serving application (the ``args`` map of serve_config.yaml)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        "demo",
+        description="Base model: an HF checkpoint directory or fsspec URL, or 'demo' for "
+        "the shipped demo checkpoint (whose demo adapters are registered at start).",
+    )
+    num_replicas: int = Field(1, description="LoRAModelServer replicas, one engine each.")
+    tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over.")
+    max_batch: int = Field(8, description="Sequences one replica decodes together.")
+    max_seq_len: int = Field(512, description="Longest prompt plus completion, in tokens.")
+    max_loras_per_batch: int = Field(4, description="Device adapter slots per replica.")
+    max_lora_rank: int = Field(16, description="Largest adapter rank accepted.")
+    max_cpu_loras: int = Field(64, description="Adapters kept in each replica's host cache.")
+    max_adapter_bytes: int = Field(1 << 30, description="Largest adapter accepted, in bytes.")
+    lora_backend: str = Field("auto", description="LoRA backend: auto, reference, xla or pallas.")
+    dtype: str | None = Field(None, description="float32, bfloat16, or None for the checkpoint's.")
+    adapter_roots: list[str] | None = Field(
+        None, description="URL prefixes adapters may be registered from; None allows any."
+    )
+    registry_url: str = Field(
+        DEFAULT_REGISTRY_URL,
+        description="Where the adapter registry lives: a local path (~ expanded) or an "
+        "fsspec URL such as gs://bucket/registry.json.",
+    )
+    admin_token_env: str = Field(
+        "LORA_ADMIN_TOKEN",
+        description="Env var holding the admin bearer token; if unset, admin calls are refused.",
+    )
+    admin_actor_name: str = Field(
+        "lora_admin", description="Name of the detached admin actor (namespace 'multilora')."
+    )
+    max_ongoing_requests: int = Field(
+        64, description="Requests Serve sends one model-server replica at a time."
+    )
+    replica_num_cpus: float = Field(1.0, description="CPUs reserved per model-server replica.")
+    replica_num_gpus: float = Field(0.0, description="GPUs reserved per model-server replica.")
+    drain_timeout_s: float = Field(
+        20.0, description="Seconds a stopping replica lets running sequences finish."
+    )
+
+    @field_validator(
+        "num_replicas", "tensor_parallel_size", "max_batch", "max_lora_rank",
+        "max_cpu_loras", "max_adapter_bytes", "max_ongoing_requests",
+    )
+    @classmethod
+    def _positive(cls, v: int, info) -> int:
+        if v < 1:
+            raise ValueError(f"{info.field_name}={v} must be >= 1")
+        return v
+
+    @field_validator("max_seq_len")
+    @classmethod
+    def _seq_len(cls, v: int) -> int:
+        if v < 8:
+            raise ValueError(f"max_seq_len={v} must be >= 8")
+        return v
+
+    @field_validator("max_loras_per_batch")
+    @classmethod
+    def _slots(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"max_loras_per_batch={v} must be >= 0 (0 disables adapters)")
+        return v
+
+    @field_validator("replica_num_cpus", "replica_num_gpus", "drain_timeout_s")
+    @classmethod
+    def _non_negative(cls, v: float, info) -> float:
+        if v < 0:
+            raise ValueError(f"{info.field_name}={v} must be >= 0")
+        return v
+
+    @field_validator("model", "registry_url", "admin_actor_name")
+    @classmethod
+    def _non_empty(cls, v: str, info) -> str:
+        if not v.strip():
+            raise ValueError(f"{info.field_name}={v!r} must not be empty")
+        return v
+
+    @field_validator("lora_backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        if v not in ("auto", "reference", "xla", "pallas"):
+            raise ValueError(f"lora_backend={v!r} must be auto, reference, xla or pallas")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str | None) -> str | None:
+        if v not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype={v!r} must be float32, bfloat16 or null")
+        return v
+
+    @field_validator("admin_token_env")
+    @classmethod
+    def _env_name(cls, v: str) -> str:
+        if not _ENV_NAME.match(v):
+            raise ValueError(f"admin_token_env={v!r} is not an environment variable name")
+        return v
+
+    @field_validator("adapter_roots")
+    @classmethod
+    def _roots(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not r.strip() for r in v):
+            raise ValueError(f"adapter_roots={v!r} must not contain empty prefixes")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppArgs":
+        if self.max_loras_per_batch > self.max_batch:
+            raise ValueError(
+                f"max_loras_per_batch={self.max_loras_per_batch} exceeds "
+                f"max_batch={self.max_batch}: a batch cannot use more adapters than sequences"
+            )
+        return self
+
+    @property
+    def is_demo(self) -> bool:
+        return self.model == "demo"
+
+    @property
+    def resolved_registry_url(self) -> str:
+        if "://" in self.registry_url:
+            return self.registry_url
+        return os.path.abspath(os.path.expanduser(self.registry_url))
+

@@ -1,0 +1,283 @@
+"""OpenAI-compatible request/response bodies and the OpenAI error format."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class OpenAIError(Exception):
+    """An error the HTTP edge returns as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int = 400,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+ERROR_TYPES_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    503: "server_error",
+}
+
+
+class _Request(BaseModel):
+    # Unknown fields are an error naming the field, not silently dropped.
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., min_length=1, description="Base model name or adapter name.")
+    max_tokens: int | None = Field(None, description="Most tokens to generate.")
+    temperature: float = Field(1.0, description="0 is greedy.")
+    top_p: float = Field(1.0)
+    top_k: int = Field(0, description="Extension: 0 disables the top-k cut.")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end the text.")
+    ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
+    stream: bool = False
+    stream_options: "StreamOptions | None" = None
+    n: int = Field(1, description="Only 1 is supported.")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = Field(None, description="End-user id, recorded in logs only.")
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n={v} is not supported; only n=1")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float, info) -> float:
+        if v != 0.0:
+            raise ValueError(f"{info.field_name}={v} is not supported; only 0")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    def sampling(self, default_max_tokens: int | None) -> dict:
+        """Keyword arguments of lora_runtime SamplingParams (max_tokens None = fill context)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": tuple(stop),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+        }
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    """Body of POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] = Field(..., description="Text or token ids; one prompt.")
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt=[] is empty")
+            if isinstance(v[0], str):
+                if len(v) != 1:
+                    raise ValueError(f"prompt has {len(v)} strings; only one prompt per request")
+                return v[0]
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.echo:
+            raise ValueError("echo=true is not supported")
+        if self.logprobs is not None:
+            raise ValueError(f"logprobs={self.logprobs} is not supported")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part of type={part.get('type')!r} is not supported; only text")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Request):
+    """Body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.logprobs:
+            raise ValueError("logprobs=true is not supported")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError(
+                    f"max_tokens={self.max_tokens} and max_completion_tokens="
+                    f"{self.max_completion_tokens} disagree"
+                )
+            self.max_tokens = self.max_completion_tokens
+        for m in self.messages:
+            m.text()  # raises on non-text parts
+        return self
+
+    def chat_messages(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class AdapterRegisterRequest(BaseModel):
+    """Body of POST /v1/adapters."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    source: str
+    pinned: bool = False
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """Body of vLLM's POST /v1/load_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """Body of vLLM's POST /v1/unload_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": use,
+    }
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": use,
+    }
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, use: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()

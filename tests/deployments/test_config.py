@@ -1,0 +1,41 @@
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.config import AppArgs
+
+
+def test_defaults_are_the_demo():
+    args = AppArgs()
+    assert args.is_demo and args.num_replicas == 1
+    assert args.resolved_registry_url == os.path.expanduser(args.registry_url)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("num_replicas", 0, "num_replicas=0"),
+        ("max_seq_len", 4, "max_seq_len=4"),
+        ("max_loras_per_batch", -1, "max_loras_per_batch=-1"),
+        ("lora_backend", "cuda", "lora_backend='cuda'"),
+        ("dtype", "float16", "dtype='float16'"),
+        ("admin_token_env", "not a name", "admin_token_env='not a name'"),
+        ("model", " ", "model=' '"),
+        ("adapter_roots", ["gs://b/", ""], "adapter_roots"),
+        ("replica_num_cpus", -1.0, "replica_num_cpus=-1.0"),
+        ("unknown_field", 1, "unknown_field"),
+    ],
+)
+def test_bad_args_name_the_value(field, value, match):
+    with pytest.raises(ValidationError, match=match):
+        AppArgs(**{field: value})
+
+
+def test_more_slots_than_batch_rows_rejected():
+    with pytest.raises(ValidationError, match="max_loras_per_batch=8 exceeds max_batch=4"):
+        AppArgs(max_batch=4, max_loras_per_batch=8)
+
+
+def test_url_registry_kept_verbatim():
+    assert AppArgs(registry_url="gs://b/r.json").resolved_registry_url == "gs://b/r.json"
