@@ -1,0 +1,265 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in Flax NNX, with a KV cache and a LoRA hook.
+
+Module and parameter names mirror Hugging Face's (``layers[i].self_attn.q_proj.kernel``
+is ``model.layers.{i}.self_attn.q_proj.weight`` transposed), so the loader maps one
+to the other by name. Linear kernels are stored ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
+from lora_runtime.model.config import ModelConfig
+from lora_runtime.model.lora_hook import LoRAHook
+
+_INIT_STD = 0.02
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias), kernel stored [in, out]."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: str, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (in_features, out_features), dtype))
+        self.bias = (
+            nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (out_features,), dtype)) if bias else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, in] -> [T, out]
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    """RMS normalisation over the last axis, computed in f32 like Hugging Face's."""
+
+    def __init__(self, dim: int, *, eps: float, dtype: str):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., dim]
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:  # f32[head_dim // 2]
+    """RoPE inverse frequencies, with the config's llama3 or linear scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(
+    x: jax.Array,  # [T, N, D]
+    positions: jax.Array,  # i32[T]
+    inv_freq: np.ndarray,  # f32[D // 2]
+) -> jax.Array:  # [T, N, D]
+    """Rotates the two halves of each head (Hugging Face's rotate_half layout)."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _window_ok(delta: jax.Array, window: int | None) -> jax.Array:
+    """Key within the sliding window: ``delta`` = query position - key position."""
+    return jnp.ones_like(delta, bool) if window is None else delta < window
+
+
+def prefill_attention(
+    q: jax.Array,  # [T, Hkv, G, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    positions: jax.Array,  # i32[T]
+    rows: jax.Array,  # i32[T], -1 = padding
+    window: int | None,
+) -> jax.Array:  # [T, Hkv, G, D]
+    """Causal attention among the packed fresh sequences of one prefill batch."""
+    same_row = (rows[:, None] == rows[None, :]) & (rows[:, None] >= 0)
+    delta = positions[:, None] - positions[None, :]
+    # The diagonal keeps padding rows finite; real tokens always see themselves anyway.
+    mask = (same_row & (delta >= 0) & _window_ok(delta, window)) | jnp.eye(rows.shape[0], dtype=bool)
+    scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+    return jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v)
+
+
+def decode_attention(
+    q: jax.Array,  # [R, Hkv, G, D]
+    k_cache: jax.Array,  # [R, S, Hkv, D]
+    v_cache: jax.Array,  # [R, S, Hkv, D]
+    positions: jax.Array,  # i32[R]
+    window: int | None,
+) -> jax.Array:  # [R, Hkv, G, D]
+    """Each row's one new token attends to its cached tokens 0..position."""
+    # Clipping keeps idle rows (any position) attending at least one key, so no NaN.
+    pos = jnp.clip(positions, 0, k_cache.shape[1] - 1)
+    delta = pos[:, None] - jnp.arange(k_cache.shape[1])[None, :]  # [R, S]
+    mask = (delta >= 0) & _window_ok(delta, window)
+    scores = jnp.einsum("rkgd,rskd->rkgs", q, k_cache, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    probs = jax.nn.softmax(jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min), axis=-1)
+    return jnp.einsum("rkgs,rskd->rkgd", probs.astype(v_cache.dtype), v_cache)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optional q/k norm and sliding window."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.layer = layer
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = Linear(c.hidden_size, q_out, bias=c.attention_bias, dtype=c.dtype, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, kv_out, bias=c.attention_bias, dtype=c.dtype, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, kv_out, bias=c.attention_bias, dtype=c.dtype, rngs=rngs)
+        self.o_proj = Linear(q_out, c.hidden_size, bias=c.attention_out_bias, dtype=c.dtype, rngs=rngs)
+        self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=c.dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=c.dtype) if c.qk_norm else None
+
+    def __call__(
+        self,
+        h: jax.Array,  # [T, H]
+        positions: jax.Array,  # i32[T]
+        k_cache: jax.Array,  # [R, S, Hkv, D]
+        v_cache: jax.Array,  # [R, S, Hkv, D]
+        attn: AttentionMetadata,
+        lora: LoRAHook | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, H], new k_cache, new v_cache
+        c, i, t = self.config, self.layer, h.shape[0]
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        if lora is not None:
+            q, k, v = lora("qkv", i, h, (q, k, v))
+        q = q.reshape(t, c.num_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(c)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
+        num_rows = k_cache.shape[0]
+        if attn.mode == "prefill":
+            write_rows = attn.rows
+        else:
+            write_rows = jnp.arange(t, dtype=attn.rows.dtype)
+        # Out-of-range rows are dropped by the scatter: padding and idle rows write nothing.
+        write_rows = jnp.where(attn.rows >= 0, write_rows, num_rows)
+        k_cache = k_cache.at[write_rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[write_rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+
+        groups = c.num_heads // c.num_kv_heads
+        q = q.reshape(t, c.num_kv_heads, groups, c.head_dim)
+        window = c.layer_window(i)
+        if attn.mode == "prefill":
+            out = prefill_attention(q, k, v, positions, attn.rows, window)
+        else:
+            out = decode_attention(q, k_cache, v_cache, positions, window)
+        out = out.reshape(t, c.num_heads * c.head_dim)
+        o = self.o_proj(out)
+        if lora is not None:
+            (o,) = lora("o", i, out, (o,))
+        return o, k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        c = config
+        self.layer = layer
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs)
+
+    def __call__(self, h: jax.Array, lora: LoRAHook | None) -> jax.Array:  # [T, H] -> [T, H]
+        g, u = self.gate_proj(h), self.up_proj(h)
+        if lora is not None:
+            g, u = lora("gate_up", self.layer, h, (g, u))
+        act = jax.nn.silu(g) * u
+        d = self.down_proj(act)
+        if lora is not None:
+            (d,) = lora("down", self.layer, act, (d,))
+        return d
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP blocks with residuals."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype)
+        self.self_attn = Attention(c, layer, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype)
+        self.mlp = MLP(c, layer, rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, H]
+        positions: jax.Array,  # i32[T]
+        k_cache: jax.Array,  # [R, S, Hkv, D]
+        v_cache: jax.Array,  # [R, S, Hkv, D]
+        attn: AttentionMetadata,
+        lora: LoRAHook | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, attn, lora)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x), lora)
+        return x, k_cache, v_cache
+
+
+class LlamaModel(nnx.Module):
+    """The decoder stack plus embeddings and lm_head; one call runs one prefill or decode step."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs) for i in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        kv_cache: KVCache,
+        attn: AttentionMetadata,
+        lora: LoRAHook | None = None,
+    ) -> tuple[jax.Array, KVCache]:  # hidden [T, H] after the final norm, updated cache
+        """Runs every layer on T tokens, writing their K/V into the cache."""
+        if attn.mode == "decode" and tokens.shape[0] != kv_cache.rows:
+            raise ValueError(f"decode needs one token per cache row: tokens={tokens.shape[0]}, rows={kv_cache.rows}")
+        # Clipped lookup: a padding id out of range must not turn into NaN and leak into
+        # other tokens through attention.
+        x = jnp.take(self.embed_tokens.embedding[...], tokens, axis=0, mode="clip")
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, positions, kv_cache.k[i], kv_cache.v[i], attn, lora)
+            ks.append(k)
+            vs.append(v)
+        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:  # [N, H] -> f32[N, V]
+        """Vocabulary logits in f32."""
+        if self.lm_head is None:
+            return jnp.einsum("nh,vh->nv", hidden, self.embed_tokens.embedding[...], preferred_element_type=jnp.float32)
+        return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
