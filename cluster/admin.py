@@ -51,14 +51,11 @@ class AdapterValidator:
         return self._model_config
 
     def validate(self, name: str, source: str) -> dict:
-        """Loads and validates the adapter; returns facts to record (rank); raises ServingError."""
-        from lora_runtime.lora.adapter import LoRAAdapter
-        from lora_runtime.lora.sources import SourcePolicy
+        """Fetches, parses and validates the adapter; returns facts to record; raises ServingError."""
+        from lora_runtime.lora.sources import SourcePolicy, load_adapter
 
-        policy = SourcePolicy(roots=self.adapter_roots, max_bytes=self.max_adapter_bytes)
-        adapter = LoRAAdapter.load(
-            name, source, self.model_config(), max_lora_rank=self.max_lora_rank, policy=policy
-        )
+        policy = SourcePolicy(allowed_roots=self.adapter_roots, max_adapter_bytes=self.max_adapter_bytes)
+        adapter = load_adapter(name, source, policy, self.model_config(), self.max_lora_rank)
         return {"rank": int(adapter.rank)}
 
 

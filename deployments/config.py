@@ -21,6 +21,11 @@ class AppArgs(BaseModel):
         description="Base model: an HF checkpoint directory or fsspec URL, or 'demo' for "
         "the shipped demo checkpoint (whose demo adapters are registered at start).",
     )
+    model_name: str | None = Field(
+        None,
+        description="Name clients use for the base model; None takes the checkpoint "
+        "directory's name.",
+    )
     num_replicas: int = Field(1, description="LoRAModelServer replicas, one engine each.")
     tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over.")
     max_batch: int = Field(8, description="Sequences one replica decodes together.")
@@ -91,6 +96,13 @@ class AppArgs(BaseModel):
     def _non_empty(cls, v: str, info) -> str:
         if not v.strip():
             raise ValueError(f"{info.field_name}={v!r} must not be empty")
+        return v
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError(f"model_name={v!r} must not be empty")
         return v
 
     @field_validator("lora_backend")

@@ -281,3 +281,10 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, use: dict) -> dict
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
+
+
+class AdapterPinRequest(BaseModel):
+    """Body of PATCH /v1/adapters/{name}."""
+
+    model_config = ConfigDict(extra="forbid")
+    pinned: bool

@@ -1,0 +1,39 @@
+"""The Serve application builder: ``import_path: deployments.app:build_app``."""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.config import AppArgs
+from deployments.ingress import OpenAIIngress
+from deployments.model_server import LoRAModelServer
+
+# Health checks must outlast a slow decode step on CPU; drains get their own budget.
+_HEALTH_CHECK_PERIOD_S = 10.0
+_HEALTH_CHECK_TIMEOUT_S = 60.0
+_INGRESS_MAX_ONGOING = 1000
+
+
+def build_app(args: dict | AppArgs) -> Application:
+    """Validates ``args`` (AppArgs fields) and binds ingress -> LoRAModelServer replicas."""
+    a = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    plain = a.model_dump()
+    server = serve.deployment(
+        LoRAModelServer,
+        name="LoRAModelServer",
+        num_replicas=a.num_replicas,
+        max_ongoing_requests=a.max_ongoing_requests,
+        ray_actor_options={"num_cpus": a.replica_num_cpus, "num_gpus": a.replica_num_gpus},
+        health_check_period_s=_HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=_HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_timeout_s=a.drain_timeout_s + 5.0,
+    ).bind(plain)
+    ingress = serve.deployment(
+        OpenAIIngress,
+        name="OpenAIIngress",
+        num_replicas=1,
+        max_ongoing_requests=_INGRESS_MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0.5},
+    )
+    return ingress.bind(server, plain)

@@ -1,0 +1,281 @@
+"""HTTP edge: the OpenAI-compatible API, the adapter admin API and /health.
+
+Thin: parse and validate the body, pick the multiplexed model id (the adapter name),
+stream from a LoRAModelServer replica, and shape OpenAI responses and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+
+from cluster.admin import AdapterValidator, check_adapter_name, get_or_create_admin, unwrap_error
+from cluster.auth import AdminAuth, AuthError
+from deployments.config import AppArgs
+from deployments.openai_protocol import (
+    ERROR_TYPES_BY_STATUS,
+    AdapterPinRequest,
+    AdapterRegisterRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    OpenAIError,
+    UnloadLoRAAdapterRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_id,
+    usage,
+    usage_chunk,
+)
+from lora_runtime.errors import ServingError
+
+app = FastAPI(title="multilora-serve")
+
+_HEALTH_TIMEOUT_S = 10.0
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status_code)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    # OpenAI clients expect 400 with the offending parameter, not FastAPI's 422 list.
+    first = e.errors()[0] if e.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    message = f"{param}: {msg}" if param else msg
+    return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+
+def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
+    return OpenAIError(str(e), status_code=e.status_code, error_type=e.error_type, param=param)
+
+
+def _from_item(err: dict) -> OpenAIError:
+    param = "model" if err["status_code"] == 404 else None
+    return OpenAIError(err["message"], status_code=err["status_code"], error_type=err["type"], param=param)
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+@serve.ingress(app)
+class OpenAIIngress:
+    """OpenAI-compatible front door; forwards generation to LoRAModelServer replicas."""
+
+    async def __init__(self, server, args: dict):
+        self._server = server
+        self._args = AppArgs(**args)
+        a = self._args
+        self._auth = AdminAuth.from_env(a.admin_token_env)
+        self._admin = get_or_create_admin(
+            a.admin_actor_name,
+            a.resolved_registry_url,
+            AdapterValidator(a.model, a.max_lora_rank, a.adapter_roots, a.max_adapter_bytes),
+        )
+        self._model_name: str | None = None
+        self._created = int(time.time())
+        if a.is_demo:
+            from lora_runtime.demo import demo_adapters
+
+            await self._admin.ensure_registered.remote(
+                {name: str(path) for name, path in demo_adapters().items()}
+            )
+
+    async def _base_name(self) -> str:
+        if self._model_name is None:
+            info = await self._server.model_info.remote()
+            self._model_name = info["model_name"]
+        return self._model_name
+
+    async def _call_admin(self, method: str, *args):
+        try:
+            return await getattr(self._admin, method).remote(*args)
+        except Exception as e:  # Ray wraps what the actor raised
+            cause = unwrap_error(e)
+            if isinstance(cause, ServingError):
+                raise _from_serving(cause) from None
+            raise
+
+    def _check_auth(self, authorization: str | None) -> None:
+        try:
+            self._auth.check(authorization)
+        except AuthError as e:
+            raise OpenAIError(
+                e.message, status_code=e.status_code, error_type=ERROR_TYPES_BY_STATUS[e.status_code]
+            ) from None
+
+    # --- generation ------------------------------------------------------------------
+
+    async def _start(self, body: CompletionRequest | ChatCompletionRequest, payload: dict):
+        """Starts a replica stream; returns it with its first item (errors raised here)."""
+        base = await self._base_name()
+        adapter = "" if body.model == base else body.model
+        handle = self._server.options(stream=True, multiplexed_model_id=adapter)
+        stream = handle.generate.remote(payload)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            raise OpenAIError("the model returned no output", status_code=500, error_type="server_error") from None
+        if "error" in first:
+            raise _from_item(first["error"])
+        return stream, first
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        payload = {
+            "kind": "completion",
+            "prompt": body.prompt,
+            "sampling": body.sampling(default_max_tokens=16),
+            "request_id": new_id("cmpl"),
+        }
+        return await self._respond(body, payload, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        payload = {
+            "kind": "chat",
+            "messages": body.chat_messages(),
+            "sampling": body.sampling(default_max_tokens=None),
+            "request_id": new_id("chatcmpl"),
+        }
+        return await self._respond(body, payload, chat=True)
+
+    async def _respond(self, body, payload: dict, *, chat: bool):
+        rid = payload["request_id"]
+        stream, first = await self._start(body, payload)
+        if not body.stream:
+            items = [first]
+            try:
+                async for item in stream:
+                    items.append(item)
+            finally:
+                # A client disconnect cancels this task: stop the replica's sequence too.
+                stream.cancel()
+            return self._full_response(rid, body.model, items, chat=chat)
+        return StreamingResponse(
+            self._sse_stream(rid, body.model, stream, first, chat=chat, include_usage=body.include_usage),
+            media_type="text/event-stream",
+        )
+
+    def _full_response(self, rid: str, model: str, items: list[dict], *, chat: bool) -> dict:
+        errors = [i["error"] for i in items if "error" in i]
+        if errors:
+            raise _from_item(errors[0])
+        text = "".join(i["text"] for i in items)
+        last = items[-1]
+        use = usage(last["prompt_tokens"], last["completion_tokens"])
+        build = chat_response if chat else completion_response
+        return build(rid, model, text, last["finish_reason"], use)
+
+    async def _sse_stream(self, rid, model, stream, first, *, chat: bool, include_usage: bool):
+        created = int(time.time())
+        chunk = chat_chunk if chat else completion_chunk
+        last = None
+        try:
+            if chat:
+                yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+            item = first
+            while item is not None:
+                if "error" in item:
+                    # Mid-stream failure: the status is already sent, so report it in-band.
+                    yield _sse(error_body(item["error"]["message"], item["error"]["type"]))
+                    break
+                last = item
+                delta = {"content": item["text"]} if chat else item["text"]
+                if item["text"] or item["finished"]:
+                    yield _sse(chunk(rid, model, created, delta, item["finish_reason"]))
+                item = await anext(stream, None)
+            if include_usage and last is not None:
+                use = usage(last["prompt_tokens"], last["completion_tokens"])
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield _sse(usage_chunk(rid, model, created, obj, use))
+            yield _sse("[DONE]")
+        finally:
+            # Client went away (or we are done): stop the replica's sequence.
+            stream.cancel()
+
+    # --- models and health ---------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models(self):
+        base = await self._base_name()
+        snap = await self._call_admin("snapshot")
+        data = [{"id": base, "object": "model", "created": self._created, "owned_by": "multilora-serve",
+                 "root": base, "parent": None}]
+        for name, entry in sorted(snap["adapters"].items()):
+            data.append({"id": name, "object": "model", "created": entry.get("created", self._created),
+                         "owned_by": "multilora-serve", "root": entry["source"], "parent": base})
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health(self):
+        try:
+            stats = await asyncio.wait_for(self._server.health.remote(), _HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(self._admin.ping.remote(), _HEALTH_TIMEOUT_S)
+        except Exception as e:
+            return JSONResponse({"status": "unhealthy", "reason": repr(unwrap_error(e))}, status_code=503)
+        return {"status": "ok", "registry_version": stats["registry_version"]}
+
+    # --- adapter admin -------------------------------------------------------------
+
+    async def _register(self, name: str, source: str, pinned: bool) -> dict:
+        check = _admin_name_check(name, await self._base_name())
+        return await self._call_admin("register", check, source, pinned)
+
+    @app.post("/v1/adapters", status_code=201)
+    async def register_adapter(self, body: AdapterRegisterRequest, authorization: str | None = Header(None)):
+        self._check_auth(authorization)
+        return await self._register(body.name, body.source, body.pinned)
+
+    @app.get("/v1/adapters")
+    async def list_adapters(self, authorization: str | None = Header(None)):
+        self._check_auth(authorization)
+        snap = await self._call_admin("snapshot")
+        data = [dict(e, name=n) for n, e in sorted(snap["adapters"].items())]
+        return {"object": "list", "version": snap["version"], "data": data}
+
+    @app.delete("/v1/adapters/{name}")
+    async def unregister_adapter(self, name: str, authorization: str | None = Header(None)):
+        self._check_auth(authorization)
+        return await self._call_admin("unregister", name)
+
+    @app.patch("/v1/adapters/{name}")
+    async def pin_adapter(self, name: str, body: AdapterPinRequest, authorization: str | None = Header(None)):
+        self._check_auth(authorization)
+        return await self._call_admin("set_pinned", name, body.pinned)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, authorization: str | None = Header(None)):
+        self._check_auth(authorization)
+        await self._register(body.lora_name, body.lora_path, False)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, authorization: str | None = Header(None)):
+        self._check_auth(authorization)
+        await self._call_admin("unregister", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _admin_name_check(name: str, base: str) -> str:
+    try:
+        check_adapter_name(name)
+    except ServingError as e:
+        raise _from_serving(e, param="name") from None
+    if name == base:
+        raise OpenAIError(f"adapter name={name!r} is the base model's name", param="name")
+    return name

@@ -1,0 +1,195 @@
+"""LoRAModelServer: one engine per replica, serving the base model and every adapter.
+
+Requests for different adapters share decode batches inside the engine. The adapter
+travels as Serve's multiplexed model id, so the router prefers replicas that already
+hold it. The replica keeps its registry view current by long-polling the admin actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ray import serve
+
+from cluster.admin import AdapterValidator, get_or_create_admin, resolve_model_path, sync_entries, unwrap_error
+from deployments.config import AppArgs
+from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
+
+logger = logging.getLogger("ray.serve")
+
+# Long-poll length: a change wakes the poll at once, so this only bounds idle churn.
+_POLL_TIMEOUT_S = 5.0
+_RETRY_S = 0.25
+
+
+def error_item(e: ServingError) -> dict:
+    """A stream item carrying a request error to the ingress (status, type, message)."""
+    return {"error": {"status_code": e.status_code, "type": e.error_type, "message": str(e)}}
+
+
+class LoRAModelServer:
+    """A Serve replica: engine, registry view, multiplexed adapter routing, drain on stop."""
+
+    async def __init__(self, args: dict):
+        from lora_runtime.engine.config import EngineConfig
+        from lora_runtime.engine.engine import Engine
+
+        self._args = AppArgs(**args)
+        a = self._args
+        config = EngineConfig(
+            max_batch=a.max_batch,
+            max_seq_len=a.max_seq_len,
+            max_loras_per_batch=a.max_loras_per_batch,
+            max_lora_rank=a.max_lora_rank,
+            max_cpu_loras=a.max_cpu_loras,
+            lora_backend=a.lora_backend,
+            tensor_parallel_size=a.tensor_parallel_size,
+            dtype=a.dtype,
+            adapter_roots=a.adapter_roots,
+            max_adapter_bytes=a.max_adapter_bytes,
+        )
+        self._engine = Engine.from_pretrained(
+            resolve_model_path(a.model), config, model_name=a.model_name
+        )
+        self._engine.start()
+        self._admin = get_or_create_admin(
+            a.admin_actor_name,
+            a.resolved_registry_url,
+            AdapterValidator(a.model, a.max_lora_rank, a.adapter_roots, a.max_adapter_bytes),
+        )
+        self._version = -1
+        self._adapters: dict[str, dict] = {}
+        self._apply(await self._admin.snapshot.remote())
+        self._sync_task = asyncio.create_task(self._sync_loop())
+        # Multiplexing is wired per instance so its capacity follows max_cpu_loras; Serve
+        # then reports the adapters this replica holds to the router.
+        self._load_adapter = serve.multiplexed(max_num_models_per_replica=a.max_cpu_loras)(
+            self._make_loader()
+        )
+        self._draining = False
+
+    # --- registry view ---------------------------------------------------------------
+
+    def _apply(self, snapshot: dict) -> None:
+        if snapshot["version"] == self._version:
+            return
+        if self._engine.lora_manager is not None:
+            self._engine.lora_manager.sync(sync_entries(snapshot["adapters"]))
+        self._adapters = snapshot["adapters"]
+        self._version = snapshot["version"]
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                snap = await self._admin.wait_for_change.remote(self._version, _POLL_TIMEOUT_S)
+                self._apply(snap)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the admin actor restarting: retry, it comes back
+                logger.warning("registry poll failed, retrying: %s", unwrap_error(e))
+                await asyncio.sleep(_RETRY_S)
+
+    async def _ensure_known(self, name: str) -> None:
+        if name not in self._adapters:
+            # Registered a moment ago and the long-poll has not landed yet: read it now,
+            # so a client that registers and then calls at once is served.
+            self._apply(await self._admin.snapshot.remote())
+        if name not in self._adapters:
+            raise AdapterNotFoundError(
+                f"model {name!r} is neither the base model {self._engine.model_name!r} "
+                "nor a registered adapter"
+            )
+
+    def _make_loader(self):
+        async def _load_adapter(adapter_name: str) -> str:
+            await self._ensure_known(adapter_name)
+            return adapter_name
+
+        return _load_adapter
+
+    # --- requests ------------------------------------------------------------------
+
+    async def model_info(self) -> dict:
+        return {"model_name": self._engine.model_name, "max_seq_len": self._args.max_seq_len}
+
+    def _prompt(self, request: dict) -> str | list[int]:
+        if request["kind"] == "chat":
+            return self._engine.tokenizer.apply_chat_template(
+                request["messages"], add_generation_prompt=True
+            )
+        return request["prompt"]
+
+    def _sampling(self, request: dict, prompt: str | list[int]):
+        from lora_runtime.engine.sampling import SamplingParams
+
+        fields = dict(request["sampling"])
+        if fields["max_tokens"] is None:
+            n_prompt = len(prompt) if isinstance(prompt, list) else len(self._engine.tokenizer.encode(prompt))
+            fields["max_tokens"] = max(1, self._args.max_seq_len - n_prompt)
+        return SamplingParams(**fields).validate()
+
+    async def generate(self, request: dict):
+        """Streams ``{"text", "token_ids", "finished", "finish_reason", "prompt_tokens",
+        "completion_tokens"}`` items, or one ``{"error": ...}`` item for a bad request."""
+        adapter = serve.get_multiplexed_model_id() or None
+        rid = request["request_id"]
+        try:
+            if self._draining:
+                raise CapacityError("replica is shutting down; retry")
+            if adapter is not None:
+                await self._load_adapter(adapter)
+            prompt = self._prompt(request)
+            params = self._sampling(request, prompt)
+            stream = self._engine.generate(prompt, params, request_id=rid, adapter=adapter)
+            first = await anext(stream)
+        except ServingError as e:
+            yield error_item(e)
+            return
+        except (TypeError, ValueError) as e:
+            # A chat template or a sampling field the runtime refused.
+            yield error_item(InvalidRequestError(str(e)))
+            return
+        finished = False
+        try:
+            out = first
+            while True:
+                finished = out.finished
+                yield {
+                    "text": out.text,
+                    "token_ids": list(out.token_ids),
+                    "finished": out.finished,
+                    "finish_reason": out.finish_reason,
+                    "prompt_tokens": out.prompt_tokens,
+                    "completion_tokens": out.completion_tokens,
+                }
+                if finished:
+                    break
+                out = await anext(stream)
+        finally:
+            # A client disconnect cancels this generator: free the sequence's slot now.
+            if not finished:
+                self._engine.abort(rid)
+            await stream.aclose()
+
+    # --- Serve hooks -----------------------------------------------------------------
+
+    async def health(self) -> dict:
+        return {"registry_version": self._version, **self._engine.stats()}
+
+    async def check_health(self) -> None:
+        if self._sync_task.done() and not self._sync_task.cancelled():
+            raise RuntimeError(f"registry sync stopped: {self._sync_task.exception()!r}")
+        self._engine.stats()
+
+    async def __del__(self) -> None:
+        # Graceful drain: running sequences finish, new ones are refused.
+        self._draining = True
+        self._sync_task.cancel()
+        try:
+            await self._engine.drain(self._args.drain_timeout_s)
+        finally:
+            self._engine.shutdown()
+
+
+__all__ = ["LoRAModelServer", "error_item"]
