@@ -1,0 +1,337 @@
+"""PEFT LoRA adapters: parse the two files, validate them against the base model, and
+lay them out for the memory pool.
+
+An adapter directory holds `adapter_config.json` and `adapter_model.safetensors`
+(a `.bin` pickle is refused, never loaded). Tensor keys look like
+`[base_model.model.]model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`
+with A: [r, in] and B: [out, r]. PEFT stores them in that layout whatever
+`fan_in_fan_out` says (the flag only transposes the *base* weight when merging, and
+PEFT turns it off for `nn.Linear` targets), so the flag changes nothing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from lora_runtime.errors import InvalidAdapterError
+from lora_runtime.model.lora_hook import GROUP_SLICES, GROUPS
+
+MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Modules of a Llama model that are not transformer-block projections; PEFT could
+# target them, this runtime cannot.
+_REFUSED_TARGETS = ("embed_tokens", "lm_head")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
+)
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+_SUPPORTED_CONFIG = {"bias": "none", "use_dora": False}
+
+
+def module_shapes(config) -> dict[str, tuple[int, int]]:
+    """(in, out) of each target module of one layer of the base model."""
+    q_out = config.num_heads * config.head_dim
+    kv_out = config.num_kv_heads * config.head_dim
+    h, i = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h),
+        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+    }
+
+
+def group_shapes(config) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """(in, (out_i per slice)) of each projection group, in hook slice order."""
+    shapes = module_shapes(config)
+    return {g: (shapes[GROUP_SLICES[g][0]][0], tuple(shapes[m][1] for m in GROUP_SLICES[g])) for g in GROUPS}
+
+
+def module_path(layer: int, module: str) -> str:
+    """The module's name inside a HF Llama model, as PEFT matches target_modules."""
+    return f"model.layers.{layer}.{_BLOCK[module]}.{module}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleWeights:
+    """One target module's adapter weights as stored, plus its scaling relative to the slot's."""
+
+    a: np.ndarray  # [r, in]
+    b: np.ndarray  # [out, r]
+    ratio: float  # module scaling / adapter slot scaling, folded into B in the pool
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAAdapter:
+    """A parsed, validated PEFT LoRA adapter held on the host."""
+
+    name: str
+    rank: int  # largest rank over its modules
+    scaling: float  # per-slot scaling (LoRABatchInfo.slot_scalings)
+    weights: Mapping[tuple[int, str], ModuleWeights]  # (layer, module) -> weights
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
+
+    @property
+    def modules(self) -> frozenset[tuple[int, str]]:
+        return frozenset(self.weights)
+
+    @classmethod
+    def parse(cls, name: str, config_json: bytes | str, safetensors: bytes, model_config,
+              max_lora_rank: int) -> LoRAAdapter:
+        """Builds an adapter from the contents of its two files; InvalidAdapterError if bad."""
+        cfg = _load_config(name, config_json)
+        targets = _resolve_targets(name, cfg, model_config.num_layers)
+        rank_of, scale_of = _module_ranks_and_scalings(name, cfg, targets, max_lora_rank)
+        tensors = read_safetensors(name, safetensors)
+        default = _scaling(cfg["lora_alpha"], cfg["r"], cfg["use_rslora"])
+        slot_scaling = default if default != 0.0 else 1.0
+        pairs = _pair_tensors(name, tensors, model_config.num_layers)
+        shapes = module_shapes(model_config)
+        for key in sorted(targets - pairs.keys()):
+            raise InvalidAdapterError(
+                f"adapter {name!r}: target module {module_path(*key)!r} has no lora_A/lora_B tensors"
+            )
+        weights = {}
+        for key, (a_key, a, b_key, b) in sorted(pairs.items()):
+            if key not in targets:
+                raise InvalidAdapterError(
+                    f"adapter {name!r}: tensor {a_key!r} is for a module target_modules does not select"
+                )
+            r = rank_of[key]
+            fan_in, fan_out = shapes[key[1]]
+            for k, t, want in ((a_key, a, (r, fan_in)), (b_key, b, (fan_out, r))):
+                if t.shape != want:
+                    raise InvalidAdapterError(
+                        f"adapter {name!r}: tensor {k!r} has shape {t.shape}, expected {want}"
+                    )
+                if not np.isfinite(t.astype(np.float32)).all():
+                    raise InvalidAdapterError(f"adapter {name!r}: tensor {k!r} has non-finite values")
+            weights[key] = ModuleWeights(a=a, b=b, ratio=scale_of[key] / slot_scaling)
+        return cls(name=name, rank=max(rank_of.values()), scaling=slot_scaling, weights=weights)
+
+    def pool_weights(self, model_config, max_lora_rank: int,
+                     dtype) -> dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]:
+        """The adapter in pool layout, per group: A [L, n*R, in], B n × [L, R, out_i].
+
+        Rows past a module's rank, and modules or layers the adapter does not target,
+        are zero, so a slot write also clears what a previous adapter left there.
+        """
+        if self.rank > max_lora_rank:
+            raise InvalidAdapterError(f"{self.rank=} exceeds {max_lora_rank=} for adapter {self.name!r}")
+        R, L = max_lora_rank, model_config.num_layers
+        out = {}
+        for group, (fan_in, outs) in group_shapes(model_config).items():
+            a = np.zeros((L, len(outs) * R, fan_in), np.float32)
+            bs = tuple(np.zeros((L, R, o), np.float32) for o in outs)
+            for i, module in enumerate(GROUP_SLICES[group]):
+                for layer in range(L):
+                    w = self.weights.get((layer, module))
+                    if w is None:
+                        continue
+                    r = w.a.shape[0]
+                    a[layer, i * R:i * R + r] = w.a.astype(np.float32)
+                    bs[i][layer, :r] = w.b.astype(np.float32).T * w.ratio
+            out[group] = (a.astype(dtype), tuple(b.astype(dtype) for b in bs))
+        return out
+
+
+def read_safetensors(name: str, data: bytes) -> dict[str, np.ndarray]:
+    """Parses a safetensors blob without pickle or torch; float tensors only."""
+    if len(data) < 8:
+        raise InvalidAdapterError(f"adapter {name!r}: adapter_model.safetensors is truncated ({len(data)} bytes)")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > len(data) - 8:
+        raise InvalidAdapterError(
+            f"adapter {name!r}: safetensors header length {header_len} exceeds file size {len(data)}"
+        )
+    try:
+        header = json.loads(data[8:8 + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidAdapterError(f"adapter {name!r}: safetensors header is not valid JSON: {e}") from None
+    body = memoryview(data)[8 + header_len:]
+    tensors = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} has unsupported dtype {meta.get('dtype')!r}")
+        start, end = meta["data_offsets"]
+        shape = tuple(meta["shape"])
+        if not 0 <= start <= end <= len(body) or end - start != math.prod(shape) * np.dtype(dtype).itemsize:
+            raise InvalidAdapterError(
+                f"adapter {name!r}: tensor {key!r} offsets {[start, end]} do not fit shape {shape}"
+            )
+        tensors[key] = np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
+    return tensors
+
+
+def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
+    try:
+        cfg = json.loads(config_json)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidAdapterError(f"adapter {name!r}: adapter_config.json is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise InvalidAdapterError(f"adapter {name!r}: adapter_config.json must hold an object, got {type(cfg).__name__}")
+    peft_type = cfg.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise InvalidAdapterError(f"adapter {name!r}: {peft_type=} is not supported (only LORA)")
+    for field, ok in _SUPPORTED_CONFIG.items():
+        if cfg.get(field, ok) not in (ok, None):
+            raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported (need {ok!r})")
+    for field in ("modules_to_save", "target_parameters", "layer_replication", "trainable_token_indices"):
+        if cfg.get(field):
+            raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported")
+    if cfg.get("lora_bias"):
+        raise InvalidAdapterError(f"adapter {name!r}: lora_bias={cfg['lora_bias']!r} is not supported")
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise InvalidAdapterError(f"adapter {name!r}: r={r!r} must be a positive integer")
+    alpha = cfg.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise InvalidAdapterError(f"adapter {name!r}: lora_alpha={alpha!r} must be a finite number")
+    targets = cfg.get("target_modules")
+    if not targets:
+        raise InvalidAdapterError(f"adapter {name!r}: target_modules={targets!r} selects nothing")
+    return {**cfg, "r": r, "lora_alpha": alpha, "use_rslora": bool(cfg.get("use_rslora", False)),
+            "rank_pattern": cfg.get("rank_pattern") or {}, "alpha_pattern": cfg.get("alpha_pattern") or {}}
+
+
+def _all_module_names(num_layers: int) -> list[str]:
+    """Every module name of a HF Llama a target_modules pattern could reach."""
+    names = ["model.embed_tokens", "lm_head"]
+    names += [module_path(layer, m) for layer in range(num_layers) for m in MODULES]
+    return names
+
+
+def _target_matches(cfg: Mapping[str, Any], key: str) -> bool:
+    """PEFT's check_target_module_exists, for the config fields this runtime supports."""
+    exclude = cfg.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, key):
+                return False
+        elif key in exclude or any(key.endswith(f".{e}") for e in exclude):
+            return False
+    targets = cfg["target_modules"]
+    if isinstance(targets, str):
+        return re.fullmatch(targets, key) is not None
+    if key in targets:
+        return True
+    if not any(key.endswith(f".{t}") for t in targets):
+        return False
+    layers = cfg.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    pattern = cfg.get("layers_pattern")
+    if not pattern:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        m = None
+        for p in [pattern] if isinstance(pattern, str) else pattern:
+            m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
+            if m is not None:
+                break
+    if m is None:
+        return False
+    idx = int(m.group("idx"))
+    return idx == layers if isinstance(layers, int) else idx in layers
+
+
+def _resolve_targets(name: str, cfg: Mapping[str, Any], num_layers: int) -> frozenset[tuple[int, str]]:
+    """The (layer, module) pairs the config targets; refuses embed/lm_head and unknown names."""
+    targets = cfg["target_modules"]
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        # PEFT expands "all-linear" to the names of every linear layer but the output head.
+        targets = list(MODULES)
+        cfg = {**cfg, "target_modules": targets}
+    if not isinstance(targets, (str, list)) or (isinstance(targets, list)
+                                               and not all(isinstance(t, str) for t in targets)):
+        raise InvalidAdapterError(f"adapter {name!r}: target_modules={targets!r} must be a string or list of strings")
+    try:
+        matched = [k for k in _all_module_names(num_layers) if _target_matches(cfg, k)]
+    except re.error as e:
+        raise InvalidAdapterError(f"adapter {name!r}: target_modules={targets!r} is not a valid regex: {e}") from None
+    for key in matched:
+        if key.split(".")[-1] in _REFUSED_TARGETS:
+            raise InvalidAdapterError(f"adapter {name!r}: target module {key!r} is not supported (embedding/output head)")
+    if isinstance(targets, list):
+        for t in targets:
+            if t.split(".")[-1] in _REFUSED_TARGETS:
+                raise InvalidAdapterError(f"adapter {name!r}: target module {t!r} is not supported (embedding/output head)")
+            if t.split(".")[-1] not in MODULES:
+                raise InvalidAdapterError(f"adapter {name!r}: target module {t!r} is unknown (known: {list(MODULES)})")
+    if not matched:
+        raise InvalidAdapterError(f"adapter {name!r}: target_modules={targets!r} matches no module of the base model")
+    out = set()
+    for key in matched:
+        parts = key.split(".")
+        out.add((int(parts[2]), parts[-1]))
+    return frozenset(out)
+
+
+def _scaling(alpha: float, r: int, use_rslora: bool) -> float:
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def _module_ranks_and_scalings(name, cfg, targets, max_lora_rank):
+    """Rank and scaling of each targeted module, after rank_pattern/alpha_pattern as PEFT applies them."""
+    ranks, scalings = {}, {}
+    for key in targets:
+        path = module_path(*key)
+        r, alpha = cfg["r"], cfg["lora_alpha"]
+        for pattern, value in cfg["rank_pattern"].items():
+            if re.match(rf"(.*\.)?({pattern})$", path):
+                r = value
+                break
+        for pattern, value in cfg["alpha_pattern"].items():
+            if re.match(rf"(.*\.)?({pattern})$", path):
+                alpha = value
+                break
+        if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+            raise InvalidAdapterError(f"adapter {name!r}: rank {r!r} for module {path!r} must be a positive integer")
+        if r > max_lora_rank:
+            raise InvalidAdapterError(
+                f"rank={r} exceeds {max_lora_rank=} for adapter {name!r} (module {path!r})"
+            )
+        ranks[key] = r
+        scalings[key] = _scaling(alpha, r, cfg["use_rslora"])
+    return ranks, scalings
+
+
+def _pair_tensors(name: str, tensors: Mapping[str, np.ndarray], num_layers: int):
+    """Groups tensors into (layer, module) -> (A key, A, B key, B); refuses unknown keys."""
+    found: dict[tuple[int, str], dict[str, tuple[str, np.ndarray]]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise InvalidAdapterError(f"adapter {name!r}: tensor key {key!r} is not a LoRA weight of a known module")
+        layer, block, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if module not in MODULES or _BLOCK[module] != block:
+            raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} names unknown module {block}.{module}")
+        if layer >= num_layers:
+            raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} has {layer=} but the base model has {num_layers} layers")
+        slot = found.setdefault((layer, module), {})
+        if ab in slot:
+            raise InvalidAdapterError(f"adapter {name!r}: tensors {slot[ab][0]!r} and {key!r} are the same weight")
+        slot[ab] = (key, t)
+    pairs = {}
+    for key, d in found.items():
+        for ab in "AB":
+            if ab not in d:
+                other = next(iter(d.values()))[0]
+                missing = other.replace(f"lora_{'B' if ab == 'A' else 'A'}.", f"lora_{ab}.")
+                raise InvalidAdapterError(f"adapter {name!r}: tensor {missing!r} is missing")
+        pairs[key] = (*d["A"], *d["B"])
+    return pairs

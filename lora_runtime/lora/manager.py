@@ -1,0 +1,407 @@
+"""Host bookkeeping of a replica's adapters: registry view → host LRU cache → device slots.
+
+Thread-safe plain Python (no Ray). One lock guards the bookkeeping and every pool
+update; fetches (I/O and parsing) run outside it, one in-flight future per adapter
+version, so concurrent requests for a cold adapter fetch it once. The pool is
+functional and donated on every write: read `manager.pool` afresh for each step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable
+
+import jax
+import numpy as np
+
+from lora_runtime.errors import AdapterNotFoundError, CapacityError, ServingError
+from lora_runtime.lora.adapter import LoRAAdapter
+from lora_runtime.lora.batch_info import LoRABatchInfo, build_batch_info
+from lora_runtime.lora.host_cache import HostAdapterCache
+from lora_runtime.lora.memory_pool import LoRAMemoryPool, write_slot
+from lora_runtime.lora.sources import SourcePolicy, load_adapter
+
+Key = tuple[str, int]  # (adapter name, version)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistryEntry:
+    """One adapter of the registry as a replica sees it."""
+
+    name: str
+    source: str  # URL (see sources.py)
+    version: int
+    pinned: bool = False
+
+
+@dataclasses.dataclass
+class LoRAStats:
+    """Counters for metrics; `stats()` returns a copy."""
+
+    loads: int = 0  # device slot writes
+    evictions: int = 0  # slot writes that displaced another adapter
+    host_hits: int = 0  # acquires of a non-resident adapter found in the host cache
+    host_misses: int = 0  # acquires that had to fetch (or wait for a fetch)
+    host_evictions: int = 0
+    fetches: int = 0  # completed fetch + parse
+    fetch_errors: int = 0
+    fetch_seconds: float = 0.0
+    load_seconds: float = 0.0  # host time of slot writes (transfer and dispatch)
+
+
+@dataclasses.dataclass
+class _Slot:
+    key: Key | None = None
+    refcount: int = 0
+    last_used: int = 0
+    scaling: float = 0.0
+    rank: int = 0
+    stale: bool = False  # unregistered or superseded: freed when refcount reaches 0
+
+
+class LoRAManager:
+    """Which adapters a replica knows, caches on the host, and holds in device slots."""
+
+    def __init__(self, model_config, mesh: jax.sharding.Mesh, *, num_slots: int, max_lora_rank: int,
+                 max_cpu_loras: int, max_cpu_bytes: int, source_policy: SourcePolicy, dtype,
+                 fetch_workers: int = 2):
+        self.model_config = model_config
+        self.max_lora_rank = max_lora_rank
+        self.source_policy = source_policy
+        self._pool = LoRAMemoryPool.create(model_config, mesh, num_slots=num_slots,
+                                           max_lora_rank=max_lora_rank, dtype=dtype)
+        self._host = HostAdapterCache(max_bytes=max_cpu_bytes, max_count=max_cpu_loras)
+        self._slots = [_Slot() for _ in range(num_slots)]
+        self._slot_of: dict[Key, int] = {}
+        self._registry: dict[str, RegistryEntry] = {}
+        self._inflight: dict[Key, concurrent.futures.Future] = {}
+        self._lock = threading.RLock()
+        self._tick = 0
+        self._stats = LoRAStats()
+        self._executor = concurrent.futures.ThreadPoolExecutor(fetch_workers, thread_name_prefix="adapter-fetch")
+
+    # ---- views -------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> LoRAMemoryPool:
+        with self._lock:
+            return self._pool
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def stats(self) -> LoRAStats:
+        with self._lock:
+            return dataclasses.replace(self._stats, host_evictions=self._host.evictions)
+
+    @property
+    def host_cache_bytes(self) -> int:
+        with self._lock:
+            return self._host.nbytes
+
+    def slot_of(self, name: str) -> int | None:
+        """The slot holding the current version of `name`, or None."""
+        with self._lock:
+            entry = self._registry.get(name)
+            return None if entry is None else self._slot_of.get((name, entry.version))
+
+    def is_resident(self, name: str) -> bool:
+        return self.slot_of(name) is not None
+
+    def is_host_cached(self, name: str) -> bool:
+        with self._lock:
+            entry = self._registry.get(name)
+            return entry is not None and (name, entry.version) in self._host
+
+    def check_request(self, name: str) -> None:
+        """AdapterNotFoundError unless `name` is registered."""
+        self._entry(name)
+
+    def list_adapters(self) -> list[dict]:
+        """The registry view with each adapter's residency, one dict per adapter."""
+        with self._lock:
+            out = []
+            for name, e in sorted(self._registry.items()):
+                slot = self._slot_of.get((name, e.version))
+                out.append({"name": name, "source": e.source, "version": e.version, "pinned": e.pinned,
+                            "slot": slot, "refcount": 0 if slot is None else self._slots[slot].refcount,
+                            "host_cached": (name, e.version) in self._host})
+            return out
+
+    def can_acquire(self, name: str) -> bool:
+        """Whether acquire_slot(name) would find a slot now (no I/O)."""
+        with self._lock:
+            entry = self._registry.get(name)
+            if entry is None:
+                return False
+            return (name, entry.version) in self._slot_of or self._free_slot() is not None
+
+    # ---- registry ----------------------------------------------------------------------
+
+    def register(self, name: str, source: str, *, pinned: bool = False, version: int | None = None) -> RegistryEntry:
+        """Fetches and validates an adapter, then adds it (a new version if `name` exists).
+
+        On any error (bad adapter, bad source, no slot to pin it in) the registry, host
+        cache and pool are left exactly as they were.
+        """
+        with self._lock:
+            old = self._registry.get(name)
+        if version is None:
+            version = 1 if old is None else old.version + 1
+        entry = RegistryEntry(name=name, source=source, version=version, pinned=pinned)
+        adapter = self._fetch_now(entry)
+        with self._lock:
+            if pinned and self._free_slot() is None:
+                raise CapacityError(f"cannot pin adapter {name!r}: all {self.num_slots} slots are held or pinned")
+            self._apply_entry(entry)
+            self._host.put((name, version), adapter)
+            if pinned:
+                self._make_resident(entry, adapter)
+        return entry
+
+    def unregister(self, name: str) -> None:
+        """Removes `name`: new acquires fail at once, holders keep their slot until release."""
+        with self._lock:
+            self._entry(name)
+            del self._registry[name]
+            self._retire(name)
+
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        """Pins (makes resident, never evicted) or unpins `name`."""
+        entry = self._entry(name)
+        if pinned:
+            self._ensure_resident(entry)
+        with self._lock:
+            current = self._entry(name)
+            self._registry[name] = dataclasses.replace(current, pinned=pinned)
+
+    def sync(self, entries: Iterable[RegistryEntry]) -> dict[str, ServingError]:
+        """Applies a registry snapshot; returns the pinned adapters that could not be made resident.
+
+        Names absent from the snapshot are unregistered; a changed version or source
+        replaces the old adapter once no request uses it. Nothing is fetched except
+        pinned adapters, which must be resident.
+        """
+        snapshot = {e.name: e for e in entries}
+        with self._lock:
+            for name in list(self._registry):
+                if name not in snapshot:
+                    del self._registry[name]
+                    self._retire(name)
+            for e in snapshot.values():
+                self._apply_entry(e)
+        errors = {}
+        for e in snapshot.values():
+            if e.pinned:
+                try:
+                    self._ensure_resident(e)
+                except ServingError as err:
+                    errors[e.name] = err
+        return errors
+
+    # ---- slots -------------------------------------------------------------------------
+
+    def acquire_slot(self, name: str) -> int:
+        """Makes `name` resident (fetching if needed) and takes a reference on its slot."""
+        while True:
+            entry = self._entry(name)
+            with self._lock:
+                slot = self._slot_of.get((name, entry.version))
+                if slot is not None:
+                    return self._ref(slot)
+            adapter = self._host_adapter(entry)
+            with self._lock:
+                if not self._is_current(entry):
+                    continue  # unregistered or replaced meanwhile: look again
+                slot = self._make_resident(entry, adapter)
+                return self._ref(slot)
+
+    def release_slot(self, name: str, slot: int | None = None) -> None:
+        """Drops one reference; `slot` picks which when old and new versions are both held."""
+        with self._lock:
+            held = [i for i, s in enumerate(self._slots) if s.key and s.key[0] == name and s.refcount > 0]
+            if slot is None:
+                if len(held) != 1:
+                    raise ValueError(f"adapter {name!r} holds slots {held}; pass the slot to release")
+                slot = held[0]
+            elif slot not in held:
+                raise ValueError(f"adapter {name!r} holds no reference on {slot=} (held: {held})")
+            s = self._slots[slot]
+            s.refcount -= 1
+            if s.refcount == 0 and s.stale:
+                self._free(slot)
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Fetches and parses adapters into the host cache in the background.
+
+        Unregistered names are skipped: acquire_slot reports them.
+        """
+        for name in names:
+            with self._lock:
+                entry = self._registry.get(name)
+                if entry is None:
+                    continue
+                key = (name, entry.version)
+                if key in self._slot_of or key in self._host or key in self._inflight:
+                    continue
+                future = concurrent.futures.Future()
+                self._inflight[key] = future
+            self._executor.submit(self._run_fetch, entry, future)
+
+    def prepare_lora_batch(self, token_slots: np.ndarray) -> LoRABatchInfo:  # i32[T], -1 = none
+        """The step's LoRABatchInfo: token slots plus each slot's scaling and rank."""
+        token_slots = np.asarray(token_slots, dtype=np.int32)
+        with self._lock:
+            scalings = np.array([s.scaling for s in self._slots], np.float32)
+            ranks = np.array([s.rank for s in self._slots], np.int32)
+            used = np.unique(token_slots[token_slots >= 0])
+            for slot in used:
+                if slot < self.num_slots and self._slots[slot].refcount == 0:
+                    raise ValueError(f"token slot {int(slot)} is not held by any request")
+        return build_batch_info(token_slots, scalings, ranks)
+
+    def close(self) -> None:
+        """Stops the background fetch threads."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ---- internals (callers of the underscore methods below hold the lock) -------------
+
+    def _entry(self, name: str) -> RegistryEntry:
+        with self._lock:
+            entry = self._registry.get(name)
+        if entry is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        return entry
+
+    def _is_current(self, entry: RegistryEntry) -> bool:
+        cur = self._registry.get(entry.name)
+        return cur is not None and (cur.version, cur.source) == (entry.version, entry.source)
+
+    def _apply_entry(self, entry: RegistryEntry) -> None:
+        old = self._registry.get(entry.name)
+        if old is not None and (old.version, old.source) != (entry.version, entry.source):
+            self._retire(entry.name)
+        self._registry[entry.name] = entry
+
+    def _retire(self, name: str) -> None:
+        """Drops every cached or resident version of `name`; held slots go when released."""
+        for key in [k for k in self._host.keys() if k[0] == name]:
+            self._host.pop(key)
+        for key in [k for k in self._slot_of if k[0] == name]:
+            slot = self._slot_of.pop(key)
+            if self._slots[slot].refcount == 0:
+                self._free(slot)
+            else:
+                self._slots[slot].stale = True
+
+    def _free(self, slot: int) -> None:
+        s = self._slots[slot]
+        if s.key is not None and self._slot_of.get(s.key) == slot:
+            del self._slot_of[s.key]
+        self._slots[slot] = _Slot(last_used=s.last_used)
+
+    def _ref(self, slot: int) -> int:
+        self._tick += 1
+        s = self._slots[slot]
+        s.refcount += 1
+        s.last_used = self._tick
+        return slot
+
+    def _is_pinned(self, s: _Slot) -> bool:
+        if s.key is None or s.stale:
+            return False
+        entry = self._registry.get(s.key[0])
+        return entry is not None and entry.pinned and entry.version == s.key[1]
+
+    def _free_slot(self) -> int | None:
+        """An empty slot, else the least recently used unpinned slot nobody holds."""
+        for i, s in enumerate(self._slots):
+            if s.key is None:
+                return i
+        candidates = [i for i, s in enumerate(self._slots) if s.refcount == 0 and not self._is_pinned(s)]
+        return min(candidates, key=lambda i: self._slots[i].last_used, default=None)
+
+    def _make_resident(self, entry: RegistryEntry, adapter: LoRAAdapter) -> int:
+        key = (entry.name, entry.version)
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            return slot
+        slot = self._free_slot()
+        if slot is None:
+            raise CapacityError(
+                f"no slot for adapter {entry.name!r}: all {self.num_slots} slots are held by requests or pinned"
+            )
+        start = time.perf_counter()
+        weights = adapter.pool_weights(self.model_config, self.max_lora_rank, self._pool.dtype)
+        self._pool = write_slot(self._pool, slot, weights)
+        if self._slots[slot].key is not None:
+            self._stats.evictions += 1
+            self._free(slot)
+        self._tick += 1
+        self._slots[slot] = _Slot(key=key, last_used=self._tick, scaling=adapter.scaling, rank=adapter.rank)
+        self._slot_of[key] = slot
+        self._stats.loads += 1
+        self._stats.load_seconds += time.perf_counter() - start
+        return slot
+
+    def _ensure_resident(self, entry: RegistryEntry) -> int:
+        with self._lock:
+            slot = self._slot_of.get((entry.name, entry.version))
+            if slot is not None:
+                return slot
+        adapter = self._host_adapter(entry)
+        with self._lock:
+            if not self._is_current(entry):
+                raise AdapterNotFoundError(f"adapter {entry.name!r} version {entry.version} is no longer registered")
+            return self._make_resident(entry, adapter)
+
+    def _host_adapter(self, entry: RegistryEntry) -> LoRAAdapter:
+        """The parsed adapter from the host cache, or fetched once however many ask."""
+        key = (entry.name, entry.version)
+        with self._lock:
+            adapter = self._host.get(key)
+            if adapter is not None:
+                self._stats.host_hits += 1
+                return adapter
+            self._stats.host_misses += 1
+            future = self._inflight.get(key)
+            owner = future is None
+            if owner:
+                future = concurrent.futures.Future()
+                self._inflight[key] = future
+        if owner:
+            self._run_fetch(entry, future)
+        return future.result()
+
+    def _fetch_now(self, entry: RegistryEntry) -> LoRAAdapter:
+        start = time.perf_counter()
+        try:
+            adapter = load_adapter(entry.name, entry.source, self.source_policy, self.model_config,
+                                   self.max_lora_rank)
+        except Exception:
+            with self._lock:
+                self._stats.fetch_errors += 1
+            raise
+        with self._lock:
+            self._stats.fetches += 1
+            self._stats.fetch_seconds += time.perf_counter() - start
+        return adapter
+
+    def _run_fetch(self, entry: RegistryEntry, future: concurrent.futures.Future) -> None:
+        key = (entry.name, entry.version)
+        try:
+            adapter = self._fetch_now(entry)
+        except Exception as e:  # handed to every waiter through the future
+            with self._lock:
+                self._inflight.pop(key, None)
+            future.set_exception(e)
+            return
+        with self._lock:
+            self._inflight.pop(key, None)
+            if self._is_current(entry):
+                self._host.put(key, adapter)
+        future.set_result(adapter)

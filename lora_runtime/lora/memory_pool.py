@@ -1,0 +1,160 @@
+"""Device buffers holding the adapters of every slot, laid out as backends read them.
+
+Per projection group, stacked over layers:
+    a[g]: [L, S, n*R, in]            b[g]: n × [L, S, R, out_i]
+so `pool.group(layer, g)` gives the backend layout `A: [S, n*R, in]`,
+`B: n × [S, R, out_i]` (lora_runtime/lora/backend/base.py). Column groups (qkv,
+gate_up) keep A replicated and shard each B_i on out; row groups (o, down) shard A on
+in and keep B replicated, matching the base weights' tensor-parallel layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from lora_runtime.lora.adapter import group_shapes
+from lora_runtime.model.lora_hook import GROUPS
+
+TENSOR_AXIS = "tensor"
+COLUMN_GROUPS = ("qkv", "gate_up")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=("a", "b"), meta_fields=("num_slots", "max_lora_rank")
+)
+@dataclasses.dataclass(frozen=True)
+class LoRAMemoryPool:
+    """Every slot's adapter weights for all layers and groups; a pytree of device arrays."""
+
+    a: tuple[jax.Array, ...]  # per group in GROUPS: [L, S, n*R, in]
+    b: tuple[tuple[jax.Array, ...], ...]  # per group: n × [L, S, R, out_i]
+    num_slots: int
+    max_lora_rank: int
+
+    @classmethod
+    def create(cls, model_config, mesh: jax.sharding.Mesh, *, num_slots: int, max_lora_rank: int,
+               dtype) -> LoRAMemoryPool:
+        """An all-zero pool of `num_slots` slots of rank `max_lora_rank`, sharded on `mesh`."""
+        if num_slots <= 0:
+            raise ValueError(f"{num_slots=} must be positive")
+        if max_lora_rank <= 0:
+            raise ValueError(f"{max_lora_rank=} must be positive")
+        tp = mesh.shape.get(TENSOR_AXIS, 1)
+        L = model_config.num_layers
+        a, b = [], []
+        for g, (fan_in, outs) in group_shapes(model_config).items():
+            sharded = outs if g in COLUMN_GROUPS else (fan_in,)
+            for dim in sharded:
+                if dim % tp:
+                    raise ValueError(f"group {g!r} dimension {dim} is not divisible by tensor parallel size {tp}")
+            a_spec, b_spec = pool_specs(g)
+            a.append(_zeros((L, num_slots, len(outs) * max_lora_rank, fan_in), dtype, NamedSharding(mesh, a_spec)))
+            b.append(tuple(_zeros((L, num_slots, max_lora_rank, o), dtype, NamedSharding(mesh, b_spec)) for o in outs))
+        return cls(a=tuple(a), b=tuple(b), num_slots=num_slots, max_lora_rank=max_lora_rank)
+
+    def group(self, layer, group: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """(A [S, n*R, in], B n × [S, R, out_i]) of one layer and group; `layer` may be traced."""
+        g = GROUPS.index(group)
+        return self.a[g][layer], tuple(b[layer] for b in self.b[g])
+
+    @property
+    def num_layers(self) -> int:
+        return self.a[0].shape[0]
+
+    @property
+    def dtype(self):
+        return self.a[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one slot write moves (an adapter's padded pool layout)."""
+        return self.nbytes // self.num_slots
+
+    def slot_shardings(self) -> tuple[tuple[NamedSharding, tuple[NamedSharding, ...]], ...]:
+        """Shardings of one slot's weights ([L, n*R, in] and [L, R, out_i]) per group."""
+        out = []
+        for g, a, bs in zip(GROUPS, self.a, self.b):
+            a_spec, b_spec = pool_specs(g)
+            mesh = a.sharding.mesh
+            out.append((NamedSharding(mesh, _without_slot_axis(a_spec)),
+                        tuple(NamedSharding(mesh, _without_slot_axis(b_spec)) for _ in bs)))
+        return tuple(out)
+
+
+def pool_specs(group: str) -> tuple[P, P]:
+    """PartitionSpecs of a group's A [L, S, n*R, in] and each B_i [L, S, R, out_i]."""
+    if group in COLUMN_GROUPS:
+        return P(None, None, None, None), P(None, None, None, TENSOR_AXIS)
+    return P(None, None, None, TENSOR_AXIS), P(None, None, None, None)
+
+
+def _without_slot_axis(spec: P) -> P:
+    return P(spec[0], *spec[2:])
+
+
+def _zeros(shape, dtype, sharding: NamedSharding) -> jax.Array:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def put_slot_weights(pool: LoRAMemoryPool,
+                     weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]):
+    """Moves one adapter's pool layout (LoRAAdapter.pool_weights) to the devices, sharded like the pool."""
+    out = []
+    for g, (a_sh, b_sh) in zip(GROUPS, pool.slot_shardings()):
+        a, bs = weights[g]
+        out.append((jax.device_put(np.asarray(a, pool.dtype), a_sh),
+                    tuple(jax.device_put(np.asarray(b, pool.dtype), s) for b, s in zip(bs, b_sh))))
+    return tuple(out)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(pool: LoRAMemoryPool, slot: jax.Array, weights) -> LoRAMemoryPool:
+    a = tuple(buf.at[:, slot].set(w[0]) for buf, w in zip(pool.a, weights))
+    b = tuple(tuple(buf.at[:, slot].set(x) for buf, x in zip(bufs, w[1])) for bufs, w in zip(pool.b, weights))
+    return dataclasses.replace(pool, a=a, b=b)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _clear(pool: LoRAMemoryPool, slot: jax.Array) -> LoRAMemoryPool:
+    a = tuple(buf.at[:, slot].set(0) for buf in pool.a)
+    b = tuple(tuple(buf.at[:, slot].set(0) for buf in bufs) for bufs in pool.b)
+    return dataclasses.replace(pool, a=a, b=b)
+
+
+def write_slot(pool: LoRAMemoryPool, slot: int,
+               weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]) -> LoRAMemoryPool:
+    """A pool with `slot` holding `weights` (LoRAAdapter.pool_weights); `pool` is donated.
+
+    The slot index is traced, so every slot shares one compiled update, and the
+    donated buffers are updated in place: the write moves one adapter's bytes.
+    """
+    _check_slot(pool, slot)
+    for g, (a, bs) in weights.items():
+        want_a, want_b = pool.a[GROUPS.index(g)], pool.b[GROUPS.index(g)]
+        if a.shape != (want_a.shape[0], *want_a.shape[2:]) or any(
+                x.shape != (y.shape[0], *y.shape[2:]) for x, y in zip(bs, want_b)) or len(bs) != len(want_b):
+            raise ValueError(f"slot weights for group {g!r} have shapes {a.shape}, {[x.shape for x in bs]}; "
+                             f"pool wants {(want_a.shape[0], *want_a.shape[2:])}, "
+                             f"{[(y.shape[0], *y.shape[2:]) for y in want_b]}")
+    return _write(pool, jnp.int32(slot), put_slot_weights(pool, weights))
+
+
+def clear_slot(pool: LoRAMemoryPool, slot: int) -> LoRAMemoryPool:
+    """A pool with `slot` all zero; `pool` is donated."""
+    _check_slot(pool, slot)
+    return _clear(pool, jnp.int32(slot))
+
+
+def _check_slot(pool: LoRAMemoryPool, slot: int) -> None:
+    if not 0 <= slot < pool.num_slots:
+        raise ValueError(f"{slot=} outside [0, {pool.num_slots})")

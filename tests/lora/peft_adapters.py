@@ -1,0 +1,108 @@
+"""Tiny HF Llama base models and random PEFT LoRA adapters built with transformers + PEFT.
+
+Importable from any test folder (`from tests.lora.peft_adapters import ...`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# GQA (8 query heads over 4 kv heads) and every projection width divisible by 4, so
+# tensor-parallel tests run with TP=4.
+TINY_LLAMA = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+def make_base_model(out_dir: Path, *, seed: int = 0, **overrides) -> Path:
+    """A random f32 LlamaForCausalLM saved as safetensors in `out_dir`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY_LLAMA, **overrides})
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    # HF's 0.02 init gives near-uniform logits; larger weights make adapter deltas visible.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)
+
+
+def load_base_model(base_dir: Path):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base_dir, attn_implementation="eager")
+    return model.float().eval()
+
+
+def make_peft_adapter(base_dir: Path, out_dir: Path, *, r: int, alpha: float, target_modules,
+                      use_rslora: bool = False, seed: int = 0, **lora_kwargs) -> Path:
+    """A random PEFT LoRA adapter of the base model in `base_dir`, saved in `out_dir`.
+
+    `init_lora_weights=False` gives random A and B (PEFT's default B is zero, which
+    would change nothing); `lora_kwargs` go to LoraConfig (rank_pattern,
+    layers_to_transform, ...).
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, use_rslora=use_rslora,
+                        init_lora_weights=False, lora_dropout=0.0, **lora_kwargs)
+    torch.manual_seed(seed)
+    model = get_peft_model(load_base_model(base_dir), config)
+    # nn.Linear's default init makes B small; scale it up so each adapter moves logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(4.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)
+
+
+def peft_logits(base_dir: Path, adapter_dir: Path | None, ids: list[int]) -> np.ndarray:  # f32[len(ids), V]
+    """PEFT's logits for one sequence with the adapter active (or the base model when None)."""
+    import torch
+    from peft import PeftModel
+
+    model = load_base_model(base_dir)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(adapter_config.json, tensors) of an adapter directory."""
+    from safetensors.numpy import load_file
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    return config, load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+
+
+def write_adapter(out_dir: Path, config: dict, tensors: dict[str, np.ndarray]) -> Path:
+    """Writes an adapter directory from a config dict and numpy tensors (for hand-made cases)."""
+    from safetensors.numpy import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    return out_dir
