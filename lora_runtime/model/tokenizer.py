@@ -1,0 +1,217 @@
+"""Text <-> token ids for a replica: a HF ``tokenizer.json``, its config and chat template.
+
+Reads the files transformers writes (``tokenizer.json``, ``tokenizer_config.json``,
+``chat_template.jinja``, ``generation_config.json``) with the ``tokenizers`` library and
+jinja2 alone, and encodes, decodes and renders chat prompts as transformers does.
+As in transformers 5, tokenizer.json's post-processor alone decides whether BOS/EOS
+are added: ``add_bos_token``/``add_eos_token`` in the config do not override it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from lora_runtime.errors import CheckpointError, InvalidRequestError
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# HF's clean_up_tokenization: drop the space tokenizers put before punctuation and contractions.
+_CLEANUP_PAIRS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+class Tokenizer:
+    """A model's tokenizer: encode, decode, chat template and special token ids."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        config: dict[str, Any],
+        *,
+        chat_template: str | None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ):
+        self._backend = backend
+        self._special_tokens = {
+            key: _token_content(config[key]) for key in _SPECIAL_TOKEN_KEYS if config.get(key) is not None
+        }
+        for key, token in self._special_tokens.items():
+            if backend.token_to_id(token) is None:
+                raise CheckpointError(f"{key}={token!r} from tokenizer_config.json is not in the vocabulary")
+        # transformers skips this cleanup for BPE models (it would corrupt their text) unless forced.
+        self._cleanup_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
+            type(backend.model).__name__ != "BPE"
+            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"))
+        )
+        self._chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = None
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = self._special_id("bos_token")
+        self.pad_token_id: int | None = self._special_id("pad_token")
+        eos = self._special_id("eos_token")
+        eos_ids = ([eos] if eos is not None else []) + [i for i in extra_eos_token_ids if i != eos]
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_ids)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> Tokenizer:
+        """Loads a tokenizer from a local checkpoint folder (as saved by transformers)."""
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise CheckpointError(f"{str(tokenizer_file)!r} not found: the checkpoint needs a tokenizer.json")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise CheckpointError(f"cannot read {str(tokenizer_file)!r}: {e}") from e
+        config = _read_json(folder / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default")
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        eos_ids = _read_json(folder / "generation_config.json").get("eos_token_id")
+        extra_eos = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
+        return cls(backend, config, chat_template=template, extra_eos_token_ids=extra_eos)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens``, BOS/EOS as the tokenizer adds them."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (invalid UTF-8 becomes U+FFFD)."""
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise InvalidRequestError(f"token id {i} is outside the vocabulary (vocab_size={self.vocab_size})")
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._cleanup_spaces:
+            for before, after in _CLEANUP_PAIRS:
+                text = text.replace(before, after)
+        return text
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for a chat: the model's template rendered as transformers does.
+
+        Tokenize the result with ``add_special_tokens=False``: templates write BOS themselves.
+        """
+        if self._chat_template is None:
+            raise InvalidRequestError("this model's tokenizer has no chat template; send a plain completion prompt")
+        if self._compiled_template is None:
+            self._compiled_template = _chat_environment().from_string(self._chat_template)
+        try:
+            return self._compiled_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
+            )
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry, or None."""
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of an id, or None."""
+        return self._backend.id_to_token(token_id)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat prompts can be rendered."""
+        return self._chat_template is not None
+
+    def _special_id(self, key: str) -> int | None:
+        token = self._special_tokens.get(key)
+        return None if token is None else self._backend.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas; never emits broken UTF-8.
+
+    vLLM's prefix/read offsets: the window holds a few tokens already emitted (the
+    prefix, so context-dependent decoders such as SentencePiece's leading space behave)
+    and the tokens not yet emitted; the delta is the window's text past the prefix's
+    text. It is held back while the window's text ends in U+FFFD, i.e. while a
+    multi-byte character is still incomplete. Once emitted, the unread tokens become
+    the next prefix, so each step decodes a few tokens, not the whole sequence.
+    """
+
+    # How many prompt tokens give the first generated tokens their decoding context.
+    _CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], *, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._window: list[int] = list(prompt_ids)[-self._CONTEXT_TOKENS:]
+        self._read = len(self._window)  # window[:read] is the prefix, already emitted
+
+    def step(self, token_id: int) -> str:
+        """Adds one generated id; returns the text it completes ("" while a character is partial)."""
+        self._window.append(token_id)
+        prefix_text, text = self._texts()
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return ""
+        return self._emit(text[len(prefix_text):])
+
+    def flush(self) -> str:
+        """Whatever text is still held back (at the end of the stream)."""
+        prefix_text, text = self._texts()
+        if len(text) <= len(prefix_text):
+            return ""
+        return self._emit(text[len(prefix_text):])
+
+    def _texts(self) -> tuple[str, str]:
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._window[: self._read], skip_special_tokens=self._skip_special)
+        return prefix_text, decode(self._window, skip_special_tokens=self._skip_special)
+
+    def _emit(self, delta: str) -> str:
+        self._window = self._window[self._read:]
+        self._read = len(self._window)
+        return delta
+
+
+def _token_content(value: Any) -> str:
+    # tokenizer_config.json stores a special token as a string or as a serialized AddedToken.
+    if isinstance(value, dict):
+        return value["content"]
+    return str(value)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from e
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _chat_environment() -> ImmutableSandboxedEnvironment:
+    # The same sandbox, whitespace handling and helpers transformers gives chat templates.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
