@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lora_runtime.model.config import ModelConfig
@@ -127,3 +128,15 @@ def check_divisible(config: ModelConfig, tensor_parallel_size: int) -> None:
     ):
         if value % tensor_parallel_size:
             raise ValueError(f"{name}={value} not divisible by tp={tensor_parallel_size}")
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> None:
+    """Moves a model's parameters (e.g. a randomly initialised one) onto ``mesh`` in place."""
+    state = nnx.state(model, nnx.Param)
+    sharded = {
+        path: jax.device_put(v.get_value(), param_sharding(path, v.get_value().shape, mesh, rules))
+        for path, v in nnx.to_flat_state(state)
+    }
+    for path, v in nnx.to_flat_state(state):
+        v.set_value(sharded[path])
+    nnx.update(model, state)
