@@ -19,7 +19,6 @@ from lora_runtime.errors import AdapterNotFoundError, InvalidRequestError
 ADMIN_NAMESPACE = "multilora"
 # Names travel in URL paths and as Serve multiplexed ids: no slashes or spaces.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
-SYNC_FIELDS = ("source", "version", "pinned")
 
 
 def check_adapter_name(name: str) -> str:
@@ -187,9 +186,14 @@ def unwrap_error(e: BaseException) -> BaseException:
     return e
 
 
-def sync_entries(adapters: dict[str, dict]) -> dict[str, dict]:
-    """The registry entries as LoRAManager.sync wants them."""
-    return {name: {k: e[k] for k in SYNC_FIELDS} for name, e in adapters.items()}
+def sync_entries(adapters: dict[str, dict]) -> list:
+    """The registry entries as LoRAManager.sync takes them."""
+    from lora_runtime.lora.manager import RegistryEntry
+
+    return [
+        RegistryEntry(name=name, source=e["source"], version=e["version"], pinned=e["pinned"])
+        for name, e in adapters.items()
+    ]
 
 
 __all__ = [

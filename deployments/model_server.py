@@ -59,8 +59,9 @@ class LoRAModelServer:
             AdapterValidator(a.model, a.max_lora_rank, a.adapter_roots, a.max_adapter_bytes),
         )
         self._version = -1
+        self._apply_lock = asyncio.Lock()
         self._adapters: dict[str, dict] = {}
-        self._apply(await self._admin.snapshot.remote())
+        await self._apply(await self._admin.snapshot.remote())
         self._sync_task = asyncio.create_task(self._sync_loop())
         # Multiplexing is wired per instance so its capacity follows max_cpu_loras; Serve
         # then reports the adapters this replica holds to the router.
@@ -71,19 +72,27 @@ class LoRAModelServer:
 
     # --- registry view ---------------------------------------------------------------
 
-    def _apply(self, snapshot: dict) -> None:
-        if snapshot["version"] == self._version:
-            return
-        if self._engine.lora_manager is not None:
-            self._engine.lora_manager.sync(sync_entries(snapshot["adapters"]))
-        self._adapters = snapshot["adapters"]
-        self._version = snapshot["version"]
+    async def _apply(self, snapshot: dict) -> None:
+        # Serialized; a stale snapshot applied late differs from the admin's version, so
+        # the next long-poll returns at once and corrects it.
+        async with self._apply_lock:
+            if snapshot["version"] == self._version:
+                return
+            if self._engine.lora_manager is not None:
+                # Pinned adapters are fetched and made resident here: off the event loop.
+                errors = await asyncio.to_thread(
+                    self._engine.lora_manager.sync, sync_entries(snapshot["adapters"])
+                )
+                for name, err in errors.items():
+                    logger.warning("pinned adapter %r could not be made resident: %s", name, err)
+            self._adapters = snapshot["adapters"]
+            self._version = snapshot["version"]
 
     async def _sync_loop(self) -> None:
         while True:
             try:
                 snap = await self._admin.wait_for_change.remote(self._version, _POLL_TIMEOUT_S)
-                self._apply(snap)
+                await self._apply(snap)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the admin actor restarting: retry, it comes back
@@ -94,7 +103,7 @@ class LoRAModelServer:
         if name not in self._adapters:
             # Registered a moment ago and the long-poll has not landed yet: read it now,
             # so a client that registers and then calls at once is served.
-            self._apply(await self._admin.snapshot.remote())
+            await self._apply(await self._admin.snapshot.remote())
         if name not in self._adapters:
             raise AdapterNotFoundError(
                 f"model {name!r} is neither the base model {self._engine.model_name!r} "
