@@ -1,0 +1,199 @@
+"""GPU (Pallas Triton lowering) LoRA shrink and expand over slot-sorted tiles.
+
+One program per (tile, ...) where a tile is up to `tm` slot-sorted tokens of one slot
+(kernels.common.TileMetadata, passed as ordinary inputs and read with dynamic ref
+indexing). x rows and y rows are gathered / scattered through the sorted order inside
+the kernel, so no padded copy of x or y is made. Rows of A and B past the slot's real
+rank are masked off, so a rank-8 adapter in a rank-64 pool reads only its 8 rows.
+
+Shrink: grid (tiles, slices, splits); split-K because the output is only r wide, so the
+in dimension has to supply the parallelism. Each split writes an f32 partial in tile
+layout; the expand sums the partials, scales them and multiplies by B on the tensor
+cores, adding into the base output in place (input_output_aliases).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels.common import TileMetadata, cdiv
+
+_NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+def rank_tile(max_rank: int) -> int:
+    """Rank tile: a power of two >= 16 (the smallest tensor-core operand)."""
+    return max(16, pl.next_power_of_2(max_rank))
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _shrink_kernel(
+    tile_slot_ref, tile_start_ref, tile_end_ref, order_ref, ranks_ref, x_ref, a_ref,
+    out_ref, *, tm: int, bk: int, rp: int, max_rank: int, blocks_per_split: int, in_features: int,
+):
+    g, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = tile_start_ref[g], tile_end_ref[g]
+
+    @pl.when(start < end)
+    def _():
+        slot = tile_slot_ref[g]
+        rank = jnp.minimum(ranks_ref[slot], max_rank)
+        # Rows past the tile's end repeat its last token: they compute and store the
+        # same values as that token, so no lane needs a mask (a masked-off lane would
+        # still alias a real row in interpret mode's scatter).
+        rows = jnp.minimum(start + jnp.arange(tm, dtype=jnp.int32), end - 1)
+        tok = order_ref[rows]
+        rr = jnp.arange(rp, dtype=jnp.int32)
+        rmask = rr < rank
+        a_rows = i * max_rank + jnp.minimum(rr, max_rank - 1)
+
+        def body(kb, acc):
+            cols = (s * blocks_per_split + kb) * bk + jnp.arange(bk, dtype=jnp.int32)
+            cmask = cols < in_features
+            xb = plgpu.load(
+                x_ref.at[tok[:, None], cols[None, :]],
+                mask=jnp.broadcast_to(cmask[None, :], (tm, bk)), other=0,
+            )
+            ab = plgpu.load(
+                a_ref.at[slot, a_rows[:, None], cols[None, :]],
+                mask=rmask[:, None] & cmask[None, :], other=0,
+            )
+            return acc + lax.dot_general(xb, ab, _NT, preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(0, blocks_per_split, body, jnp.zeros((tm, rp), jnp.float32))
+        out_rows = g * tm + jnp.arange(tm, dtype=jnp.int32)
+        plgpu.store(out_ref.at[s, out_rows[:, None], (i * rp + rr)[None, :]], acc)
+
+
+def shrink_partials(
+    x: jax.Array,  # [T, in]
+    a: jax.Array,  # [S, n*R, in]
+    slot_ranks: jax.Array,  # i32[S]
+    meta: TileMetadata,
+    *,
+    n_slices: int,
+    tm: int,
+    bk: int,
+    num_splits: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:  # f32[num_splits, G*tm, n*rp], unscaled; rows of empty tiles undefined
+    """Split-K shrink into per-split partials in tile layout."""
+    in_features = x.shape[1]
+    max_rank = a.shape[1] // n_slices
+    rp = rank_tile(max_rank)
+    blocks_per_split = cdiv(cdiv(in_features, bk), num_splits)
+    grid_tiles = meta.grid_tiles
+    kernel = functools.partial(
+        _shrink_kernel, tm=tm, bk=bk, rp=rp, max_rank=max_rank,
+        blocks_per_split=blocks_per_split, in_features=in_features,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(grid_tiles, n_slices, num_splits),
+        out_shape=jax.ShapeDtypeStruct((num_splits, grid_tiles * tm, n_slices * rp), jnp.float32),
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="lora_shrink_tiles",
+    )(meta.tile_slot, meta.tile_start, meta.tile_end, meta.order, slot_ranks, x, a)
+
+
+def _expand_kernel(*refs, n_slices: int, tm: int, bn: int, rp: int, max_rank: int,
+                   outs: tuple[int, ...], v_in_tiles: bool, num_splits: int):
+    tile_slot_ref, tile_start_ref, tile_end_ref, order_ref, ranks_ref, scal_ref, v_ref = refs[:7]
+    b_refs = refs[7 : 7 + n_slices]
+    base_refs = refs[7 + n_slices : 7 + 2 * n_slices]
+    y_refs = refs[7 + 2 * n_slices :]
+    g, j = pl.program_id(0), pl.program_id(1)
+    start, end = tile_start_ref[g], tile_end_ref[g]
+
+    @pl.when(start < end)
+    def _():
+        slot = tile_slot_ref[g]
+        rank = jnp.minimum(ranks_ref[slot], max_rank)
+        # Rows past the tile's end repeat its last token: they compute and store the
+        # same values as that token, so no lane needs a mask (a masked-off lane would
+        # still alias a real row in interpret mode's scatter).
+        rows = jnp.minimum(start + jnp.arange(tm, dtype=jnp.int32), end - 1)
+        tok = order_ref[rows]
+        rr = jnp.arange(rp, dtype=jnp.int32)
+        rmask = rr < rank
+        tile_rows = g * tm + jnp.arange(tm, dtype=jnp.int32)
+        for i in range(n_slices):
+            out_features = outs[i]
+
+            @pl.when(j * bn < out_features)
+            def _(i=i, out_features=out_features):
+                if v_in_tiles:
+                    v = jnp.zeros((tm, rp), jnp.float32)
+                    for s in range(num_splits):
+                        v = v + plgpu.load(v_ref.at[s, tile_rows[:, None], (i * rp + rr)[None, :]])
+                    v = v * scal_ref[slot]
+                else:
+                    vcols = i * max_rank + jnp.minimum(rr, max_rank - 1)
+                    v = plgpu.load(
+                        v_ref.at[tok[:, None], vcols[None, :]],
+                        mask=jnp.broadcast_to(rmask[None, :], (tm, rp)), other=0,
+                    )
+                cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+                cmask = cols < out_features
+                b_rows = jnp.minimum(rr, max_rank - 1)
+                bb = plgpu.load(
+                    b_refs[i].at[slot, b_rows[:, None], cols[None, :]],
+                    mask=rmask[:, None] & cmask[None, :], other=0,
+                )
+                delta = lax.dot_general(v.astype(bb.dtype), bb, _NN, preferred_element_type=jnp.float32)
+                ymask = jnp.broadcast_to(cmask[None, :], (tm, bn))
+                y = plgpu.load(base_refs[i].at[tok[:, None], cols[None, :]], mask=ymask, other=0)
+                plgpu.store(
+                    y_refs[i].at[tok[:, None], cols[None, :]],
+                    (y.astype(jnp.float32) + delta).astype(y.dtype), mask=ymask,
+                )
+
+
+def expand_add(
+    v: jax.Array,  # f32[P, G*tm, n*rp] shrink partials (v_in_tiles) or f32[T, n*R] scaled v
+    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
+    slot_scalings: jax.Array,  # f32[S]
+    slot_ranks: jax.Array,  # i32[S]
+    meta: TileMetadata,
+    *,
+    v_in_tiles: bool,
+    tm: int,
+    bn: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:  # n × [T, out_i]
+    """y_i = base_i + v_i @ B_i[slot], written in place into the base outputs."""
+    n_slices = len(b)
+    max_rank = b[0].shape[1]
+    outs = tuple(int(bi.shape[2]) for bi in b)
+    num_splits = v.shape[0] if v_in_tiles else 1
+    kernel = functools.partial(
+        _expand_kernel, n_slices=n_slices, tm=tm, bn=bn, rp=rank_tile(max_rank), max_rank=max_rank,
+        outs=outs, v_in_tiles=v_in_tiles, num_splits=num_splits,
+    )
+    first_base = 7 + n_slices
+    return tuple(pl.pallas_call(
+        kernel,
+        grid=(meta.grid_tiles, max(cdiv(o, bn) for o in outs)),
+        out_shape=tuple(jax.ShapeDtypeStruct(y.shape, y.dtype) for y in base_outputs),
+        input_output_aliases={first_base + i: i for i in range(n_slices)},
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="lora_expand_tiles",
+    )(meta.tile_slot, meta.tile_start, meta.tile_end, meta.order, slot_ranks, slot_scalings, v,
+      *b, *base_outputs))

@@ -1,0 +1,105 @@
+"""BGMV: per-token LoRA for decode batches (tokens sorted by slot inside the jit).
+
+`bgmv` is the public op (fused shrink + expand); `bgmv_shrink` and `bgmv_expand` are its
+two halves for callers that need v in between. Platform dispatch: "gpu" Triton kernel,
+"tpu" Mosaic kernel, "cpu" the XLA gather formulation (Pallas runs on CPU only in
+interpret mode: pass platform="gpu"/"tpu" with interpret=True to test a kernel there).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels import dispatch, xla
+from kernels.bgmv.tuned_block_sizes import BlockSizes, gpu_block_sizes, tpu_block_sizes
+from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
+from kernels.common import default_platform, tiles_from_slots
+
+# Measured by benchmarks/lora_kernels.py on CPU: the gather formulation beats one-hot and
+# sorted segments at every decode shape there.
+CPU_FORMULATION = "gather"
+
+
+def block_sizes(platform: str, num_tokens: int, in_features: int, dtype) -> BlockSizes:
+    """Decode block sizes for a platform."""
+    if platform == "gpu":
+        return gpu_block_sizes(num_tokens, in_features, prefill=False)
+    return tpu_block_sizes(dtype, prefill=False)
+
+
+def _resolve(platform: str | None) -> str:
+    return default_platform() if platform is None else platform
+
+
+def bgmv_shrink(
+    x: jax.Array,  # [T, in]
+    a: jax.Array,  # [S, n*R, in]
+    token_slots: jax.Array,  # i32[T], -1 = no adapter
+    slot_scalings: jax.Array,  # f32[S]
+    slot_ranks: jax.Array,  # i32[S]
+    *,
+    n_slices: int,
+    platform: str | None = None,
+    interpret: bool = False,
+    block: BlockSizes | None = None,
+) -> jax.Array:  # f32[T, n*R], scaled, zero for slot -1
+    """v[t] = (x[t] @ A[slot[t]]ᵀ) * scaling[slot[t]]."""
+    static_validate_shrink(x, a, n_slices, token_slots, slot_scalings, slot_ranks)
+    platform = _resolve(platform)
+    if platform == "cpu":
+        return xla.shrink(x, a, token_slots, slot_scalings, CPU_FORMULATION)
+    bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
+    meta = tiles_from_slots(token_slots, a.shape[0], bs.tm)
+    return dispatch.shrink_on_tiles(
+        x, a, token_slots, slot_scalings, slot_ranks, meta,
+        n_slices=n_slices, platform=platform, bs=bs, interpret=interpret,
+    )
+
+
+def bgmv_expand(
+    v: jax.Array,  # f32[T, n*R] scaled
+    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
+    token_slots: jax.Array,  # i32[T]
+    slot_scalings: jax.Array,  # f32[S]
+    slot_ranks: jax.Array,  # i32[S]
+    *,
+    platform: str | None = None,
+    interpret: bool = False,
+    block: BlockSizes | None = None,
+) -> tuple[jax.Array, ...]:  # n × [T, out_i]
+    """y_i[t] = base_i[t] + v[t, i*R:(i+1)*R] @ B_i[slot[t]]; unchanged for slot -1."""
+    static_validate_expand(v, b, base_outputs, token_slots, slot_scalings, slot_ranks)
+    platform = _resolve(platform)
+    if platform == "cpu":
+        return xla.expand(v, b, base_outputs, token_slots, CPU_FORMULATION)
+    bs = block or block_sizes(platform, v.shape[0], b[0].shape[2], b[0].dtype)
+    meta = tiles_from_slots(token_slots, b[0].shape[0], bs.tm)
+    return dispatch.expand_on_tiles(
+        v, b, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
+    )
+
+
+def bgmv(
+    x: jax.Array,  # [T, in]
+    a: jax.Array,  # [S, n*R, in]
+    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
+    token_slots: jax.Array,  # i32[T], -1 = no adapter
+    slot_scalings: jax.Array,  # f32[S]
+    slot_ranks: jax.Array,  # i32[S]
+    *,
+    platform: str | None = None,
+    interpret: bool = False,
+    block: BlockSizes | None = None,
+) -> tuple[jax.Array, ...]:  # n × [T, out_i]
+    """y_i[t] = base_i[t] + scaling[s] * (x[t] @ A_i[s]ᵀ) @ B_i[s], s = slot[t] (fused)."""
+    static_validate_inputs(x, a, b, base_outputs, token_slots, slot_scalings, slot_ranks)
+    platform = _resolve(platform)
+    if platform == "cpu":
+        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings, CPU_FORMULATION)
+    bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
+    meta = tiles_from_slots(token_slots, a.shape[0], bs.tm)
+    return dispatch.lora_on_tiles(
+        x, a, b, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
+    )

@@ -1,0 +1,44 @@
+"""Block sizes for the LoRA kernels, by platform and batch shape.
+
+GPU (H200, Triton lowering): decode tiles are 16 tokens (the smallest MMA M); the
+shrink splits K so that the few active tiles still fill the SMs; the expand's column
+tile keeps each program's B read at rank x 256 elements. Prefill tiles are larger since
+segments are long. TPU: the token block is one sublane tile (8 rows f32, 16 bf16), the
+lane blocks are multiples of 128 dividing the feature size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """One kernel configuration; GPU sizes are powers of two."""
+
+    tm: int  # tokens per tile
+    bk: int  # shrink K block
+    bn: int  # expand column block
+    num_splits: int = 1  # GPU split-K of the shrink
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def gpu_block_sizes(num_tokens: int, in_features: int, *, prefill: bool) -> BlockSizes:
+    """Triton sizes: enough split-K programs to cover ~132 SMs a few times over."""
+    tm = 64 if prefill and num_tokens >= 512 else 16
+    bk = 256
+    k_blocks = -(-in_features // bk)
+    if prefill and num_tokens >= 512:
+        splits = max(1, min(4, k_blocks))
+    else:
+        splits = max(1, min(8, k_blocks // 2))
+    return BlockSizes(tm=tm, bk=bk, bn=256, num_splits=splits, num_warps=4, num_stages=2)
+
+
+def tpu_block_sizes(dtype, *, prefill: bool) -> BlockSizes:
+    """Mosaic sizes: one sublane tile of tokens (more for prefill), wide lane blocks."""
+    sub = 16 if jnp.dtype(dtype).itemsize < 4 else 8
+    return BlockSizes(tm=sub * (8 if prefill else 1), bk=2048, bn=1024)

@@ -1,0 +1,128 @@
+"""Shared pieces of the LoRA kernels: platform choice and slot-sorted tile metadata.
+
+Both kernel families (bgmv for decode, sgmv for prefill) cut the slot-sorted tokens into
+tiles of `tm` tokens that share one slot: segment s (its tokens contiguous after sorting)
+gives ceil(len_s / tm) tiles. A kernel program handles one tile, so it reads its slot's
+adapter once for up to `tm` tokens and feeds the matrix units a [tm, K] operand.
+The "tile layout" of a per-token array puts tile g's tokens in rows [g*tm, g*tm + tm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def default_platform() -> str:
+    """The platform the kernels dispatch on: "cpu", "gpu" or "tpu"."""
+    backend = jax.default_backend()
+    if backend in ("cuda", "rocm", "gpu"):
+        return "gpu"
+    if backend == "tpu":
+        return "tpu"
+    return "cpu"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def max_tiles(num_tokens: int, num_slots: int, tm: int) -> int:
+    """Static bound on the tile count: sum_s ceil(c_s/tm) with sum c_s <= T, at most min(S, T) segments."""
+    if num_tokens <= 0 or tm <= 0:
+        raise ValueError(f"{num_tokens=} and tile size {tm=} must be positive")
+    distinct = min(num_slots, num_tokens)
+    return max(1, min(num_tokens, (num_tokens + distinct * (tm - 1)) // tm))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TileMetadata:
+    """Where each slot-sorted tile starts and ends, and which slot it uses.
+
+    Tiles past `num_tiles` are empty (start == end) and carry the last real tile's slot,
+    so a kernel that indexes weights by tile slot re-reads nothing for them.
+    """
+
+    order: jax.Array  # i32[T] sorted position -> token
+    tile_slot: jax.Array  # i32[G]
+    tile_start: jax.Array  # i32[G] first sorted position of the tile
+    tile_end: jax.Array  # i32[G] one past its last sorted position
+    token_row: jax.Array  # i32[T] token -> row in tile layout; -1 for no adapter
+    num_tiles: jax.Array  # i32[]
+
+    @property
+    def grid_tiles(self) -> int:
+        return self.tile_slot.shape[0]
+
+
+def segments_from_slots(
+    token_slots: jax.Array,  # i32[T], -1 = no adapter
+    num_slots: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # order i32[T], starts i32[S+1], slots i32[S]
+    """Sorts tokens by slot inside the jit: one (possibly empty) segment per slot."""
+    keys = jnp.where(token_slots < 0, num_slots, token_slots).astype(jnp.int32)
+    order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+    counts = jnp.bincount(keys, length=num_slots + 1)[:num_slots].astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    return order, starts, jnp.arange(num_slots, dtype=jnp.int32)
+
+
+def tiles_from_segments(
+    order: jax.Array,  # i32[T] sorted position -> token
+    segment_starts: jax.Array,  # i32[N+1] segment i covers sorted [starts[i], starts[i+1])
+    segment_slots: jax.Array,  # i32[N] slot of each segment (-1: unused, zero length)
+    num_slots: int,
+    tm: int,
+) -> TileMetadata:
+    """Cuts each segment into tiles of at most `tm` tokens (static count `max_tiles`)."""
+    num_tokens = order.shape[0]
+    num_grid = max_tiles(num_tokens, num_slots, tm)
+    seg_len = segment_starts[1:] - segment_starts[:-1]
+    seg_tiles = (seg_len + tm - 1) // tm
+    tile_base = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seg_tiles, dtype=jnp.int32)])
+    num_tiles = tile_base[-1]
+    last_seg = seg_len.shape[0] - 1
+
+    g = jnp.arange(num_grid, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(tile_base[1:], g, side="right"), last_seg)
+    start = segment_starts[seg] + (g - tile_base[seg]) * tm
+    end = jnp.minimum(start + tm, segment_starts[seg + 1])
+    real = g < num_tiles
+    total = segment_starts[-1]
+    tile_start = jnp.where(real, start, total).astype(jnp.int32)
+    tile_end = jnp.where(real, end, total).astype(jnp.int32)
+    last_real = jnp.maximum(num_tiles - 1, 0)
+    fallback = jnp.maximum(segment_slots[seg[jnp.minimum(last_real, num_grid - 1)]], 0)
+    tile_slot = jnp.where(real, segment_slots[seg], fallback).astype(jnp.int32)
+
+    p = jnp.arange(num_tokens, dtype=jnp.int32)
+    pseg = jnp.minimum(jnp.searchsorted(segment_starts[1:], p, side="right"), last_seg)
+    off = p - segment_starts[pseg]
+    row = (tile_base[pseg] + off // tm) * tm + off % tm
+    row = jnp.where(p < total, row, -1).astype(jnp.int32)
+    token_row = jnp.full((num_tokens,), -1, jnp.int32).at[order].set(row)
+    return TileMetadata(order, tile_slot, tile_start, tile_end, token_row, num_tiles.astype(jnp.int32))
+
+
+def tiles_from_slots(
+    token_slots: jax.Array,  # i32[T], -1 = no adapter
+    num_slots: int,
+    tm: int,
+) -> TileMetadata:
+    """Tile metadata for a decode batch, sorted inside the jit."""
+    order, starts, slots = segments_from_slots(token_slots, num_slots)
+    return tiles_from_segments(order, starts, slots, num_slots, tm)
+
+
+def gather_tile_rows(
+    tile_values: jax.Array,  # [G*tm, C] per-row values in tile layout
+    token_row: jax.Array,  # i32[T], -1 = no adapter
+) -> jax.Array:  # [T, C], zero for tokens with no adapter
+    """Brings tile-layout rows back to token order."""
+    vals = tile_values[jnp.maximum(token_row, 0)]
+    return jnp.where((token_row >= 0)[:, None], vals, jnp.zeros((), vals.dtype))
