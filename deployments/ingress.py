@@ -228,7 +228,8 @@ class OpenAIIngress:
             await asyncio.wait_for(self._admin.ping.remote(), _HEALTH_TIMEOUT_S)
         except Exception as e:
             return JSONResponse({"status": "unhealthy", "reason": repr(unwrap_error(e))}, status_code=503)
-        return {"status": "ok", "registry_version": stats["registry_version"]}
+        version = stats.pop("registry_version")
+        return {"status": "ok", "registry_version": version, "engine": stats}
 
     # --- adapter admin -------------------------------------------------------------
 

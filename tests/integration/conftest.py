@@ -1,0 +1,143 @@
+"""One Ray cluster per test session, started the way a user starts it.
+
+`ray start --head --block` runs as our child process, so stopping it stops exactly the
+cluster we started (never a global `ray stop`). A GCS emulator runs beside it; the
+cluster's processes inherit the environment that points gcsfs at it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ADMIN_TOKEN = "integration-admin-token"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    gcs_address: str
+    dashboard_url: str
+    http_port: int
+    env: dict[str, str]
+    gcs_emulator: str
+    temp_dir: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def cli(self, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
+        """Runs a Ray CLI command against this cluster; raises with its output on failure."""
+        proc = subprocess.run(
+            list(args), env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
+        if proc.returncode != 0:
+            raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+
+def _start_gcs_emulator(port: int):
+    from gcp_storage_emulator.server import create_server
+
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="adapters")
+    thread = threading.Thread(target=server.start, daemon=True)
+    thread.start()
+    return server
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    emulator_port = free_port()
+    emulator = _start_gcs_emulator(emulator_port)
+    # Ray's socket paths must stay short: a temp dir directly under /tmp.
+    temp_dir = tempfile.mkdtemp(prefix="rayit-", dir="/tmp")
+    gcs_port, dash_port, client_port, agent_port = (free_port() for _ in range(4))
+    env = dict(os.environ)
+    env.update(
+        RAY_AUTH_MODE="token",
+        LORA_ADMIN_TOKEN=ADMIN_TOKEN,
+        STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{emulator_port}",
+        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+        FSSPEC_GS_TOKEN="anon",
+        JAX_PLATFORMS="cpu",
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    env.pop("XLA_FLAGS", None)  # replicas use their real device count, not the test's fake 4
+    log = open(os.path.join(temp_dir, "ray-start.log"), "w")
+    head = subprocess.Popen(
+        [
+            "ray", "start", "--head", "--block",
+            "--temp-dir", temp_dir,
+            "--port", str(gcs_port),
+            "--num-cpus", "4",
+            "--dashboard-host", "127.0.0.1",
+            "--dashboard-port", str(dash_port),
+            "--dashboard-agent-listen-port", str(agent_port),
+            "--ray-client-server-port", str(client_port),
+            "--disable-usage-stats",
+        ],
+        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    c = Cluster(
+        gcs_address=f"127.0.0.1:{gcs_port}",
+        dashboard_url=f"http://127.0.0.1:{dash_port}",
+        http_port=free_port(),
+        env=env,
+        gcs_emulator=f"http://127.0.0.1:{emulator_port}",
+        temp_dir=temp_dir,
+    )
+    try:
+        _wait_http(f"{c.dashboard_url}/api/version", timeout=120)
+        yield c
+    finally:
+        # SIGTERM to `ray start --block` tears down every process it started.
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        log.close()
+        emulator.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_driver(cluster):
+    """This process connected to the cluster as a driver (for ray.kill / ray.get_actor)."""
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    ray.init(address=cluster.gcs_address, namespace="multilora", log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,293 @@
+"""The application as a user runs it: `serve deploy serve_config.yaml`, the OpenAI client,
+the admin API; greedy outputs checked against the runtime run directly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.helpers.checkpoints import save_tiny_llama
+from tests.integration.adapters import save_peft_adapter
+from tests.integration.conftest import ADMIN_TOKEN, REPO
+
+pytestmark = pytest.mark.integration
+
+APP = "multilora"
+ARGS = dict(max_batch=8, max_seq_len=64, max_loras_per_batch=4, max_lora_rank=8, max_cpu_loras=16)
+PROMPTS = ["the quick brown fox", "hello world, this", "numbers 0123", "naïve café"]
+MAX_TOKENS = 8
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+N_ADAPTERS = 8
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_app")
+    base = save_tiny_llama(root / "tiny-llama")
+    adapters = {f"ad{i}": save_peft_adapter(base, root / f"ad{i}", seed=10 + i, rank=4 + 4 * (i % 2)) for i in range(N_ADAPTERS)}
+    wrong = save_peft_adapter(
+        save_tiny_llama(root / "other", hidden_size=32, intermediate_size=64), root / "wrong", seed=99
+    )
+    return {"root": root, "base": base, "adapters": adapters, "wrong": wrong}
+
+
+def _write_config(cluster, files) -> Path:
+    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": cluster.http_port}
+    args = config["applications"][0]["args"]
+    args.update(ARGS, model=str(files["base"]), registry_url=str(files["root"] / "registry" / "registry.json"))
+    path = files["root"] / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _wait_running(cluster, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    status = None
+    while time.monotonic() < deadline:
+        out = cluster.cli("serve", "status", "-a", cluster.dashboard_url).stdout
+        status = (yaml.safe_load(out) or {}).get("applications", {}).get(APP, {}).get("status")
+        if status == "RUNNING":
+            return
+        if status == "DEPLOY_FAILED":
+            raise AssertionError(f"deploy failed:\n{out}")
+        time.sleep(2.0)
+    raise TimeoutError(f"application {APP!r} not RUNNING after {timeout}s (last status {status})")
+
+
+def _deploy(cluster, files) -> None:
+    cluster.cli("serve", "deploy", str(_write_config(cluster, files)), "-a", cluster.dashboard_url)
+    _wait_running(cluster)
+
+
+@pytest.fixture(scope="session")
+def app(cluster, files):
+    _deploy(cluster, files)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def reference(files):
+    """The runtime run directly, same limits: greedy text per (prompt, adapter)."""
+    from cluster.admin import sync_entries
+    from lora_runtime.engine.config import EngineConfig
+    from lora_runtime.engine.engine import Engine
+    from lora_runtime.engine.sampling import SamplingParams
+
+    engine = Engine.from_pretrained(str(files["base"]), EngineConfig(**ARGS))
+    engine.start()
+    entries = {n: {"source": str(p), "version": 1, "pinned": False} for n, p in files["adapters"].items()}
+    engine.lora_manager.sync(sync_entries(entries))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    cache: dict = {}
+
+    def run(prompt: str, adapter: str | None) -> str:
+        if (prompt, adapter) not in cache:
+            [out] = engine.generate_batch([prompt], params, [adapter])
+            cache[prompt, adapter] = out.text
+        return cache[prompt, adapter]
+
+    run.engine = engine
+    yield run
+    engine.shutdown()
+
+
+def _client(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _register(app, name: str, source: str, pinned: bool = False) -> httpx.Response:
+    return httpx.post(f"{app.base_url}/v1/adapters", json={"name": name, "source": source, "pinned": pinned},
+                      headers=AUTH, timeout=120)
+
+
+def _base_name(files) -> str:
+    return files["base"].name
+
+
+def test_admin_requires_the_token(app, files):
+    body = {"name": "x", "source": str(files["adapters"]["ad0"])}
+    r = httpx.post(f"{app.base_url}/v1/adapters", json=body)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{app.base_url}/v1/adapters", json=body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 403
+    r = httpx.get(f"{app.base_url}/v1/adapters", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 403
+    assert "x" not in [m["id"] for m in httpx.get(f"{app.base_url}/v1/models").json()["data"]]
+
+
+def test_health(app):
+    r = httpx.get(f"{app.base_url}/health", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_base_and_adapter_completions_match_the_runtime(app, files, reference):
+    client = _client(app)
+    base = _base_name(files)
+    r = _register(app, "ad0", str(files["adapters"]["ad0"]))
+    assert r.status_code == 201, r.text
+    models = {m.id: m for m in client.models.list().data}
+    assert base in models and models["ad0"].model_extra["parent"] == base
+
+    for model, adapter in ((base, None), ("ad0", "ad0")):
+        prompt = PROMPTS[0]
+        want = reference(prompt, adapter)
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == want
+        assert got.usage.completion_tokens >= 1 and got.usage.prompt_tokens > 1
+        assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+        stream = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+
+    # The adapter changes the output: the base and the adapter differ on some prompt.
+    assert any(reference(p, None) != reference(p, "ad0") for p in PROMPTS)
+
+
+def test_chat_completions_match_the_runtime(app, files, reference):
+    client = _client(app)
+    messages = [{"role": "user", "content": "hello world"}]
+    template = reference.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert _register(app, "ad1", str(files["adapters"]["ad1"])).status_code == 201
+    for model, adapter in ((_base_name(files), None), ("ad1", "ad1")):
+        want = reference(template, adapter)
+        got = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+        stream = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+
+
+def test_errors_use_the_openai_format(app, files):
+    client = _client(app)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
+    assert "no-such-adapter" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=_base_name(files), prompt="hi", max_tokens=1000)
+    assert "max_seq_len" in e.value.body["message"]
+    r = httpx.post(f"{app.base_url}/v1/completions", json={"model": "m", "prompt": "x", "n": 3})
+    assert r.status_code == 400 and "n=3" in r.json()["error"]["message"]
+
+
+def test_bad_adapter_is_refused_and_changes_nothing(app, files):
+    before = httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH).json()
+    r = _register(app, "wrong", str(files["wrong"]))
+    assert r.status_code == 400 and "shape" in r.json()["error"]["message"]
+    r = _register(app, "bad/name", str(files["adapters"]["ad0"]))
+    assert r.status_code == 400 and "bad/name" in r.json()["error"]["message"]
+    assert httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH).json() == before
+
+
+def test_unregister_stops_new_requests(app, files, reference):
+    client = _client(app)
+    assert _register(app, "temp", str(files["adapters"]["ad2"])).status_code == 201
+    got = client.completions.create(model="temp", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[1], "ad2")
+    r = httpx.delete(f"{app.base_url}/v1/adapters/temp", headers=AUTH)
+    assert r.status_code == 200 and r.json()["name"] == "temp"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="temp", prompt=PROMPTS[1], max_tokens=2)
+    assert httpx.delete(f"{app.base_url}/v1/adapters/temp", headers=AUTH).status_code == 404
+
+
+def test_vllm_compatible_endpoints(app, files, reference):
+    r = httpx.post(f"{app.base_url}/v1/load_lora_adapter", headers=AUTH,
+                   json={"lora_name": "vl", "lora_path": str(files["adapters"]["ad3"])}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = _client(app).completions.create(model="vl", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[2], "ad3")
+    r = httpx.post(f"{app.base_url}/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "vl"})
+    assert r.status_code == 200
+    assert "vl" not in [m["id"] for m in httpx.get(f"{app.base_url}/v1/models").json()["data"]]
+    r = httpx.post(f"{app.base_url}/v1/load_lora_adapter", json={"lora_name": "vl", "lora_path": "x"})
+    assert r.status_code == 401
+
+
+def test_32_concurrent_streams_over_8_adapters(app, files, reference):
+    for name, path in files["adapters"].items():
+        assert _register(app, name, str(path)).status_code == 201
+    jobs = [(f"ad{i % N_ADAPTERS}", PROMPTS[i % len(PROMPTS)]) for i in range(32)]
+    want = [reference(p, a) for a, p in jobs]
+    client = openai.AsyncOpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def one(adapter: str, prompt: str) -> str:
+        stream = await client.completions.create(
+            model=adapter, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of():
+        return await asyncio.gather(*(one(a, p) for a, p in jobs))
+
+    assert asyncio.run(all_of()) == want
+
+
+def test_client_disconnect_aborts_the_sequence(app, files):
+    def aborted() -> int:
+        return httpx.get(f"{app.base_url}/health", timeout=30).json()["engine"]["aborted"]
+
+    before = aborted()
+    body = {"model": _base_name(files), "prompt": "hello", "max_tokens": 50, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    deadline = time.monotonic() + 20
+    while aborted() == before and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert aborted() > before
+
+
+def test_gcs_adapter_source(app, files, reference):
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(token="anon", endpoint_url=app.gcs_emulator)
+    src = files["adapters"]["ad5"]
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        fs.pipe_file(f"adapters/ad5/{name}", (src / name).read_bytes())
+    r = _register(app, "from-gcs", "gs://adapters/ad5")
+    assert r.status_code == 201, r.text
+    got = _client(app).completions.create(model="from-gcs", prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[3], "ad5")
+    r = _register(app, "gcs-missing", "gs://adapters/nothing-here")
+    assert r.status_code == 400
+
+
+def test_registry_survives_admin_restart_and_redeploy(app, files, reference, ray_driver):
+    names = {"ad0", "ad1", "from-gcs"}
+    listed = lambda: {a["name"] for a in httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()["data"]}  # noqa: E731
+    assert names <= listed()
+    admin = ray_driver.get_actor("lora_admin", namespace="multilora")
+    ray_driver.kill(admin, no_restart=False)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if names <= listed():
+                break
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        assert time.monotonic() < deadline, "admin actor did not come back with its registry"
+        time.sleep(0.5)
+    # Full redeploy with a fresh admin actor: everything comes back from the store.
+    before = listed()
+    app.cli("serve", "shutdown", "-y", "-a", app.dashboard_url)
+    ray_driver.kill(ray_driver.get_actor("lora_admin", namespace="multilora"), no_restart=True)
+    _deploy(app, files)
+    assert listed() == before
+    got = _client(app).completions.create(model="ad0", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[0], "ad0")
