@@ -1,0 +1,68 @@
+"""SGMV: LoRA for prefill batches, tokens of one adapter contiguous after sorting.
+
+Takes the host-computed segments of LoRABatchInfo (sorted_order, segment_starts,
+segment_slots). "tpu": megablox-style grouped kernels (kernels.sgmv.tpu); "gpu": the
+Triton tile kernels of kernels.bgmv.gpu on tiles cut from the segments; "cpu": the XLA
+formulation measured fastest for prefill there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels import dispatch, xla
+from kernels.bgmv.tuned_block_sizes import BlockSizes
+from kernels.bgmv.validate import static_validate_inputs
+from kernels.common import default_platform, gather_tile_rows, tiles_from_segments
+from kernels.sgmv import tpu
+from kernels.sgmv.metadata import group_metadata
+from kernels.sgmv.tuned_block_sizes import block_sizes
+from kernels.sgmv.validate import static_validate_segments
+
+# Measured by benchmarks/lora_kernels.py on CPU (prefill shapes): gather stays fastest.
+CPU_FORMULATION = "gather"
+
+
+def sgmv(
+    x: jax.Array,  # [T, in]
+    a: jax.Array,  # [S, n*R, in]
+    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
+    token_slots: jax.Array,  # i32[T], -1 = no adapter
+    sorted_order: jax.Array,  # i32[T]
+    segment_starts: jax.Array,  # i32[N+1]
+    segment_slots: jax.Array,  # i32[N]
+    slot_scalings: jax.Array,  # f32[S]
+    slot_ranks: jax.Array,  # i32[S]
+    *,
+    platform: str | None = None,
+    interpret: bool = False,
+    block: BlockSizes | None = None,
+) -> tuple[jax.Array, ...]:  # n × [T, out_i]
+    """y_i[t] = base_i[t] + scaling[s] * (x[t] @ A_i[s]ᵀ) @ B_i[s] over slot segments (fused)."""
+    static_validate_inputs(x, a, b, base_outputs, token_slots, slot_scalings, slot_ranks)
+    static_validate_segments(token_slots, sorted_order, segment_starts, segment_slots)
+    platform = default_platform() if platform is None else platform
+    if platform == "cpu":
+        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings, CPU_FORMULATION)
+    num_slots = a.shape[0]
+    bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
+    if platform == "gpu":
+        meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
+        return dispatch.lora_on_tiles(
+            x, a, b, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
+        )
+    if platform != "tpu":
+        raise ValueError(f"{platform=} is not one of ('cpu', 'gpu', 'tpu')")
+    meta = group_metadata(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
+    v = tpu.shrink(tpu.sorted_rows(x, meta, bs.tm), a, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
+    rows = v.shape[0]
+    sorted_slots = token_slots[meta.order[jnp.minimum(jnp.arange(rows), x.shape[0] - 1)]]
+    v = v * jnp.where(sorted_slots >= 0, slot_scalings[jnp.maximum(sorted_slots, 0)], 0.0)[:, None]
+    rank = b[0].shape[1]
+    outs = []
+    for i, (bi, yi) in enumerate(zip(b, base_outputs)):
+        d = tpu.expand(v[:, i * rank : (i + 1) * rank], bi, meta, tm=bs.tm, bn=bs.bn, interpret=interpret)
+        outs.append((yi.astype(jnp.float32) + gather_tile_rows(d, meta.token_row)).astype(yi.dtype))
+    return tuple(outs)
