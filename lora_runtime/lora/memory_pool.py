@@ -26,7 +26,7 @@ COLUMN_GROUPS = ("qkv", "gate_up")
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=("a", "b"), meta_fields=("num_slots", "max_lora_rank")
+    jax.tree_util.register_dataclass, data_fields=("a", "b"), meta_fields=("mesh", "num_slots", "max_lora_rank")
 )
 @dataclasses.dataclass(frozen=True)
 class LoRAMemoryPool:
@@ -34,6 +34,7 @@ class LoRAMemoryPool:
 
     a: tuple[jax.Array, ...]  # per group in GROUPS: [L, S, n*R, in]
     b: tuple[tuple[jax.Array, ...], ...]  # per group: n × [L, S, R, out_i]
+    mesh: jax.sharding.Mesh
     num_slots: int
     max_lora_rank: int
 
@@ -56,7 +57,7 @@ class LoRAMemoryPool:
             a_spec, b_spec = pool_specs(g)
             a.append(_zeros((L, num_slots, len(outs) * max_lora_rank, fan_in), dtype, NamedSharding(mesh, a_spec)))
             b.append(tuple(_zeros((L, num_slots, max_lora_rank, o), dtype, NamedSharding(mesh, b_spec)) for o in outs))
-        return cls(a=tuple(a), b=tuple(b), num_slots=num_slots, max_lora_rank=max_lora_rank)
+        return cls(a=tuple(a), b=tuple(b), mesh=mesh, num_slots=num_slots, max_lora_rank=max_lora_rank)
 
     def group(self, layer, group: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """(A [S, n*R, in], B n × [S, R, out_i]) of one layer and group; `layer` may be traced."""
@@ -83,11 +84,18 @@ class LoRAMemoryPool:
     def slot_shardings(self) -> tuple[tuple[NamedSharding, tuple[NamedSharding, ...]], ...]:
         """Shardings of one slot's weights ([L, n*R, in] and [L, R, out_i]) per group."""
         out = []
-        for g, a, bs in zip(GROUPS, self.a, self.b):
+        for g, bs in zip(GROUPS, self.b):
             a_spec, b_spec = pool_specs(g)
-            mesh = a.sharding.mesh
-            out.append((NamedSharding(mesh, _without_slot_axis(a_spec)),
-                        tuple(NamedSharding(mesh, _without_slot_axis(b_spec)) for _ in bs)))
+            out.append((NamedSharding(self.mesh, _without_slot_axis(a_spec)),
+                        tuple(NamedSharding(self.mesh, _without_slot_axis(b_spec)) for _ in bs)))
+        return tuple(out)
+
+    def shardings(self) -> tuple[tuple[NamedSharding, tuple[NamedSharding, ...]], ...]:
+        """Shardings of each group's A and B_i buffers."""
+        out = []
+        for g, bs in zip(GROUPS, self.b):
+            a_spec, b_spec = pool_specs(g)
+            out.append((NamedSharding(self.mesh, a_spec), tuple(NamedSharding(self.mesh, b_spec) for _ in bs)))
         return tuple(out)
 
 
@@ -117,18 +125,33 @@ def put_slot_weights(pool: LoRAMemoryPool,
     return tuple(out)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write(pool: LoRAMemoryPool, slot: jax.Array, weights) -> LoRAMemoryPool:
+def _set_slot(pool: LoRAMemoryPool, slot: jax.Array, weights) -> LoRAMemoryPool:
+    """`weights[g] = (A, B_tuple)` of one slot, or scalars to fill it with."""
     a = tuple(buf.at[:, slot].set(w[0]) for buf, w in zip(pool.a, weights))
     b = tuple(tuple(buf.at[:, slot].set(x) for buf, x in zip(bufs, w[1])) for bufs, w in zip(pool.b, weights))
     return dataclasses.replace(pool, a=a, b=b)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _clear(pool: LoRAMemoryPool, slot: jax.Array) -> LoRAMemoryPool:
-    a = tuple(buf.at[:, slot].set(0) for buf in pool.a)
-    b = tuple(tuple(buf.at[:, slot].set(0) for buf in bufs) for bufs in pool.b)
-    return dataclasses.replace(pool, a=a, b=b)
+def _clear_slot(pool: LoRAMemoryPool, slot: jax.Array) -> LoRAMemoryPool:
+    zeros = tuple((jnp.zeros((), pool.dtype), tuple(jnp.zeros((), pool.dtype) for _ in bs)) for bs in pool.b)
+    return _set_slot(pool, slot, zeros)
+
+
+@functools.cache
+def updater(kind: str, out_shardings: LoRAMemoryPool):
+    """The jitted slot update ("write" or "clear") for pools sharded as `out_shardings`.
+
+    Explicit output shardings keep every buffer's sharding exactly as created (XLA
+    would otherwise normalize trivial ones), so a step jitted on the pool never
+    recompiles after a write. One compile per pool layout, whatever the slot.
+    """
+    fn = {"write": _set_slot, "clear": _clear_slot}[kind]
+    return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
+
+
+def _sharding_tree(pool: LoRAMemoryPool) -> LoRAMemoryPool:
+    sh = pool.shardings()
+    return dataclasses.replace(pool, a=tuple(x[0] for x in sh), b=tuple(x[1] for x in sh))
 
 
 def write_slot(pool: LoRAMemoryPool, slot: int,
@@ -146,13 +169,13 @@ def write_slot(pool: LoRAMemoryPool, slot: int,
             raise ValueError(f"slot weights for group {g!r} have shapes {a.shape}, {[x.shape for x in bs]}; "
                              f"pool wants {(want_a.shape[0], *want_a.shape[2:])}, "
                              f"{[(y.shape[0], *y.shape[2:]) for y in want_b]}")
-    return _write(pool, jnp.int32(slot), put_slot_weights(pool, weights))
+    return updater("write", _sharding_tree(pool))(pool, jnp.int32(slot), put_slot_weights(pool, weights))
 
 
 def clear_slot(pool: LoRAMemoryPool, slot: int) -> LoRAMemoryPool:
     """A pool with `slot` all zero; `pool` is donated."""
     _check_slot(pool, slot)
-    return _clear(pool, jnp.int32(slot))
+    return updater("clear", _sharding_tree(pool))(pool, jnp.int32(slot))
 
 
 def _check_slot(pool: LoRAMemoryPool, slot: int) -> None:
