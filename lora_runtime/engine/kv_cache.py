@@ -11,12 +11,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.sharding import DEFAULT_RULES
 
 MODES: tuple[str, ...] = ("prefill", "decode")
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """The sharding of each layer's K or V: kv heads over the tensor axis."""
+    return DEFAULT_RULES.sharding(mesh, "batch", "seq", "kv_heads", "head_dim")
 
 
 @jax.tree_util.register_dataclass
@@ -33,7 +38,7 @@ class KVCache:
         if rows < 1 or max_seq_len < 1:
             raise ValueError(f"{rows=} and {max_seq_len=} must both be >= 1")
         shape = (rows, max_seq_len, config.num_kv_heads, config.head_dim)
-        sharding = DEFAULT_RULES.sharding(mesh, "batch", "seq", "kv_heads", "head_dim")
+        sharding = kv_cache_sharding(mesh)
         zeros = jax.jit(lambda: jnp.zeros(shape, config.dtype), out_shardings=sharding)
         return cls(
             k=tuple(zeros() for _ in range(config.num_layers)),
