@@ -1,0 +1,330 @@
+"""LoRAManager: registry view, host cache, device slots, refcounts, versions, concurrency."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from lora_runtime.errors import AdapterNotFoundError, AdapterSourceError, CapacityError, InvalidAdapterError
+from lora_runtime.lora.adapter import LoRAAdapter
+from lora_runtime.lora.host_cache import HostAdapterCache
+from lora_runtime.lora.manager import LoRAManager, RegistryEntry
+from lora_runtime.lora.sources import SourcePolicy
+from lora_runtime.model.lora_hook import GROUPS
+from lora_runtime.model.sharding import make_mesh
+from tests.lora.peft_adapters import read_adapter, write_adapter
+
+R = 16
+NAMES = ("r4", "r8_rslora", "r16_pattern", "r8_layer1")
+
+
+def make_manager(model_config, *, num_slots=2, max_cpu_loras=8, max_cpu_bytes=1 << 24, storage_options=None):
+    policy = SourcePolicy(allowed_roots=None, max_adapter_bytes=1 << 24, storage_options=storage_options or {})
+    return LoRAManager(model_config, make_mesh(1, jax.devices()[:1]), num_slots=num_slots, max_lora_rank=R,
+                       max_cpu_loras=max_cpu_loras, max_cpu_bytes=max_cpu_bytes, source_policy=policy,
+                       dtype="float32")
+
+
+@pytest.fixture
+def manager(model_config):
+    m = make_manager(model_config)
+    yield m
+    m.close()
+
+
+def entries(adapter_dirs, names=NAMES, version=1, pinned=()):
+    return [RegistryEntry(name=n, source=str(adapter_dirs[n]), version=version, pinned=n in pinned) for n in names]
+
+
+def parsed(path, model_config):
+    return LoRAAdapter.parse("x", (path / "adapter_config.json").read_bytes(),
+                             (path / "adapter_model.safetensors").read_bytes(), model_config, R)
+
+
+def assert_slot_holds(manager, slot, path, model_config):
+    weights = parsed(path, model_config).pool_weights(model_config, R, np.float32)
+    for layer in range(model_config.num_layers):
+        for g in GROUPS:
+            a, bs = manager.pool.group(layer, g)
+            np.testing.assert_array_equal(np.asarray(a)[slot], weights[g][0][layer])
+            for b, want in zip(bs, weights[g][1]):
+                np.testing.assert_array_equal(np.asarray(b)[slot], want[layer])
+
+
+def use(manager, name):
+    slot = manager.acquire_slot(name)
+    manager.release_slot(name)
+    return slot
+
+
+def test_lru_eviction_order(manager, adapter_dirs, model_config):
+    manager.sync(entries(adapter_dirs))
+    s_a, s_b = use(manager, "r4"), use(manager, "r8_rslora")
+    assert {s_a, s_b} == {0, 1}
+    use(manager, "r4")  # r4 is now the most recently used
+    s_c = use(manager, "r16_pattern")
+    assert s_c == s_b and manager.is_resident("r4") and not manager.is_resident("r8_rslora")
+    s_d = use(manager, "r8_layer1")
+    assert s_d == s_a and not manager.is_resident("r4")
+    stats = manager.stats()
+    assert stats.loads == 4 and stats.evictions == 2
+    assert_slot_holds(manager, s_c, adapter_dirs["r16_pattern"], model_config)
+    assert_slot_holds(manager, s_d, adapter_dirs["r8_layer1"], model_config)
+
+
+def test_pinning_keeps_an_adapter_resident(manager, adapter_dirs):
+    manager.sync(entries(adapter_dirs, pinned=("r4",)))
+    pinned_slot = manager.slot_of("r4")
+    assert pinned_slot is not None
+    for name in ("r8_rslora", "r16_pattern", "r8_layer1", "r8_rslora"):
+        assert use(manager, name) != pinned_slot
+    assert manager.slot_of("r4") == pinned_slot
+    manager.set_pinned("r16_pattern", True)  # both slots pinned now
+    assert not manager.can_acquire("r8_layer1")
+    with pytest.raises(CapacityError, match="'r8_layer1'"):
+        manager.acquire_slot("r8_layer1")
+    assert use(manager, "r4") == pinned_slot  # a pinned adapter itself is still usable
+    manager.set_pinned("r4", False)
+    assert manager.can_acquire("r8_layer1")
+    assert use(manager, "r8_layer1") == pinned_slot
+
+
+def test_held_slots_are_not_evicted(manager, adapter_dirs):
+    manager.sync(entries(adapter_dirs))
+    s = manager.acquire_slot("r4")
+    manager.acquire_slot("r4")  # two requests share it
+    use(manager, "r8_rslora")
+    use(manager, "r16_pattern")
+    assert manager.slot_of("r4") == s
+    other = manager.acquire_slot("r8_layer1")
+    with pytest.raises(CapacityError):
+        manager.acquire_slot("r8_rslora")
+    manager.release_slot("r4")
+    with pytest.raises(CapacityError):
+        manager.acquire_slot("r8_rslora")  # one reference is still held
+    manager.release_slot("r4")
+    assert manager.acquire_slot("r8_rslora") == s
+    assert other != s
+    with pytest.raises(ValueError, match="holds slots"):
+        manager.release_slot("r4")
+
+
+def test_refcounts_under_concurrent_requests(model_config, adapter_dirs):
+    manager = make_manager(model_config, num_slots=3)
+    manager.sync(entries(adapter_dirs))
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(15):
+            name = NAMES[rng.integers(len(NAMES))]
+            try:
+                slot = manager.acquire_slot(name)
+            except CapacityError:
+                continue  # every slot held by other threads right now
+            try:
+                if manager.slot_of(name) != slot:
+                    errors.append((name, slot, manager.slot_of(name)))
+                time.sleep(0.001)
+            finally:
+                manager.release_slot(name, slot)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    listing = manager.list_adapters()
+    assert all(a["refcount"] == 0 for a in listing)
+    resident = [a for a in listing if a["slot"] is not None]
+    assert len({a["slot"] for a in resident}) == len(resident) <= 3
+    for a in resident:
+        assert_slot_holds(manager, a["slot"], adapter_dirs[a["name"]], model_config)
+    manager.close()
+
+
+def test_unregister_while_in_flight(manager, adapter_dirs):
+    manager.sync(entries(adapter_dirs))
+    s = manager.acquire_slot("r4")
+    manager.unregister("r4")
+    with pytest.raises(AdapterNotFoundError, match="'r4'"):
+        manager.acquire_slot("r4")
+    with pytest.raises(AdapterNotFoundError):
+        manager.check_request("r4")
+    assert not manager.is_resident("r4") and not manager.can_acquire("r4")
+    # The request still holding r4 keeps its slot: only one slot is free for others.
+    manager.acquire_slot("r8_rslora")
+    with pytest.raises(CapacityError):
+        manager.acquire_slot("r16_pattern")
+    info = manager.prepare_lora_batch(np.array([s, -1], np.int32))
+    assert float(info.slot_scalings[s]) == pytest.approx(2.0)
+    manager.release_slot("r4")
+    assert manager.acquire_slot("r16_pattern") == s
+    with pytest.raises(AdapterNotFoundError):
+        manager.unregister("r4")
+
+
+def snapshot(manager):
+    return (manager.list_adapters(), manager.host_cache_bytes,
+            [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(manager.pool)])
+
+
+def assert_same_snapshot(before, after):
+    assert before[0] == after[0] and before[1] == after[1]
+    for x, y in zip(before[2], after[2]):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_bad_adapter_at_register_changes_nothing(manager, adapter_dirs, model_config, tmp_path):
+    manager.register("r4", str(adapter_dirs["r4"]), pinned=True)
+    manager.register("r8_rslora", str(adapter_dirs["r8_rslora"]))
+    config, tensors = read_adapter(adapter_dirs["r8_rslora"])
+    key = next(k for k in tensors if "lora_A" in k)
+    bad = write_adapter(tmp_path / "bad", config, {**tensors, key: np.full_like(tensors[key], np.nan)})
+    before = snapshot(manager)
+    with pytest.raises(InvalidAdapterError, match="non-finite"):
+        manager.register("bad", str(bad))
+    with pytest.raises(InvalidAdapterError, match="non-finite"):
+        manager.register("r8_rslora", str(bad), pinned=True)  # a bad new version of a good adapter
+    with pytest.raises(AdapterSourceError, match="no adapter files"):
+        manager.register("r16_pattern", str(tmp_path / "absent"))
+    assert_same_snapshot(before, snapshot(manager))
+    with pytest.raises(AdapterNotFoundError):
+        manager.acquire_slot("bad")
+    assert_slot_holds(manager, manager.acquire_slot("r8_rslora"), adapter_dirs["r8_rslora"], model_config)
+
+
+def test_concurrent_cold_loads_fetch_once(model_config, adapter_dirs, gcs):
+    url = gcs.upload_dir(adapter_dirs["r16_pattern"], "cold/r16")
+    manager = make_manager(model_config, storage_options=gcs.storage_options)
+    manager.sync([RegistryEntry("cold", url, 1)])
+    barrier = threading.Barrier(6)
+    slots = []
+
+    def worker():
+        barrier.wait()
+        slots.append(manager.acquire_slot("cold"))
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = manager.stats()
+    assert len(slots) == 6 and len(set(slots)) == 1
+    assert stats.fetches == 1 and stats.loads == 1
+    # The barrier and the emulator's HTTP round trips make the acquires overlap the fetch.
+    assert stats.host_misses >= 2
+    assert manager.list_adapters()[0]["refcount"] == 6
+    assert_slot_holds(manager, slots[0], adapter_dirs["r16_pattern"], model_config)
+    manager.close()
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+def test_prefetch_populates_the_host_cache(manager, adapter_dirs):
+    manager.sync(entries(adapter_dirs))
+    manager.prefetch(["r4", "r8_rslora", "not-registered"])
+    wait_for(lambda: manager.is_host_cached("r4") and manager.is_host_cached("r8_rslora"))
+    assert not manager.is_resident("r4") and not manager.is_host_cached("r16_pattern")
+    assert manager.stats().fetches == 2
+    use(manager, "r4")
+    stats = manager.stats()
+    assert stats.fetches == 2 and stats.host_hits == 1 and stats.host_misses == 0 and stats.loads == 1
+    use(manager, "r16_pattern")
+    assert manager.stats().host_misses == 1 and manager.stats().fetches == 3
+
+
+def test_host_cache_bounded_by_count_and_bytes(model_config, adapter_dirs):
+    sizes = {n: parsed(adapter_dirs[n], model_config).nbytes for n in NAMES}
+    by_count = make_manager(model_config, max_cpu_loras=2)
+    by_count.sync(entries(adapter_dirs))
+    for n in ("r4", "r8_rslora", "r16_pattern"):
+        by_count.prefetch([n])
+        wait_for(lambda n=n: by_count.is_host_cached(n))
+    assert [by_count.is_host_cached(n) for n in NAMES] == [False, True, True, False]
+    assert by_count.host_cache_bytes == sizes["r8_rslora"] + sizes["r16_pattern"]
+    assert by_count.stats().host_evictions == 1
+    by_count.close()
+    budget = sizes["r4"] + sizes["r8_rslora"]
+    by_bytes = make_manager(model_config, max_cpu_bytes=budget)
+    by_bytes.sync(entries(adapter_dirs))
+    for n in ("r4", "r8_rslora", "r8_layer1"):
+        by_bytes.prefetch([n])
+        wait_for(lambda n=n: by_bytes.is_host_cached(n))
+    assert by_bytes.host_cache_bytes <= budget
+    assert not by_bytes.is_host_cached("r4") and by_bytes.is_host_cached("r8_layer1")
+    by_bytes.close()
+
+
+def test_host_cache_lru_unit():
+    def fake(n):
+        return LoRAAdapter(name=str(n), rank=1, scaling=1.0,
+                           weights={(0, "q_proj"): _mw(n)})
+
+    cache = HostAdapterCache(max_bytes=3 * 8 * 4, max_count=3)
+    for k in (1, 2, 3):
+        assert cache.put(k, fake(1)) == []
+    cache.get(1)
+    assert cache.put(4, fake(1)) == [2]
+    assert cache.keys() == [3, 1, 4]
+    assert cache.put(5, fake(2)) == [3, 1]  # twice the bytes: two must go
+    assert cache.put(6, fake(10)) == [] and 6 not in cache  # larger than the whole budget
+    with pytest.raises(ValueError, match="max_count=0"):
+        HostAdapterCache(max_bytes=1, max_count=0)
+
+
+def _mw(n):
+    from lora_runtime.lora.adapter import ModuleWeights
+
+    return ModuleWeights(a=np.zeros((1, 4 * n), np.float32), b=np.zeros((4 * n, 1), np.float32), ratio=1.0)
+
+
+def test_sync_with_a_new_version(manager, adapter_dirs, model_config):
+    manager.sync(entries(adapter_dirs, names=("r4", "r8_rslora")))
+    old = manager.acquire_slot("r4")
+    v2 = RegistryEntry("r4", str(adapter_dirs["r16_pattern"]), 2)
+    assert manager.sync([v2, entries(adapter_dirs, names=("r8_rslora",))[0]]) == {}
+    assert not manager.is_resident("r4")
+    new = manager.acquire_slot("r4")
+    assert new != old
+    assert_slot_holds(manager, new, adapter_dirs["r16_pattern"], model_config)
+    assert_slot_holds(manager, old, adapter_dirs["r4"], model_config)  # the running request's weights
+    with pytest.raises(ValueError, match="holds slots"):
+        manager.release_slot("r4")
+    manager.release_slot("r4", old)
+    manager.release_slot("r4", new)
+    assert manager.slot_of("r4") == new
+    assert manager.list_adapters()[0]["version"] == 2
+    # Not held: a new version replaces the resident one at once; names left out are dropped.
+    errors = manager.sync([RegistryEntry("r4", str(adapter_dirs["r8_layer1"]), 3, pinned=True),
+                           RegistryEntry("broken", str(adapter_dirs["r4"].parent / "absent"), 1, pinned=True)])
+    assert list(errors) == ["broken"]
+    assert manager.slot_of("r4") is not None
+    assert_slot_holds(manager, manager.slot_of("r4"), adapter_dirs["r8_layer1"], model_config)
+    with pytest.raises(AdapterNotFoundError):
+        manager.check_request("r8_rslora")
+
+
+def test_prepare_lora_batch(manager, adapter_dirs):
+    manager.sync(entries(adapter_dirs))
+    s4, s8 = manager.acquire_slot("r4"), manager.acquire_slot("r8_rslora")
+    info = manager.prepare_lora_batch(np.array([s8, -1, s4, s8], np.int32))
+    assert info.slot_scalings[s4] == pytest.approx(2.0)
+    assert info.slot_scalings[s8] == pytest.approx(16 / np.sqrt(8))
+    assert list(info.slot_ranks[[s4, s8]]) == [4, 8]
+    assert list(np.asarray(info.token_slots)) == [s8, -1, s4, s8]
+    manager.release_slot("r4")
+    with pytest.raises(ValueError, match=f"token slot {s4} is not held"):
+        manager.prepare_lora_batch(np.array([s4], np.int32))
