@@ -100,7 +100,7 @@ class ModelConfig:
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer, or None for full attention."""
-        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
             return None
         return self.sliding_window
 
@@ -192,7 +192,9 @@ def _dtype(d: dict[str, Any], override: str | None) -> str:
     return _HF_DTYPES[hf]
 
 
-def _sliding(d: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+def _sliding(
+    d: dict[str, Any], architecture: str, num_layers: int
+) -> tuple[int | None, tuple[bool, ...] | None]:
     """The sliding window and which layers use it, as transformers decides them."""
     window = d.get("sliding_window")
     if architecture == "llama" or window is None:

@@ -25,10 +25,9 @@ class Linear(nnx.Module):
     """y = x @ kernel (+ bias), kernel stored [in, out]."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: str, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (in_features, out_features), dtype))
-        self.bias = (
-            nnx.Param(_INIT_STD * jax.random.normal(rngs.params(), (out_features,), dtype)) if bias else None
-        )
+        normal = jax.random.normal
+        self.kernel = nnx.Param(_INIT_STD * normal(rngs.params(), (in_features, out_features), dtype))
+        self.bias = nnx.Param(_INIT_STD * normal(rngs.params(), (out_features,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, in] -> [T, out]
         y = x @ self.kernel[...]
@@ -62,7 +61,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:  # f32[head_dim // 2]
     high_wavelen = old_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
@@ -98,7 +98,8 @@ def prefill_attention(
     delta = positions[:, None] - positions[None, :]
     # The diagonal keeps padding rows finite; real tokens always see themselves anyway.
     mask = (same_row & (delta >= 0) & _window_ok(delta, window)) | jnp.eye(rows.shape[0], dtype=bool)
-    scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
     probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
     return jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v)
 
@@ -115,7 +116,8 @@ def decode_attention(
     pos = jnp.clip(positions, 0, k_cache.shape[1] - 1)
     delta = pos[:, None] - jnp.arange(k_cache.shape[1])[None, :]  # [R, S]
     mask = (delta >= 0) & _window_ok(delta, window)
-    scores = jnp.einsum("rkgd,rskd->rkgs", q, k_cache, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    scores = jnp.einsum("rkgd,rskd->rkgs", q, k_cache, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
     probs = jax.nn.softmax(jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min), axis=-1)
     return jnp.einsum("rkgs,rskd->rkgd", probs.astype(v_cache.dtype), v_cache)
 
@@ -232,10 +234,16 @@ class LlamaModel(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs
+        )
         self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype)
-        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype, rngs=rngs)
+        self.lm_head = (
+            None
+            if c.tie_word_embeddings
+            else Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype, rngs=rngs)
+        )
 
     def __call__(
         self,
@@ -247,7 +255,9 @@ class LlamaModel(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:  # hidden [T, H] after the final norm, updated cache
         """Runs every layer on T tokens, writing their K/V into the cache."""
         if attn.mode == "decode" and tokens.shape[0] != kv_cache.rows:
-            raise ValueError(f"decode needs one token per cache row: tokens={tokens.shape[0]}, rows={kv_cache.rows}")
+            raise ValueError(
+                f"decode needs one token per cache row: tokens={tokens.shape[0]}, rows={kv_cache.rows}"
+            )
         # Clipped lookup: a padding id out of range must not turn into NaN and leak into
         # other tokens through attention.
         x = jnp.take(self.embed_tokens.embedding[...], tokens, axis=0, mode="clip")
@@ -261,5 +271,6 @@ class LlamaModel(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:  # [N, H] -> f32[N, V]
         """Vocabulary logits in f32."""
         if self.lm_head is None:
-            return jnp.einsum("nh,vh->nv", hidden, self.embed_tokens.embedding[...], preferred_element_type=jnp.float32)
+            embedding = self.embed_tokens.embedding[...]
+            return jnp.einsum("nh,vh->nv", hidden, embedding, preferred_element_type=jnp.float32)
         return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)

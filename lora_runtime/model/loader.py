@@ -45,14 +45,15 @@ def load_model(path: str, mesh: Mesh, *, dtype: str | None = None) -> tuple[Mode
         if info is None:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path!r}")
         used.add(name)
-        arrays[param_path] = _load_param(param_path, name, info, variable.get_value().shape, target_dtype, mesh)
-    unexpected = sorted(
-        n for n in tensors
-        if n not in used and not n.endswith(_IGNORED_SUFFIXES) and not (config.tie_word_embeddings and n == "lm_head.weight")
-    )
+        shape = variable.get_value().shape
+        arrays[param_path] = _load_param(param_path, name, info, shape, target_dtype, mesh)
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # some exporters save the tied copy too
+    unexpected = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:
         raise CheckpointError(
-            f"checkpoint in {path!r} has {len(unexpected)} tensors the model does not use, e.g. {unexpected[0]!r}"
+            f"checkpoint in {path!r} has {len(unexpected)} tensors the model does not use, "
+            f"e.g. {unexpected[0]!r}"
         )
     nnx.replace_by_pure_dict(state, _nest(arrays))
     return config, nnx.merge(graphdef, state)
@@ -67,7 +68,9 @@ def checkpoint_tensors(path: str) -> dict[str, TensorInfo]:
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path!r} is not a safetensors index (no valid 'weight_map'): {e}") from None
+            raise CheckpointError(
+                f"{index_path!r} is not a safetensors index (no valid 'weight_map'): {e}"
+            ) from None
         tensors = {}
         for file in sorted(set(weight_map.values())):
             headers = read_header(os.path.join(path, file))

@@ -96,7 +96,7 @@ _PARAM_AXES: dict[tuple[str, str], tuple[str, ...]] = {
 
 
 def param_logical_axes(path: Sequence[str | int]) -> tuple[str, ...]:
-    """The logical axes of the parameter at an NNX state path, e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')."""
+    """The logical axes of an NNX parameter path, e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')."""
     if len(path) >= 2 and (str(path[-2]), str(path[-1])) in _PARAM_AXES:
         return _PARAM_AXES[(str(path[-2]), str(path[-1]))]
     if path and path[-1] == "scale":  # RMSNorm weights

@@ -152,11 +152,13 @@ def test_jitted_forward_donates_the_cache(model, tp):
     assert donated.is_deleted()
     np.testing.assert_allclose(np.asarray(logits), np.asarray(eager_logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(cache.k[1]), np.asarray(eager_cache.k[1]), rtol=1e-5, atol=1e-6)
-    assert cache.k[0].sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tensor", None)), 4), cache.k[0].sharding
+    expected = NamedSharding(mesh, P(None, None, "tensor", None))
+    assert cache.k[0].sharding.is_equivalent_to(expected, 4), cache.k[0].sharding
 
     # A decode step reuses the donated result as its input.
     before = cache.v[0]
-    logits, cache = step(i32([8, 0, 9, 0]), i32([3, 0, 2, 0]), cache, AttentionMetadata(rows=i32([0, -1, 2, -1]), mode="decode"))
+    attn = AttentionMetadata(rows=i32([0, -1, 2, -1]), mode="decode")
+    logits, cache = step(i32([8, 0, 9, 0]), i32([3, 0, 2, 0]), cache, attn)
     assert before.is_deleted() and logits.shape == (ROWS, CONFIG.vocab_size) and logits.dtype == jnp.float32
     assert written(cache)[0, :4].all() and written(cache)[2, :3].all() and not written(cache)[1].any()
 
