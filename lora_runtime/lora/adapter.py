@@ -183,7 +183,9 @@ def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidAdapterError(f"adapter {name!r}: adapter_config.json is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
-        raise InvalidAdapterError(f"adapter {name!r}: adapter_config.json must hold an object, got {type(cfg).__name__}")
+        raise InvalidAdapterError(
+            f"adapter {name!r}: adapter_config.json must hold an object, got {type(cfg).__name__}"
+        )
     peft_type = cfg.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise InvalidAdapterError(f"adapter {name!r}: {peft_type=} is not supported (only LORA)")
@@ -263,13 +265,11 @@ def _resolve_targets(name: str, cfg: Mapping[str, Any], num_layers: int) -> froz
         matched = [k for k in _all_module_names(num_layers) if _target_matches(cfg, k)]
     except re.error as e:
         raise InvalidAdapterError(f"adapter {name!r}: target_modules={targets!r} is not a valid regex: {e}") from None
-    for key in matched:
-        if key.split(".")[-1] in _REFUSED_TARGETS:
-            raise InvalidAdapterError(f"adapter {name!r}: target module {key!r} is not supported (embedding/output head)")
+    for t in matched + (targets if isinstance(targets, list) else []):
+        if t.split(".")[-1] in _REFUSED_TARGETS:
+            raise InvalidAdapterError(f"adapter {name!r}: target module {t!r} is not supported (embedding/output head)")
     if isinstance(targets, list):
         for t in targets:
-            if t.split(".")[-1] in _REFUSED_TARGETS:
-                raise InvalidAdapterError(f"adapter {name!r}: target module {t!r} is not supported (embedding/output head)")
             if t.split(".")[-1] not in MODULES:
                 raise InvalidAdapterError(f"adapter {name!r}: target module {t!r} is unknown (known: {list(MODULES)})")
     if not matched:
@@ -321,7 +321,9 @@ def _pair_tensors(name: str, tensors: Mapping[str, np.ndarray], num_layers: int)
         if module not in MODULES or _BLOCK[module] != block:
             raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} names unknown module {block}.{module}")
         if layer >= num_layers:
-            raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} has {layer=} but the base model has {num_layers} layers")
+            raise InvalidAdapterError(
+                f"adapter {name!r}: tensor {key!r} has {layer=} but the base model has {num_layers} layers"
+            )
         slot = found.setdefault((layer, module), {})
         if ab in slot:
             raise InvalidAdapterError(f"adapter {name!r}: tensors {slot[ab][0]!r} and {key!r} are the same weight")

@@ -40,11 +40,12 @@ def hand_made(model_config, modules, r=4, alpha=8, prefix=PREFIX, dtype=np.float
 
 
 SPELLINGS = {
-    "names": (dict(target_modules=["q_proj", "v_proj"]), {(l, m) for l in (0, 1) for m in ("q_proj", "v_proj")}),
+    "names": (dict(target_modules=["q_proj", "v_proj"]),
+              {(layer, m) for layer in (0, 1) for m in ("q_proj", "v_proj")}),
     "full_paths": (dict(target_modules=["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]),
                    {(0, "q_proj"), (1, "down_proj")}),
     "regex": (dict(target_modules=r".*\.layers\.1\.mlp\.(gate|up)_proj"), {(1, "gate_proj"), (1, "up_proj")}),
-    "all_linear": (dict(target_modules="all-linear"), {(l, m) for l in (0, 1) for m in ALL}),
+    "all_linear": (dict(target_modules="all-linear"), {(layer, m) for layer in (0, 1) for m in ALL}),
     "layers_int": (dict(target_modules=["k_proj", "o_proj"], layers_to_transform=0), {(0, "k_proj"), (0, "o_proj")}),
     "layers_pattern": (dict(target_modules=["up_proj"], layers_to_transform=[1], layers_pattern="layers"),
                        {(1, "up_proj")}),
@@ -153,7 +154,8 @@ def _bad_cases(model_config):
         "rank_over_max": ({**cfg, "r": 32}, t, "rank=32 exceeds max_lora_rank=16"),
         "rank_pattern_over_max": ({**cfg, "rank_pattern": {"q_proj": 17}}, t, "rank=17 exceeds max_lora_rank=16"),
         "alpha_not_number": ({**cfg, "lora_alpha": "big"}, t, "lora_alpha='big'"),
-        "shape": (cfg, {**t, _q_key(): np.zeros((4, 63), np.float32)}, f"{_q_key()!r} has shape (4, 63), expected (4, 64)"),
+        "shape": (cfg, {**t, _q_key(): np.zeros((4, 63), np.float32)},
+                  f"{_q_key()!r} has shape (4, 63), expected (4, 64)"),
         "rank_mismatch": (cfg, {**t, _q_key(ab="B"): np.zeros((shapes['q_proj'][1], 5), np.float32)},
                           f"{_q_key(ab='B')!r} has shape"),
         "nan": (cfg, {**t, _q_key(): np.full((4, 64), np.nan, np.float32)}, f"{_q_key()!r} has non-finite values"),

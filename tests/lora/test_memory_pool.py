@@ -37,8 +37,10 @@ def test_layout_and_nbytes(model_config):
     assert a.shape == (3, 3 * R, c.hidden_size) and [x.shape for x in b] == [(3, R, q), (3, R, kv), (3, R, kv)]
     a, (b,) = pool.group(0, "down")
     assert a.shape == (3, R, c.intermediate_size) and b.shape == (3, R, c.hidden_size)
-    per_slot_layer = (3 * R * c.hidden_size + R * (q + 2 * kv) + R * q + R * c.hidden_size
-                      + 2 * R * c.hidden_size + 2 * R * c.intermediate_size + R * c.intermediate_size + R * c.hidden_size)
+    per_slot_layer = (3 * R * c.hidden_size + R * (q + 2 * kv)  # qkv
+                      + R * q + R * c.hidden_size  # o
+                      + 2 * R * c.hidden_size + 2 * R * c.intermediate_size  # gate_up
+                      + R * c.intermediate_size + R * c.hidden_size)  # down
     assert pool.nbytes == 4 * c.num_layers * 3 * per_slot_layer
     assert pool.slot_nbytes == pool.nbytes // 3
     assert all(not np.asarray(x).any() for x in jax.tree_util.tree_leaves(pool))

@@ -30,7 +30,7 @@ def local(adapter_dirs, model_config):
 
 def test_local_path_and_file_url(local, model_config):
     path, adapter = local
-    assert adapter.modules == {(l, m) for l in (0, 1) for m in ("q_proj", "v_proj", "down_proj")}
+    assert adapter.modules == {(layer, m) for layer in (0, 1) for m in ("q_proj", "v_proj", "down_proj")}
     via_url = load_adapter("r8", f"file://{path}", SourcePolicy([f"file://{path.parent}"], CAP), model_config, 16)
     assert_same_adapter(adapter, via_url)
 
