@@ -117,6 +117,12 @@ class LoRAManager:
             entry = self._registry.get(name)
             return entry is not None and (name, entry.version) in self._host
 
+    def is_fetching(self, name: str) -> bool:
+        """Whether the current version of `name` is being fetched (by prefetch or an acquire)."""
+        with self._lock:
+            entry = self._registry.get(name)
+            return entry is not None and (name, entry.version) in self._inflight
+
     def check_request(self, name: str) -> None:
         """AdapterNotFoundError unless `name` is registered."""
         self._entry(name)

@@ -236,7 +236,9 @@ def wait_for(predicate, timeout=20.0):
 def test_prefetch_populates_the_host_cache(manager, adapter_dirs):
     manager.sync(entries(adapter_dirs))
     manager.prefetch(["r4", "r8_rslora", "not-registered"])
+    assert manager.is_fetching("r4") or manager.is_host_cached("r4")
     wait_for(lambda: manager.is_host_cached("r4") and manager.is_host_cached("r8_rslora"))
+    assert not manager.is_fetching("r4") and not manager.is_fetching("not-registered")
     assert not manager.is_resident("r4") and not manager.is_host_cached("r16_pattern")
     assert manager.stats().fetches == 2
     use(manager, "r4")
