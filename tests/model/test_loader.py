@@ -157,6 +157,18 @@ def test_rotary_inv_freq_is_ignored(copy, llama):
     assert_params_equal(model, llama[0])
 
 
+def test_tied_checkpoint_may_carry_an_lm_head_copy(hf_checkpoints, tmp_path):
+    hf_model, path = hf_checkpoints["qwen3"]
+    dst = shutil.copytree(path, tmp_path / "tied")
+    tensors = load_file(dst / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    save_file(tensors, dst / "model.safetensors")
+    config, model = load_model(str(dst), make_mesh(1))
+    assert config.tie_word_embeddings and model.lm_head is None
+    assert_params_equal(model, hf_model)
+
+
 def test_unsupported_architecture(copy):
     config = json.loads((copy / "config.json").read_text())
     config["architectures"] = ["FalconForCausalLM"]

@@ -1,0 +1,140 @@
+"""The LoRA hook seam of LlamaModel: which groups it sees, with what, and where its outputs go."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
+from lora_runtime.model.config import ModelConfig, RopeScaling
+from lora_runtime.model.lora_hook import GROUP_SLICES
+from lora_runtime.model.llama import LlamaModel, rope_inv_freq
+from lora_runtime.model.sharding import make_mesh
+
+# Qwen3-like: q/k norm and a head_dim that is not hidden / heads, plus qkv bias, so the
+# test sees the hook's place relative to bias, norm and RoPE.
+CONFIG = ModelConfig(
+    architecture="qwen3",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    qk_norm=True,
+    sliding_window=None,
+    dtype="float32",
+    bos_token_id=None,
+    eos_token_ids=(),
+)
+TOKENS = jnp.asarray([3, 9, 27, 4, 8], jnp.int32)
+POSITIONS = jnp.asarray([0, 1, 2, 0, 1], jnp.int32)
+ATTN = AttentionMetadata(rows=jnp.asarray([0, 0, 0, 1, 1], jnp.int32), mode="prefill")
+
+
+def run(model, lora=None) -> np.ndarray:
+    cache = KVCache.create(CONFIG, 2, 8, make_mesh(1))
+    hidden, _ = model(TOKENS, POSITIONS, cache, ATTN, lora)
+    return np.asarray(hidden)
+
+
+def test_hook_sees_every_group_in_order_with_flat_shapes():
+    calls = []
+
+    def hook(group, layer, x, base_outputs):
+        calls.append((group, layer, x.shape, tuple(y.shape for y in base_outputs)))
+        return base_outputs
+
+    model = LlamaModel(CONFIG, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(run(model, hook), run(model))
+    t, q, kv, mlp = 5, 4 * 16, 2 * 16, 48
+    per_layer = [
+        ("qkv", (t, 32), ((t, q), (t, kv), (t, kv))),
+        ("o", (t, q), ((t, 32),)),
+        ("gate_up", (t, 32), ((t, mlp), (t, mlp))),
+        ("down", (t, mlp), ((t, 32),)),
+    ]
+    assert calls == [(g, i, x, outs) for i in range(2) for g, x, outs in per_layer]
+
+
+def test_hook_delta_equals_a_kernel_change():
+    """Adding x @ D in the hook must equal adding D to that projection's kernel, for all seven."""
+    model = LlamaModel(CONFIG, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    deltas = {}
+    for i, layer in enumerate(model.layers):
+        for group, names in GROUP_SLICES.items():
+            for name in names:
+                owner = layer.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp
+                shape = getattr(owner, name).kernel[...].shape
+                deltas[(i, name)] = jnp.asarray(0.05 * rng.standard_normal(shape), jnp.float32)
+
+    def hook(group, layer, x, base_outputs):
+        return tuple(y + x @ deltas[(layer, n)] for y, n in zip(base_outputs, GROUP_SLICES[group]))
+
+    changed = nnx.clone(model)
+    for (i, name), delta in deltas.items():
+        layer = changed.layers[i]
+        owner = layer.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp
+        kernel = getattr(owner, name).kernel
+        kernel[...] = kernel[...] + delta
+
+    with_hook, reference, base = run(model, hook), run(changed), run(model)
+    np.testing.assert_allclose(with_hook, reference, rtol=1e-5, atol=1e-5)
+    assert np.abs(with_hook - base).max() > 1e-2  # the deltas matter
+
+
+def test_rope_llama3_scaling_by_hand():
+    """Long wavelengths are divided by the factor, short ones kept, the middle blended."""
+    scaling = dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
+    config = dataclasses.replace(CONFIG, rope_scaling=RopeScaling.from_hf_dict(scaling))
+    plain = rope_inv_freq(CONFIG)
+    scaled = rope_inv_freq(config)
+    wavelen = 2 * np.pi / plain
+    short, long = wavelen < 64 / 4, wavelen > 64 / 1
+    assert short.any() and long.any() and (~short & ~long).any()
+    np.testing.assert_allclose(scaled[short], plain[short])
+    np.testing.assert_allclose(scaled[long], plain[long] / 8)
+    middle = ~short & ~long
+    assert ((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8)).all()
+    linear = dataclasses.replace(CONFIG, rope_scaling=RopeScaling.from_hf_dict(dict(type="linear", factor=2.0)))
+    np.testing.assert_allclose(rope_inv_freq(linear), plain / 2)
+
+
+def test_sliding_window_limits_what_decode_sees():
+    """With a 2-token window, a decode token's output ignores what lies further back."""
+    config = dataclasses.replace(CONFIG, sliding_window=2)
+    model = LlamaModel(config, rngs=nnx.Rngs(0))
+    mesh = make_mesh(1)
+
+    def last_hidden(prompt):
+        cache = KVCache.create(config, 1, 8, mesh)
+        n = len(prompt)
+        attn = AttentionMetadata(rows=jnp.zeros(n - 1, jnp.int32), mode="prefill")
+        _, cache = model(jnp.asarray(prompt[:-1], jnp.int32), jnp.arange(n - 1, dtype=jnp.int32), cache, attn)
+        decode = AttentionMetadata(rows=jnp.zeros(1, jnp.int32), mode="decode")
+        hidden, _ = model(jnp.asarray(prompt[-1:], jnp.int32), jnp.asarray([n - 1], jnp.int32), cache, decode)
+        return np.asarray(hidden)
+
+    # Two layers with window 2: the last token reaches positions 2..4 only.
+    a, b = last_hidden([5, 6, 7, 8, 9]), last_hidden([50, 6, 7, 8, 9])
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    c = last_hidden([5, 6, 70, 8, 9])
+    assert np.abs(a - c).max() > 1e-3
+    assert np.isfinite(a).all()
