@@ -3,16 +3,19 @@
 Thread-safe plain Python (no Ray). One lock guards the bookkeeping and every pool
 update; fetches (I/O and parsing) run outside it, one in-flight future per adapter
 version, so concurrent requests for a cold adapter fetch it once. The pool is
-functional and donated on every write: read `manager.pool` afresh for each step.
+functional and donated on every write, so a pool read before a write is deleted by
+it: a step dispatched from another thread than the one writing slots (sync and
+set_pinned may write) should run `with manager.using_pool() as pool:`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import jax
 import numpy as np
@@ -89,6 +92,12 @@ class LoRAManager:
     def pool(self) -> LoRAMemoryPool:
         with self._lock:
             return self._pool
+
+    @contextlib.contextmanager
+    def using_pool(self) -> Iterator[LoRAMemoryPool]:
+        """The current pool, with slot writes held off until the block ends (dispatch a step in it)."""
+        with self._lock:
+            yield self._pool
 
     @property
     def num_slots(self) -> int:

@@ -330,3 +330,23 @@ def test_prepare_lora_batch(manager, adapter_dirs):
     manager.release_slot("r4")
     with pytest.raises(ValueError, match=f"token slot {s4} is not held"):
         manager.prepare_lora_batch(np.array([s4], np.int32))
+
+
+def test_using_pool_holds_off_writes(manager, adapter_dirs):
+    manager.sync(entries(adapter_dirs))
+    manager.prefetch(["r4"])  # so only the slot write is left for the background thread
+    wait_for(lambda: manager.is_host_cached("r4"))
+    done = threading.Event()
+
+    def pin_in_background():
+        manager.set_pinned("r4", True)  # writes a slot, donating the current pool
+        done.set()
+
+    with manager.using_pool() as pool:
+        thread = threading.Thread(target=pin_in_background)
+        thread.start()
+        assert not done.wait(0.5)
+        assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(pool))
+    thread.join()
+    assert done.is_set() and manager.is_resident("r4")
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(pool))
