@@ -122,6 +122,26 @@ def decode_attention(
     return jnp.einsum("rkgs,rskd->rkgd", probs.astype(v_cache.dtype), v_cache)
 
 
+def write_kv(
+    k_cache: jax.Array,  # [R, S, Hkv, D]
+    v_cache: jax.Array,  # [R, S, Hkv, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    positions: jax.Array,  # i32[T]
+    attn: AttentionMetadata,
+) -> tuple[jax.Array, jax.Array]:
+    """Writes each token's K/V at [its row, its position]; padding and idle rows write nothing."""
+    if attn.mode == "prefill":
+        rows = attn.rows
+    else:
+        rows = jnp.arange(k.shape[0], dtype=attn.rows.dtype)
+    # Out-of-range rows are dropped by the scatter (-1 would wrap around to the last row).
+    rows = jnp.where(attn.rows >= 0, rows, k_cache.shape[0])
+    k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k norm and sliding window."""
 
@@ -158,16 +178,7 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(c)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-        num_rows = k_cache.shape[0]
-        if attn.mode == "prefill":
-            write_rows = attn.rows
-        else:
-            write_rows = jnp.arange(t, dtype=attn.rows.dtype)
-        # Out-of-range rows are dropped by the scatter: padding and idle rows write nothing.
-        write_rows = jnp.where(attn.rows >= 0, write_rows, num_rows)
-        k_cache = k_cache.at[write_rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[write_rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions, attn)
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(t, c.num_kv_heads, groups, c.head_dim)
         window = c.layer_window(i)
