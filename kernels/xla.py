@@ -15,6 +15,17 @@ from jax import lax
 
 FORMULATIONS = ("gather", "onehot", "sorted")
 
+# Up to this many slots the one-hot einsum's dense matmuls beat the gather on CPU; past
+# it the gather's cost (independent of S) wins. Measured with benchmarks/lora_kernels.py
+# (f32, r=16): S=4..8 one-hot 1.1-12x faster than gather, S=64 gather 2.5x faster;
+# sorted + ragged_dot was slowest everywhere.
+CPU_ONEHOT_MAX_SLOTS = 16
+
+
+def cpu_formulation(num_slots: int) -> str:
+    """The XLA formulation measured fastest on CPU for a pool of `num_slots` slots."""
+    return "onehot" if num_slots <= CPU_ONEHOT_MAX_SLOTS else "gather"
+
 
 def _safe(token_slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     has = token_slots >= 0

@@ -2,7 +2,8 @@
 
 `bgmv` is the public op (fused shrink + expand); `bgmv_shrink` and `bgmv_expand` are its
 two halves for callers that need v in between. Platform dispatch: "gpu" Triton kernel,
-"tpu" Mosaic kernel, "cpu" the XLA gather formulation (Pallas runs on CPU only in
+"tpu" Mosaic kernel, "cpu" the XLA formulation measured fastest there
+(kernels.xla.cpu_formulation; Pallas runs on CPU only in
 interpret mode: pass platform="gpu"/"tpu" with interpret=True to test a kernel there).
 """
 
@@ -14,11 +15,6 @@ from kernels import dispatch, xla
 from kernels.bgmv.tuned_block_sizes import BlockSizes, gpu_block_sizes, tpu_block_sizes
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
 from kernels.common import default_platform, tiles_from_slots
-
-# Measured by benchmarks/lora_kernels.py on CPU: the gather formulation beats one-hot and
-# sorted segments at every decode shape there.
-CPU_FORMULATION = "gather"
-
 
 def block_sizes(platform: str, num_tokens: int, in_features: int, dtype) -> BlockSizes:
     """Decode block sizes for a platform."""
@@ -47,7 +43,7 @@ def bgmv_shrink(
     static_validate_shrink(x, a, n_slices, token_slots, slot_scalings, slot_ranks)
     platform = _resolve(platform)
     if platform == "cpu":
-        return xla.shrink(x, a, token_slots, slot_scalings, CPU_FORMULATION)
+        return xla.shrink(x, a, token_slots, slot_scalings, xla.cpu_formulation(a.shape[0]))
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
     meta = tiles_from_slots(token_slots, a.shape[0], bs.tm)
     return dispatch.shrink_on_tiles(
@@ -72,7 +68,7 @@ def bgmv_expand(
     static_validate_expand(v, b, base_outputs, token_slots, slot_scalings, slot_ranks)
     platform = _resolve(platform)
     if platform == "cpu":
-        return xla.expand(v, b, base_outputs, token_slots, CPU_FORMULATION)
+        return xla.expand(v, b, base_outputs, token_slots, xla.cpu_formulation(b[0].shape[0]))
     bs = block or block_sizes(platform, v.shape[0], b[0].shape[2], b[0].dtype)
     meta = tiles_from_slots(token_slots, b[0].shape[0], bs.tm)
     return dispatch.expand_on_tiles(
@@ -97,7 +93,7 @@ def bgmv(
     static_validate_inputs(x, a, b, base_outputs, token_slots, slot_scalings, slot_ranks)
     platform = _resolve(platform)
     if platform == "cpu":
-        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings, CPU_FORMULATION)
+        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings, xla.cpu_formulation(a.shape[0]))
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
     meta = tiles_from_slots(token_slots, a.shape[0], bs.tm)
     return dispatch.lora_on_tiles(

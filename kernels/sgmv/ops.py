@@ -5,7 +5,7 @@
 Takes the host-computed segments of LoRABatchInfo (sorted_order, segment_starts,
 segment_slots). "tpu": megablox-style grouped kernels (kernels.sgmv.tpu); "gpu": the
 Triton tile kernels of kernels.bgmv.gpu on tiles cut from the segments; "cpu": the XLA
-formulation measured fastest for prefill there.
+formulation measured fastest there (kernels.xla.cpu_formulation).
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ from kernels.sgmv import tpu
 from kernels.sgmv.metadata import group_metadata
 from kernels.sgmv.tuned_block_sizes import block_sizes
 from kernels.sgmv.validate import static_validate_segments
-
-# Measured by benchmarks/lora_kernels.py on CPU (prefill shapes): gather stays fastest.
-CPU_FORMULATION = "gather"
-
 
 def _setup(platform, x_shape, a_or_b_dtype, in_features, block):
     platform = default_platform() if platform is None else platform
@@ -68,7 +64,7 @@ def sgmv_shrink(
     static_validate_segments(token_slots, sorted_order, segment_starts, segment_slots)
     platform, bs = _setup(platform, x.shape, x.dtype, x.shape[1], block)
     if platform == "cpu":
-        return xla.shrink(x, a, token_slots, slot_scalings, CPU_FORMULATION)
+        return xla.shrink(x, a, token_slots, slot_scalings, xla.cpu_formulation(a.shape[0]))
     num_slots = a.shape[0]
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
@@ -102,7 +98,7 @@ def sgmv_expand(
     static_validate_segments(token_slots, sorted_order, segment_starts, segment_slots)
     platform, bs = _setup(platform, v.shape, b[0].dtype, b[0].shape[2], block)
     if platform == "cpu":
-        return xla.expand(v, b, base_outputs, token_slots, CPU_FORMULATION)
+        return xla.expand(v, b, base_outputs, token_slots, xla.cpu_formulation(b[0].shape[0]))
     num_slots = b[0].shape[0]
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
@@ -135,7 +131,7 @@ def sgmv(
     static_validate_segments(token_slots, sorted_order, segment_starts, segment_slots)
     platform, bs = _setup(platform, x.shape, x.dtype, x.shape[1], block)
     if platform == "cpu":
-        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings, CPU_FORMULATION)
+        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings, xla.cpu_formulation(a.shape[0]))
     num_slots = a.shape[0]
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
