@@ -169,13 +169,14 @@ class LoRAManager:
             version = 1 if old is None else old.version + 1
         entry = RegistryEntry(name=name, source=source, version=version, pinned=pinned)
         adapter = self._fetch_now(entry)
+        weights = self._pool_weights(adapter) if pinned else None
         with self._lock:
             if pinned and self._free_slot() is None:
                 raise CapacityError(f"cannot pin adapter {name!r}: all {self.num_slots} slots are held or pinned")
             self._apply_entry(entry)
             self._host.put((name, version), adapter)
             if pinned:
-                self._make_resident(entry, adapter)
+                self._make_resident(entry, adapter, weights)
         return entry
 
     def unregister(self, name: str) -> None:
@@ -229,10 +230,11 @@ class LoRAManager:
                 if slot is not None:
                     return self._ref(slot)
             adapter = self._host_adapter(entry)
+            weights = self._pool_weights(adapter)
             with self._lock:
                 if not self._is_current(entry):
                     continue  # unregistered or replaced meanwhile: look again
-                slot = self._make_resident(entry, adapter)
+                slot = self._make_resident(entry, adapter, weights)
                 return self._ref(slot)
 
     def release_slot(self, name: str, slot: int | None = None) -> None:
@@ -340,7 +342,11 @@ class LoRAManager:
         candidates = [i for i, s in enumerate(self._slots) if s.refcount == 0 and not self._is_pinned(s)]
         return min(candidates, key=lambda i: self._slots[i].last_used, default=None)
 
-    def _make_resident(self, entry: RegistryEntry, adapter: LoRAAdapter) -> int:
+    def _pool_weights(self, adapter: LoRAAdapter) -> dict:
+        """The adapter padded to the pool layout; host work kept out of the lock where it can be."""
+        return adapter.pool_weights(self.model_config, self.max_lora_rank, self._pool.dtype)
+
+    def _make_resident(self, entry: RegistryEntry, adapter: LoRAAdapter, weights: dict) -> int:
         key = (entry.name, entry.version)
         slot = self._slot_of.get(key)
         if slot is not None:
@@ -351,7 +357,6 @@ class LoRAManager:
                 f"no slot for adapter {entry.name!r}: all {self.num_slots} slots are held by requests or pinned"
             )
         start = time.perf_counter()
-        weights = adapter.pool_weights(self.model_config, self.max_lora_rank, self._pool.dtype)
         self._pool = write_slot(self._pool, slot, weights)
         if self._slots[slot].key is not None:
             self._stats.evictions += 1
@@ -369,10 +374,11 @@ class LoRAManager:
             if slot is not None:
                 return slot
         adapter = self._host_adapter(entry)
+        weights = self._pool_weights(adapter)
         with self._lock:
             if not self._is_current(entry):
                 raise AdapterNotFoundError(f"adapter {entry.name!r} version {entry.version} is no longer registered")
-            return self._make_resident(entry, adapter)
+            return self._make_resident(entry, adapter, weights)
 
     def _host_adapter(self, entry: RegistryEntry) -> LoRAAdapter:
         """The parsed adapter from the host cache, or fetched once however many ask."""
