@@ -4,7 +4,8 @@ Thin: parse and validate the body, pick the multiplexed model id (the adapter na
 stream from a LoRAModelServer replica, and shape OpenAI responses and errors.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: FastAPI must see real annotation objects
+# in the replica, or Serve's class-based routes read `Header`/body params as queries.
 
 import asyncio
 import json

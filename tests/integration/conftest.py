@@ -8,6 +8,7 @@ cluster's processes inherit the environment that points gcsfs at it.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -84,7 +85,10 @@ def cluster():
     gcs_port, dash_port, client_port, agent_port = (free_port() for _ in range(4))
     env = dict(os.environ)
     env.update(
+        # Token auth as Ray 2.60 defaults to, with a token of this cluster's own so the
+        # user's ~/.ray/auth_token is neither needed nor touched.
         RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(32),
         LORA_ADMIN_TOKEN=ADMIN_TOKEN,
         STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{emulator_port}",
         GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
@@ -120,13 +124,18 @@ def cluster():
         _wait_http(f"{c.dashboard_url}/api/version", timeout=120)
         yield c
     finally:
-        # SIGTERM to `ray start --block` tears down every process it started.
-        head.send_signal(signal.SIGTERM)
+        # `ray start --block` and the processes it started share a process group of their
+        # own (start_new_session): stopping the group stops exactly this cluster.
+        os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=60)
+            head.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # whatever did not stop on SIGTERM
+        except ProcessLookupError:
+            pass
+        head.wait()
         log.close()
         emulator.stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -138,6 +147,7 @@ def ray_driver(cluster):
     import ray
 
     os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = cluster.env["RAY_AUTH_TOKEN"]
     ray.init(address=cluster.gcs_address, namespace="multilora", log_to_driver=False)
     yield ray
     ray.shutdown()

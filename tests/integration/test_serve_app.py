@@ -115,7 +115,7 @@ def _base_name(files) -> str:
 def test_admin_requires_the_token(app, files):
     body = {"name": "x", "source": str(files["adapters"]["ad0"])}
     r = httpx.post(f"{app.base_url}/v1/adapters", json=body)
-    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
     r = httpx.post(f"{app.base_url}/v1/adapters", json=body, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 403
     r = httpx.get(f"{app.base_url}/v1/adapters", headers={"Authorization": "Bearer wrong"})
