@@ -1,0 +1,83 @@
+"""Shared pieces of the benchmarks: synthetic models, timing and the printed table."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import jax
+from flax import nnx
+
+from lora_runtime.engine.build import assemble_engine
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.engine import Engine
+from lora_runtime.model.config import ModelConfig
+from lora_runtime.model.llama import LlamaModel
+from lora_runtime.model.sharding import make_mesh, shard_model
+from lora_runtime.model.tokenizer import Tokenizer
+
+
+def synthetic_config(
+    *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+    dtype: str = "float32",
+) -> ModelConfig:
+    """A Llama config of the given shape (random weights; the sizes set the work)."""
+    return ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "torch_dtype": dtype,
+        }
+    )
+
+
+def synthetic_engine(model_config: ModelConfig, config: EngineConfig, tokenizer: Tokenizer) -> Engine:
+    """An engine over a randomly initialised model of `model_config` on the default mesh."""
+    mesh = make_mesh(config.tensor_parallel_size)
+    model = LlamaModel(model_config, rngs=nnx.Rngs(0))
+    shard_model(model, mesh)
+    return assemble_engine(model, model_config, tokenizer, config, mesh, model_name="synthetic")
+
+
+def demo_tokenizer() -> Tokenizer:
+    from lora_runtime.demo import demo_model_dir
+
+    return Tokenizer.from_pretrained(demo_model_dir())
+
+
+def best_time(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
+    """Smallest wall time of `fn` over `repeats` runs, after blocking on its result."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain fixed-width table on stdout."""
+    cells = [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)

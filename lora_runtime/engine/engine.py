@@ -1,0 +1,452 @@
+"""The engine of one replica: a step loop on its own thread behind an asyncio API.
+
+Requests arrive from any thread (`submit`) or coroutine (`generate`); the loop admits
+waiting requests between decode steps (continuous batching), runs at most one packed
+prefill step and one decode step per iteration, and hands each request its new tokens
+and text through a callback. Only the loop thread touches the scheduler, the runner
+and the LoRA pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Callable, Sequence as Seq
+
+import numpy as np
+
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.runner import ModelRunner, StepInputs
+from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
+from lora_runtime.engine.scheduler import Scheduler
+from lora_runtime.engine.sequence import RequestOutput, Sequence
+from lora_runtime.errors import InvalidRequestError, ServingError
+from lora_runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "RequestOutput", "SamplingParams"]
+
+
+class Engine:
+    """Serves many concurrent sequences of one base model and its adapters."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        *,
+        lora_manager=None,
+        model_name: str = "base",
+    ):
+        self.runner = runner
+        self.config: EngineConfig = runner.config
+        self.model_config = runner.model_config
+        self.tokenizer = tokenizer
+        self.lora_manager = lora_manager
+        self.model_name = model_name
+        self.scheduler = Scheduler(self.config, lora_manager)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._accepting = True
+        self._eos = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.counters = {
+            "requests": 0, "finished": 0, "aborted": 0, "failed": 0,
+            "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
+            "prefill_seconds": 0.0, "decode_seconds": 0.0, "decode_row_steps": 0,
+        }
+        self.warm_traces: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, config: EngineConfig, *, model_name: str | None = None) -> "Engine":
+        """Loads the checkpoint sharded over `tensor_parallel_size` devices and builds the engine."""
+        from lora_runtime.engine.build import build_engine
+
+        return build_engine(model_path, config, model_name=model_name)
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        """Compiles every step shape, then starts the loop thread."""
+        if self._thread is None:
+            self.warmup()
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def warmup(self) -> None:
+        """Compiles each prefill bucket and the decode step once, with every row idle."""
+        for bucket in self.config.prefill_buckets():
+            with self._using_pool() as pool:
+                self.runner.prefill(self._idle_inputs(bucket, prefill=True), pool)
+        with self._using_pool() as pool:
+            self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False), pool)
+        self.warm_traces = self.runner.traces
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.runner.traces - (self.warm_traces or 0)
+
+    async def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stops accepting requests and waits for in-flight ones; True if all finished."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.has_work() or not self._inbox.empty():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def shutdown(self) -> None:
+        """Aborts whatever still runs and stops the loop thread."""
+        self._accepting = False
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # ---- requests ------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        emit: Callable[[RequestOutput], None],
+        *,
+        request_id: str | None = None,
+        adapter: str | None = None,
+    ) -> str:
+        """Validates and queues a request; `emit` gets its outputs on the loop thread.
+
+        Raises a ServingError (nothing is queued) for a bad prompt, bad parameters or an
+        unknown adapter.
+        """
+        if not self._accepting:
+            from lora_runtime.errors import CapacityError
+
+            raise CapacityError("the engine is shutting down and accepts no new requests")
+        params.validate(self.model_config.vocab_size)
+        prompt_ids = self._prompt_ids(prompt)
+        if len(prompt_ids) + params.max_tokens > self.config.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} "
+                f"exceeds max_seq_len={self.config.max_seq_len}"
+            )
+        if adapter is not None:
+            if self.lora_manager is None:
+                from lora_runtime.errors import AdapterNotFoundError
+
+                raise AdapterNotFoundError(
+                    f"adapter {adapter!r} requested but this engine serves no adapters "
+                    f"(max_loras_per_batch=0)"
+                )
+            self.lora_manager.check_request(adapter)
+        request_id = request_id or uuid.uuid4().hex
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            seed=params.resolved_seed(),
+            adapter=adapter,
+            emit=emit,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            eos_token_ids=self._eos,
+        )
+        self._inbox.put(("add", seq))
+        self._wake.set()
+        return request_id
+
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids {bad[:5]} outside [0, {self.model_config.vocab_size})"
+                )
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(ids) >= self.config.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; max_seq_len={self.config.max_seq_len} "
+                f"leaves no room to generate"
+            )
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request wherever it is; its row and adapter slot are freed."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    async def generate(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        adapter: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs; closing the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        def emit(out: RequestOutput) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        request_id = self.submit(prompt, params, emit, request_id=request_id, adapter=adapter)
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                if out.error is not None:
+                    finished = True
+                    raise out.error
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def generate_batch(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams],
+        adapters: Seq[str | None] | None = None,
+        timeout_s: float = 300.0,
+    ) -> list[RequestOutput]:
+        """Runs requests to completion from a plain thread; one merged output each."""
+        n = len(prompts)
+        params = [params] * n if isinstance(params, SamplingParams) else list(params)
+        adapters = list(adapters) if adapters is not None else [None] * n
+        results: list[RequestOutput | None] = [None] * n
+        done = threading.Semaphore(0)
+
+        def collector(i: int):
+            parts: list[RequestOutput] = []
+
+            def emit(out: RequestOutput) -> None:
+                parts.append(out)
+                if out.finished or out.error is not None:
+                    results[i] = _merge(parts)
+                    done.release()
+
+            return emit
+
+        for i in range(n):
+            self.submit(prompts[i], params[i], collector(i), adapter=adapters[i])
+        for _ in range(n):
+            if not done.acquire(timeout=timeout_s):
+                raise TimeoutError(f"requests did not finish within {timeout_s}s")
+        for r in results:
+            if r.error is not None:
+                raise r.error
+        return results
+
+    def stats(self) -> dict[str, float]:
+        """Numbers for health checks and metrics."""
+        s = dict(self.counters)
+        s.update(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            compiles_after_warmup=self.compiles_after_warmup,
+        )
+        return s
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._drain_inbox()
+            except Exception:  # never let one bad request stop the loop thread
+                logger.exception("engine inbox handling failed")
+            if not self.scheduler.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                self._step()
+            except Exception as err:  # a failed step fails the requests in it, not the server
+                logger.exception("engine step failed")
+                for seq in list(self.scheduler.running.values()):
+                    self._fail(seq, err)
+            self.scheduler.step += 1
+        for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
+            seq.abort()
+            self._finish(seq)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.counters["requests"] += 1
+                self.scheduler.add(item)
+            else:
+                seq = self.scheduler.find(item)
+                if seq is not None:
+                    seq.abort()
+                    self._finish(seq)
+
+    def _step(self) -> None:
+        admitted, failed = self.scheduler.admit()
+        for seq, err in failed:
+            self._fail(seq, err)
+        if admitted:
+            self._prefill(admitted)
+        decoding = [s for s in self.scheduler.running.values() if s.output_ids]
+        if decoding:
+            self._decode()
+        elif not admitted:
+            # Waiting on adapter fetches only: yield the CPU instead of spinning.
+            self._wake.wait(timeout=0.005)
+            self._wake.clear()
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        total = sum(len(s.prompt_ids) for s in seqs)
+        bucket = next(b for b in self.config.prefill_buckets() if b >= total)
+        tokens = np.zeros(bucket, np.int32)
+        positions = np.zeros(bucket, np.int32)
+        rows = np.full(bucket, -1, np.int32)
+        slots = np.full(bucket, -1, np.int32)
+        last_index = np.zeros(self.config.max_batch, np.int32)
+        sampling_rows: list = [None] * self.config.max_batch
+        offset = 0
+        for i, seq in enumerate(seqs):
+            n = len(seq.prompt_ids)
+            tokens[offset : offset + n] = seq.prompt_ids
+            positions[offset : offset + n] = np.arange(n)
+            rows[offset : offset + n] = seq.row
+            slots[offset : offset + n] = seq.slot
+            last_index[i] = offset + n - 1
+            sampling_rows[i] = (seq.params, seq.seed, 0)
+            offset += n
+        inputs = StepInputs(
+            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows), last_index,
+            self._lora_info(slots),
+        )
+        start = time.perf_counter()
+        with self._using_pool() as pool:
+            sampled = self.runner.prefill(inputs, pool)
+        self.counters["prefill_seconds"] += time.perf_counter() - start
+        self.counters["prefill_steps"] += 1
+        self.counters["prompt_tokens"] += total
+        for i, seq in enumerate(seqs):
+            self._append(seq, int(sampled[i]))
+
+    def _decode(self) -> None:
+        b = self.config.max_batch
+        tokens = np.zeros(b, np.int32)
+        positions = np.zeros(b, np.int32)
+        rows = np.full(b, -1, np.int32)
+        slots = np.full(b, -1, np.int32)
+        sampling_rows: list = [None] * b
+        active = [s for s in self.scheduler.running.values() if s.output_ids and not s.finished]
+        for seq in active:
+            r = seq.row
+            tokens[r] = seq.output_ids[-1]
+            positions[r] = seq.num_tokens - 1
+            rows[r] = r
+            slots[r] = seq.slot
+            sampling_rows[r] = (seq.params, seq.seed, len(seq.output_ids))
+        inputs = StepInputs(
+            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows), None,
+            self._lora_info(slots),
+        )
+        start = time.perf_counter()
+        with self._using_pool() as pool:
+            sampled = self.runner.decode(inputs, pool)
+        self.counters["decode_seconds"] += time.perf_counter() - start
+        self.counters["decode_steps"] += 1
+        self.counters["decode_row_steps"] += len(active)
+        for seq in active:
+            self._append(seq, int(sampled[seq.row]))
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.append_token(token, self.config.max_seq_len)
+        self.counters["generated_tokens"] += 1
+        if seq.finished:
+            self._finish(seq)
+        else:
+            out = seq.take_output()
+            if out is not None:
+                _deliver(seq, out)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.counters["aborted" if seq.finish_reason.value == "abort" else "finished"] += 1
+        out = seq.take_output()
+        if out is not None:
+            _deliver(seq, out)
+
+    def _fail(self, seq: Sequence, err: Exception) -> None:
+        seq.abort()
+        self.scheduler.finish(seq)
+        self.counters["failed"] += 1
+        if not isinstance(err, ServingError):
+            err = RuntimeError(f"request {seq.request_id} failed in the engine: {err}")
+        _deliver(
+            seq,
+            RequestOutput(
+                request_id=seq.request_id, text="", token_ids=[], finished=True,
+                finish_reason="abort", prompt_tokens=len(seq.prompt_ids),
+                completion_tokens=len(seq.output_ids), error=err,
+            ),
+        )
+
+    def _using_pool(self):
+        """The adapter pool, with other threads' slot writes held off while a step uses it."""
+        if self.lora_manager is None:
+            return contextlib.nullcontext(None)
+        return self.lora_manager.using_pool()
+
+    def _lora_info(self, slots: np.ndarray):
+        if self.lora_manager is None:
+            return None
+        return self.lora_manager.prepare_lora_batch(slots)
+
+    def _idle_inputs(self, n: int, *, prefill: bool) -> StepInputs:
+        rows = np.full(n, -1, np.int32)
+        p = self.config.max_batch
+        return StepInputs(
+            np.zeros(n, np.int32), np.zeros(n, np.int32), rows,
+            SamplingBatch.from_rows([None] * p),
+            np.zeros(p, np.int32) if prefill else None,
+            self._lora_info(rows),
+        )
+
+
+def _deliver(seq: Sequence, out: RequestOutput) -> None:
+    """Hands an output to its consumer; a consumer that has gone away never stops the loop."""
+    try:
+        seq.emit(out)
+    except Exception:  # e.g. the caller's event loop is closed after a disconnect
+        logger.debug("dropped output of request %s: its consumer is gone", seq.request_id, exc_info=True)
+
+
+def _merge(parts: list[RequestOutput]) -> RequestOutput:
+    last = parts[-1]
+    return RequestOutput(
+        request_id=last.request_id,
+        text="".join(p.text for p in parts),
+        token_ids=[t for p in parts for t in p.token_ids],
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        error=last.error,
+    )

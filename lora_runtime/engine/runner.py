@@ -1,0 +1,94 @@
+"""The jitted prefill and decode steps of one replica, with their fixed set of shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
+from lora_runtime.engine.sampling import SamplingBatch, sample
+from lora_runtime.lora.batch_info import LoRABatchInfo
+from lora_runtime.lora.backend.base import BaseLoRABackend
+from lora_runtime.model.config import ModelConfig
+from lora_runtime.model.llama import LlamaModel
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Host arrays of one step; every shape is one of the runner's compiled shapes."""
+
+    tokens: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    rows: np.ndarray  # i32[T], -1 = padding / idle row
+    sampling: SamplingBatch  # [P] rows sampled this step
+    last_index: np.ndarray | None  # i32[P]: prefill only, index of each sequence's last token
+    lora: LoRABatchInfo | None  # token slots of the T tokens
+
+
+class ModelRunner:
+    """Owns the model state, the KV cache and the compiled steps; not thread-safe."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        mesh: jax.sharding.Mesh,
+        backend: BaseLoRABackend | None,
+    ):
+        self.model_config = model_config
+        self.config = config
+        self.mesh = mesh
+        self.backend = backend
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_cache = KVCache.create(model_config, config.max_batch, config.max_seq_len, mesh)
+        self.traces = 0  # how many times a step was traced, i.e. compiled
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+
+    def _forward(self, state, kv_cache, pool, tokens, positions, rows, lora_info, mode):
+        self.traces += 1  # runs only while tracing
+        model = nnx.merge(self.graphdef, state)
+        hook = None
+        if pool is not None:
+            from lora_runtime.lora.hook import PoolLoRAHook
+
+            hook = PoolLoRAHook(self.backend, pool, lora_info, prefill=mode == "prefill")
+        attn = AttentionMetadata(rows=rows, mode=mode)
+        hidden, kv_cache = model(tokens, positions, kv_cache, attn, hook)
+        return model, hidden, kv_cache
+
+    def _prefill_impl(self, state, kv_cache, pool, tokens, positions, rows, last_index, sampling, lora_info):
+        model, hidden, kv_cache = self._forward(
+            state, kv_cache, pool, tokens, positions, rows, lora_info, "prefill"
+        )
+        logits = model.logits(hidden[last_index])
+        return sample(logits, sampling), kv_cache
+
+    def _decode_impl(self, state, kv_cache, pool, tokens, positions, rows, sampling, lora_info):
+        model, hidden, kv_cache = self._forward(
+            state, kv_cache, pool, tokens, positions, rows, lora_info, "decode"
+        )
+        return sample(model.logits(hidden), sampling), kv_cache
+
+    def prefill(self, inputs: StepInputs, pool) -> np.ndarray:
+        """Runs one packed prefill step; returns the first sampled token of each row."""
+        with jax.set_mesh(self.mesh):
+            tokens, self.kv_cache = self._prefill(
+                self.state, self.kv_cache, pool, inputs.tokens, inputs.positions,
+                inputs.rows, inputs.last_index, inputs.sampling, inputs.lora,
+            )
+        return np.asarray(tokens)
+
+    def decode(self, inputs: StepInputs, pool) -> np.ndarray:
+        """Runs one decode step over every cache row; returns a token per row."""
+        with jax.set_mesh(self.mesh):
+            tokens, self.kv_cache = self._decode(
+                self.state, self.kv_cache, pool, inputs.tokens, inputs.positions,
+                inputs.rows, inputs.sampling, inputs.lora,
+            )
+        return np.asarray(tokens)

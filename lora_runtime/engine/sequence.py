@@ -1,0 +1,109 @@
+"""One request's host-side state: tokens, text, stop conditions and its cache row."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable
+
+from lora_runtime.engine.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the sequence filled max_seq_len
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a request produced since its previous output (deltas), plus totals."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: Exception | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request from arrival to finish; the engine thread alone mutates it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    adapter: str | None
+    emit: Callable[[RequestOutput], None]
+    detokenizer: object  # IncrementalDetokenizer
+    eos_token_ids: frozenset[int]
+    arrival: int = 0  # engine step at arrival
+    row: int | None = None  # KV cache row while running
+    slot: int = -1  # adapter slot while running; -1 = no adapter
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    emitted_text: int = 0
+    emitted_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token: int, max_seq_len: int) -> None:
+        """Adds a sampled token and decides whether the sequence is finished."""
+        self.output_ids.append(token)
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.finish_reason = FinishReason.STOP
+            self.text += self.detokenizer.flush()
+            return
+        self.text += self.detokenizer.step(token)
+        if p.stop and self._cut_at_stop_string():
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_seq_len:
+            self.finish_reason = FinishReason.LENGTH
+            self.text += self.detokenizer.flush()
+
+    def _cut_at_stop_string(self) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        start = max(0, self.emitted_text - longest)
+        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finish_reason = FinishReason.ABORT
+
+    def take_output(self) -> RequestOutput | None:
+        """The new tokens and text since the last call, or None if nothing to say."""
+        end = len(self.text)
+        if not self.finished and self.params.stop:
+            # Hold back a tail that could still grow into a stop string.
+            end = max(self.emitted_text, end - (max(len(s) for s in self.params.stop) - 1))
+        new_tokens = self.output_ids[self.emitted_tokens :]
+        if not self.finished and not new_tokens and end == self.emitted_text:
+            return None
+        out = RequestOutput(
+            request_id=self.request_id,
+            text=self.text[self.emitted_text : end],
+            token_ids=new_tokens,
+            finished=self.finished,
+            finish_reason=self.finish_reason.value if self.finished else None,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+        )
+        self.emitted_text = end
+        self.emitted_tokens = len(self.output_ids)
+        return out
