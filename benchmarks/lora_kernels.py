@@ -27,7 +27,9 @@ from jax import lax
 
 from kernels import xla
 from kernels.bgmv import bgmv
-from kernels.common import default_platform
+from kernels.bgmv.ops import block_sizes
+from kernels.bgmv.tuned_block_sizes import BlockSizes
+from kernels.common import default_platform, tiles_from_slots
 
 HEADLINE = dict(num_tokens=64, num_slots=64, hidden=4096, rank=16)
 
@@ -51,26 +53,39 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
     return 2 * big.nbytes / bench(f, big, repeats=repeats)
 
 
-def lora_fn(name: str, platform: str, interpret: bool, num_slots: int):
-    """One layer's y = base + LoRA(x) for a formulation: kernel, onehot, gather or sorted."""
+def lora_fn(name: str, platform: str, interpret: bool, shape: "Shape", block: BlockSizes | None = None):
+    """(prepare, layer) for a formulation: kernel, onehot, gather or sorted.
+
+    prepare(slots) runs once per batch (the kernel's slot sort, as an engine step would
+    do once for all its projections); layer(x, a, b, base, slots, scal, ranks, prep) is
+    one projection's y = base + LoRA(x).
+    """
+    num_slots = shape.num_slots
     if name == "kernel" and platform == "cpu":
         name = xla.cpu_formulation(num_slots)
-    if name == "kernel" and platform != "cpu":
-        def kernel(x, a, b, base, slots, scal, ranks):
-            return bgmv(x, a, (b,), (base,), slots, scal, ranks, platform=platform, interpret=interpret)[0]
-        return kernel
+    if name == "kernel":
+        bs = block or block_sizes(platform, shape.num_tokens, shape.hidden, jnp.bfloat16)
 
-    def formulation(x, a, b, base, slots, scal, ranks):
+        def prepare(slots):
+            return tiles_from_slots(slots, num_slots, bs.tm)
+
+        def kernel(x, a, b, base, slots, scal, ranks, tiles):
+            return bgmv(x, a, (b,), (base,), slots, scal, ranks, platform=platform, interpret=interpret,
+                        block=bs, tiles=tiles)[0]
+        return prepare, kernel
+
+    def formulation(x, a, b, base, slots, scal, ranks, prep):
         return xla.lora(x, a, (b,), (base,), slots, scal, name)[0]
-    return formulation
+    return (lambda slots: None), formulation
 
 
-def stack_fn(layer):
+def stack_fn(prepare, layer):
     """A scan over layers, each with its own adapters, chaining h through the layers."""
     def run(x, a, b, slots, scal, ranks):
+        prep = prepare(slots)
+
         def body(h, ab):
-            y = layer(h, ab[0], ab[1], h, slots, scal, ranks)
-            return y, None
+            return layer(h, ab[0], ab[1], h, slots, scal, ranks, prep), None
         h, _ = lax.scan(body, x, (a, b))
         return h
     return jax.jit(run)
@@ -104,7 +119,7 @@ def must_move_bytes(shape: Shape, distinct: int, itemsize: int) -> int:
 
 
 def run_shape(shape: Shape, *, platform: str, interpret: bool, layers: int, repeats: int, copy_bps: float,
-              dtype=jnp.bfloat16, names=("kernel", "onehot", "gather")) -> dict:
+              dtype=jnp.bfloat16, names=("kernel", "onehot", "gather"), block: BlockSizes | None = None) -> dict:
     """Times each formulation on one shape; returns a row with us/layer, GB/s and errors."""
     args = make_stack(shape, layers, dtype, seed=shape.num_tokens + shape.num_slots)
     distinct = int(np.unique(np.asarray(args[3])).size)
@@ -113,7 +128,7 @@ def run_shape(shape: Shape, *, platform: str, interpret: bool, layers: int, repe
     ref = None
     for name in names:
         try:
-            f = stack_fn(lora_fn(name, platform, interpret, shape.num_slots))
+            f = stack_fn(*lora_fn(name, platform, interpret, shape, block))
             t = bench(f, *args, repeats=repeats) / layers
             row[f"{name}_us"] = t * 1e6
             row[f"{name}_GBps"] = moved / t / 1e9

@@ -14,7 +14,7 @@ import jax
 from kernels import dispatch, xla
 from kernels.bgmv.tuned_block_sizes import BlockSizes, gpu_block_sizes, tpu_block_sizes
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
-from kernels.common import default_platform, tiles_from_slots
+from kernels.common import TileMetadata, default_platform, tiles_from_slots
 
 def block_sizes(platform: str, num_tokens: int, in_features: int, dtype) -> BlockSizes:
     """Decode block sizes for a platform."""
@@ -88,14 +88,21 @@ def bgmv(
     platform: str | None = None,
     interpret: bool = False,
     block: BlockSizes | None = None,
+    tiles: TileMetadata | None = None,
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
-    """y_i[t] = base_i[t] + scaling[s] * (x[t] @ A_i[s]ᵀ) @ B_i[s], s = slot[t] (fused)."""
+    """y_i[t] = base_i[t] + scaling[s] * (x[t] @ A_i[s]ᵀ) @ B_i[s], s = slot[t] (fused).
+
+    `tiles`: the slot-sorted tiles, `tiles_from_slots(token_slots, S, block.tm)`, for
+    callers that apply many projections to one batch and sort it once (needs `block`).
+    """
     static_validate_inputs(x, a, b, base_outputs, token_slots, slot_scalings, slot_ranks)
     platform = _resolve(platform)
     if platform == "cpu":
         return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings, xla.cpu_formulation(a.shape[0]))
+    if tiles is not None and block is None:
+        raise ValueError("tiles were given without the block sizes they were cut with (block=None)")
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
-    meta = tiles_from_slots(token_slots, a.shape[0], bs.tm)
+    meta = tiles if tiles is not None else tiles_from_slots(token_slots, a.shape[0], bs.tm)
     return dispatch.lora_on_tiles(
         x, a, b, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
     )
