@@ -61,6 +61,7 @@ class Engine:
             "requests": 0, "finished": 0, "aborted": 0, "failed": 0,
             "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
             "prefill_seconds": 0.0, "decode_seconds": 0.0, "decode_row_steps": 0,
+            "max_batch_adapters": 0,  # most distinct adapters seen in one decode step
         }
         self.warm_traces: int | None = None
 
@@ -373,6 +374,8 @@ class Engine:
         self.counters["decode_seconds"] += time.perf_counter() - start
         self.counters["decode_steps"] += 1
         self.counters["decode_row_steps"] += len(active)
+        distinct = len({s.adapter for s in active if s.adapter is not None})
+        self.counters["max_batch_adapters"] = max(self.counters["max_batch_adapters"], distinct)
         for seq in active:
             self._append(seq, int(sampled[seq.row]))
 
