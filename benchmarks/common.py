@@ -81,3 +81,36 @@ def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
     return str(v)
+
+
+def write_random_adapter(out_dir, model_config: ModelConfig, *, r: int, alpha: float, seed: int):
+    """A PEFT-format adapter on all 7 target modules with random weights; returns its bytes."""
+    import json
+    import pathlib
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from lora_runtime.lora.adapter import module_shapes
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(model_config.num_layers):
+        for module, (fan_in, fan_out) in module_shapes(model_config).items():
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((r, fan_in)) / fan_in**0.5).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((fan_out, r)) / r**0.5).astype(np.float32)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA", "r": r, "lora_alpha": alpha, "bias": "none",
+                "target_modules": list(module_shapes(model_config)), "use_rslora": False,
+                "fan_in_fan_out": False, "modules_to_save": None,
+            }
+        )
+    )
+    return out

@@ -80,6 +80,7 @@ def tiles_from_segments(
     tm: int,
 ) -> TileMetadata:
     """Cuts each segment into tiles of at most `tm` tokens (static count `max_tiles`)."""
+    # searchsorted by compare_all: one fused [n, S] comparison, no sequential loop on device.
     num_tokens = order.shape[0]
     num_grid = max_tiles(num_tokens, num_slots, tm)
     seg_len = segment_starts[1:] - segment_starts[:-1]
@@ -89,7 +90,7 @@ def tiles_from_segments(
     last_seg = seg_len.shape[0] - 1
 
     g = jnp.arange(num_grid, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(tile_base[1:], g, side="right"), last_seg)
+    seg = jnp.minimum(jnp.searchsorted(tile_base[1:], g, side="right", method="compare_all"), last_seg)
     start = segment_starts[seg] + (g - tile_base[seg]) * tm
     end = jnp.minimum(start + tm, segment_starts[seg + 1])
     real = g < num_tiles
@@ -101,7 +102,7 @@ def tiles_from_segments(
     tile_slot = jnp.where(real, segment_slots[seg], fallback).astype(jnp.int32)
 
     p = jnp.arange(num_tokens, dtype=jnp.int32)
-    pseg = jnp.minimum(jnp.searchsorted(segment_starts[1:], p, side="right"), last_seg)
+    pseg = jnp.minimum(jnp.searchsorted(segment_starts[1:], p, side="right", method="compare_all"), last_seg)
     off = p - segment_starts[pseg]
     row = (tile_base[pseg] + off // tm) * tm + off % tm
     row = jnp.where(p < total, row, -1).astype(jnp.int32)

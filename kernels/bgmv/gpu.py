@@ -30,7 +30,7 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 
 def rank_tile(max_rank: int) -> int:
     """Rank tile: a power of two >= 16 (the smallest tensor-core operand)."""
-    return max(16, pl.next_power_of_2(max_rank))
+    return max(16, 1 << (max_rank - 1).bit_length())
 
 
 def _compiler_params(num_warps: int, num_stages: int):

@@ -63,7 +63,7 @@ def group_metadata(
     v = jnp.arange(num_grid, dtype=jnp.int32)
     # Tail visits repeat the last real visit with an empty row range.
     vr = jnp.minimum(v, jnp.maximum(num_visits - 1, 0))
-    seg = jnp.minimum(jnp.searchsorted(base[1:], vr, side="right"), last_seg)
+    seg = jnp.minimum(jnp.searchsorted(base[1:], vr, side="right", method="compare_all"), last_seg)
     real = v < num_visits
     visit_tile = (first_tile[seg] + vr - base[seg]).astype(jnp.int32)
     visit_slot = jnp.maximum(segment_slots[seg], 0).astype(jnp.int32)

@@ -1,0 +1,110 @@
+"""Decode throughput with many adapters in one batch, against the byte roofline.
+
+    python -m benchmarks.multi_lora [--quick]
+
+Runs the real engine on a randomly initialised Llama sized so that weights dominate a
+decode step, with 8 running sequences that use: no adapter; one shared adapter; 8
+distinct adapters (r=16 on q,k,v,o,gate,up,down). A decode step is memory-bound, so its
+floor with D distinct adapters is (base bytes + D * adapter bytes) / base bytes of the
+base step. Also times one slot write (host cache -> device pool) at two pool sizes,
+to show a load costs the adapter's bytes, not the pool's. Last line:
+`lora_over_base_step=<f> roofline_ratio=<f> slot_load_ms=<f> recompiles=<n>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import jax
+import numpy as np
+
+from benchmarks.common import (
+    best_time, demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter,
+)
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.sampling import SamplingParams
+from lora_runtime.lora.adapter import module_shapes
+from lora_runtime.lora.memory_pool import LoRAMemoryPool, write_slot
+from lora_runtime.lora.sources import SourcePolicy, load_adapter
+from lora_runtime.model.sharding import make_mesh
+
+
+def _decode_step_s(engine, adapters, prompt, params, repeats: int) -> float:
+    """Best mean decode-step time over `repeats` batches of len(adapters) requests."""
+    best = float("inf")
+    for _ in range(repeats):
+        before = dict(engine.counters)
+        engine.generate_batch([prompt] * len(adapters), params, adapters)
+        steps = engine.counters["decode_steps"] - before["decode_steps"]
+        best = min(best, (engine.counters["decode_seconds"] - before["decode_seconds"]) / steps)
+    return best
+
+
+def _slot_write_ms(model_config, adapter, slots: int, rank: int) -> float:
+    pool = LoRAMemoryPool.create(model_config, make_mesh(1), num_slots=slots, max_lora_rank=rank,
+                                 dtype=model_config.dtype)
+    weights = adapter.pool_weights(model_config, rank, np.dtype(model_config.dtype))
+    state = {"pool": pool, "slot": 0}
+
+    def write():
+        state["slot"] = (state["slot"] + 1) % slots
+        state["pool"] = write_slot(state["pool"], state["slot"], weights)
+        return state["pool"]
+
+    return 1e3 * best_time(write, repeats=5, warmup=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
+    parser.add_argument("--backend", default="auto", help="LoRA backend (auto, reference, xla, pallas)")
+    args = parser.parse_args(argv)
+    rank, distinct = 16, 8
+    shape = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816)
+    new_tokens, repeats = (24, 2) if args.quick else (64, 3)
+    tokenizer = demo_tokenizer()
+    model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype="float32", **shape)
+    config = EngineConfig(max_batch=distinct, max_seq_len=64 + new_tokens, max_loras_per_batch=distinct,
+                          max_lora_rank=rank, lora_backend=args.backend)
+    engine = synthetic_engine(model_config, config, tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        names = [f"bench-{i}" for i in range(distinct)]
+        for i, name in enumerate(names):
+            engine.lora_manager.register(name, str(write_random_adapter(f"{tmp}/{name}", model_config, r=rank, alpha=2 * rank, seed=i)))
+        engine.start()
+        prompt = [3 + (i % 50) for i in range(32)]
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        try:
+            # Make every adapter resident first: this measures decoding, not loading.
+            engine.generate_batch([prompt] * distinct, SamplingParams(max_tokens=2, ignore_eos=True), names)
+            base_s = _decode_step_s(engine, [None] * distinct, prompt, params, repeats)
+            one_s = _decode_step_s(engine, [names[0]] * distinct, prompt, params, repeats)
+            many_s = _decode_step_s(engine, names, prompt, params, repeats)
+            recompiles = engine.compiles_after_warmup
+            adapter = load_adapter(names[0], f"{tmp}/{names[0]}", SourcePolicy(None, 1 << 30), model_config, rank)
+        finally:
+            engine.shutdown()
+    itemsize = np.dtype(model_config.dtype).itemsize
+    base_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
+    adapter_bytes = model_config.num_layers * sum(rank * (i + o) for i, o in module_shapes(model_config).values()) * itemsize
+    roofline = {1: 1 + adapter_bytes / base_bytes, distinct: 1 + distinct * adapter_bytes / base_bytes}
+    write_small = _slot_write_ms(model_config, adapter, 8, rank)
+    write_large = _slot_write_ms(model_config, adapter, 64, rank)
+    print(f"device={jax.devices()[0].platform} backend={engine.runner.backend.name} model={shape} "
+          f"base_bytes={base_bytes / 2**20:.1f}MiB adapter_bytes={adapter_bytes / 2**20:.2f}MiB")
+    print_table(
+        ["batch of 8 uses", "step_ms", "tokens/s", "over_base", "roofline"],
+        [
+            ("no adapter", 1e3 * base_s, distinct / base_s, 1.0, 1.0),
+            ("1 adapter", 1e3 * one_s, distinct / one_s, one_s / base_s, roofline[1]),
+            (f"{distinct} adapters", 1e3 * many_s, distinct / many_s, many_s / base_s, roofline[distinct]),
+        ],
+    )
+    print_table(["pool slots", "slot_write_ms"], [(8, write_small), (64, write_large)])
+    print(f"lora_over_base_step={many_s / base_s:.4f} roofline_ratio={roofline[distinct]:.4f} "
+          f"slot_load_ms={write_small:.3f} recompiles={recompiles}")
+
+
+if __name__ == "__main__":
+    main()
