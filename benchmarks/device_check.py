@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -158,7 +157,10 @@ def make_case(t, s, r, outs, in_f, dtype, seed, slots=None, ranks=None):
     x = rng.normal(size=(t, in_f)).astype(np.float32)
     base = [rng.normal(size=(t, o)).astype(np.float32) for o in outs]
     scal = rng.uniform(0.5, 2.0, size=s).astype(np.float32)
-    cast = lambda z: jnp.asarray(z, dtype)  # noqa: E731 - local shorthand
+
+    def cast(z):
+        return jnp.asarray(z, dtype)
+
     dev = dict(x=cast(x), a=cast(a), b=tuple(cast(z) for z in b), base=tuple(cast(z) for z in base),
                slots=jnp.asarray(slots, jnp.int32), scal=jnp.asarray(scal), ranks=jnp.asarray(ranks, jnp.int32))
     # The reference sees the same (rounded) inputs as the device.
@@ -208,7 +210,8 @@ def run_correctness_case(run: Run, name, t, s, r, outs, in_f, dtype, op, extra) 
     dev, host = make_case(t, s, r, outs, in_f, dtype, seed=t * 31 + s, **extra)
     kw = dict(platform=run.platform, interpret=run.interpret)
     v_ref, y_ref = ref_lora(host["x"], host["a"], host["b"], host["base"], host["slots"], host["scal"])
-    row: dict = {"case": name, "T": t, "S": s, "R": r, "outs": list(outs), "in": in_f, "dtype": jnp.dtype(dtype).name, "op": op}
+    row: dict = {"case": name, "T": t, "S": s, "R": r, "outs": list(outs), "in": in_f,
+                 "dtype": jnp.dtype(dtype).name, "op": op}
     if op == "bgmv":
         f = jax.jit(lambda d: bgmv(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scal"], d["ranks"], **kw))
         ys = f(dev)
@@ -287,7 +290,7 @@ def section_cuda_lowering(run: Run) -> dict:
             lower(name, lambda x, a, b, base, sl, o, st, ss, sc, rk: sgmv(x, a, b, base, sl, o, st, ss, sc, rk, **kw),
                   x, a, b, base, meta[0], *seg, meta[1], meta[2])
         elif op == "halves":
-            lower(name, lambda x, a, b, base, sl, sc, rk: bgmv_expand(
+            lower(name, lambda x, a, b, base, sl, sc, rk, n=n: bgmv_expand(
                 bgmv_shrink(x, a, sl, sc, rk, n_slices=n, **kw), b, base, sl, sc, rk, **kw), x, a, b, base, *meta)
         else:
             lower(name, lambda x, a, b, base, sl, sc, rk: bgmv(x, a, b, base, sl, sc, rk, **kw), x, a, b, base, *meta)
@@ -440,8 +443,9 @@ def section_stack(run: Run) -> dict:
     block = best_block(run)
     rows = []
     for num_slots in sorted({s for s, _ in grid}):
-        a = (jax.random.normal(jax.random.key(2), (layers, num_slots, rank, hidden), jnp.float32) * 0.05).astype(jnp.bfloat16)
-        b = (jax.random.normal(jax.random.key(3), (layers, num_slots, rank, hidden), jnp.float32) * 0.05).astype(jnp.bfloat16)
+        pool_shape = (layers, num_slots, rank, hidden)
+        a = (jax.random.normal(jax.random.key(2), pool_shape, jnp.float32) * 0.05).astype(jnp.bfloat16)
+        b = (jax.random.normal(jax.random.key(3), pool_shape, jnp.float32) * 0.05).astype(jnp.bfloat16)
         impls = stack_impls(run, num_slots, rank, block)
         for s, t in grid:
             if s != num_slots or run.out_of_time("stack"):

@@ -53,7 +53,7 @@ def copy_bandwidth(num_bytes: int, repeats: int) -> float:
     return 2 * big.nbytes / bench(f, big, repeats=repeats)
 
 
-def lora_fn(name: str, platform: str, interpret: bool, shape: "Shape", block: BlockSizes | None = None):
+def lora_fn(name: str, platform: str, interpret: bool, shape: Shape, block: BlockSizes | None = None):
     """(prepare, layer) for a formulation: kernel, onehot, gather or sorted.
 
     prepare(slots) runs once per batch (the kernel's slot sort, as an engine step would

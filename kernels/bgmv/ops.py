@@ -16,6 +16,7 @@ from kernels.bgmv.tuned_block_sizes import BlockSizes, gpu_block_sizes, tpu_bloc
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
 from kernels.common import TileMetadata, default_platform, tiles_from_slots
 
+
 def block_sizes(platform: str, num_tokens: int, in_features: int, dtype) -> BlockSizes:
     """Decode block sizes for a platform."""
     if platform == "gpu":

@@ -22,6 +22,7 @@ from kernels.sgmv.metadata import group_metadata
 from kernels.sgmv.tuned_block_sizes import block_sizes
 from kernels.sgmv.validate import static_validate_segments
 
+
 def _setup(platform, x_shape, a_or_b_dtype, in_features, block):
     platform = default_platform() if platform is None else platform
     if platform not in ("cpu", "gpu", "tpu"):

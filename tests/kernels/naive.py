@@ -65,7 +65,10 @@ def make_inputs(num_tokens, num_slots, rank, outs, in_features, dtype, seed, *, 
     x = rng.normal(size=(num_tokens, in_features))
     base = [rng.normal(size=(num_tokens, o)) for o in outs]
     scalings = rng.uniform(0.5, 2.0, size=num_slots).astype(np.float32)
-    cast = lambda t: jnp.asarray(t, dtype)  # noqa: E731 - local shorthand
+
+    def cast(t):
+        return jnp.asarray(t, dtype)
+
     return dict(
         x=cast(x), a=cast(a), b=tuple(cast(t) for t in b), base=tuple(cast(t) for t in base),
         slots=jnp.asarray(slots), scalings=jnp.asarray(scalings), ranks=jnp.asarray(ranks),

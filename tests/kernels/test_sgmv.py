@@ -62,7 +62,8 @@ def test_ragged_segments_and_no_adapter_tail(platform):
 def test_shrink_and_expand_halves(platform):
     d = make_inputs(21, 4, 8, OUTS, IN, F32, seed=12)
     order, starts, seg_slots = segments(d)
-    kw = dict(platform=platform, interpret=platform != "cpu", block=None if platform == "cpu" else block_for(platform, F32))
+    block = None if platform == "cpu" else block_for(platform, F32)
+    kw = dict(platform=platform, interpret=platform != "cpu", block=block)
     v = sgmv_shrink(d["x"], d["a"], d["slots"], order, starts, seg_slots, d["scalings"], d["ranks"], n_slices=3, **kw)
     assert_close(v, naive_shrink(d["x"], d["a"], d["slots"], d["scalings"], 3), F32)
     got = sgmv_expand(v, d["b"], d["base"], d["slots"], order, starts, seg_slots, d["scalings"], d["ranks"], **kw)

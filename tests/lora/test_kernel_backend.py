@@ -11,7 +11,6 @@ from jax.sharding import Mesh
 from lora_runtime.lora.backend.kernel import KernelLoRABackend
 from lora_runtime.lora.backend.select import BACKENDS, select_backend
 from lora_runtime.lora.backend.xla import XlaLoRABackend
-from lora_runtime.lora.batch_info import build_batch_info
 
 GROUPS = {  # name: (in, outs, parallel)
     "qkv": (64, (64, 32, 32), "column"),
