@@ -4,7 +4,8 @@ Tokens are sorted by slot inside the jit and laid out in blocks of `tm` rows tha
 one slot (kernels.common tile layout; a block's unused rows are zero). The block -> slot
 map is scalar-prefetched (PrefetchScalarGridSpec) and indexes the weight BlockSpec, so
 consecutive blocks of one slot reuse the weight block already in VMEM: each distinct
-adapter is read once per output column. Blocks past the real count map onto the last
+adapter's A is read once (K is kept whole, see tuned_block_sizes) and its B once per
+output column block. Blocks past the real count map onto the last
 real block, so they cost neither a DMA nor a matmul.
 """
 
