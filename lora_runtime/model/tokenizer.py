@@ -43,8 +43,11 @@ class Tokenizer:
         self._special_tokens = {
             key: _token_content(config[key]) for key in _SPECIAL_TOKEN_KEYS if config.get(key) is not None
         }
-        for key, token in self._special_tokens.items():
-            if backend.token_to_id(token) is None:
+        # BOS and EOS must be real tokens; transformers would append them to the vocabulary
+        # and the model would have no embedding for them.
+        for key in ("bos_token", "eos_token"):
+            token = self._special_tokens.get(key)
+            if token is not None and backend.token_to_id(token) is None:
                 raise CheckpointError(f"{key}={token!r} from tokenizer_config.json is not in the vocabulary")
         # transformers skips this cleanup for BPE models (it would corrupt their text) unless forced.
         self._cleanup_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
@@ -72,13 +75,14 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
             raise CheckpointError(f"cannot read {str(tokenizer_file)!r}: {e}") from e
         config = _read_json(folder / "tokenizer_config.json")
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default")
         jinja_file = folder / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
+        # As in transformers, a chat_template.jinja file wins over the config's entry.
+        if jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
+        else:
+            template = config.get("chat_template")
+            if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+                template = {t["name"]: t["template"] for t in template}.get("default")
         eos_ids = _read_json(folder / "generation_config.json").get("eos_token_id")
         extra_eos = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
         return cls(backend, config, chat_template=template, extra_eos_token_ids=extra_eos)
@@ -88,10 +92,14 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """The text of ``ids`` (invalid UTF-8 becomes U+FFFD)."""
+        """The text of ``ids`` (invalid UTF-8 becomes U+FFFD).
+
+        Ids past the vocabulary (a model's padded embedding rows) decode to nothing, as in
+        transformers.
+        """
         for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise InvalidRequestError(f"token id {i} is outside the vocabulary (vocab_size={self.vocab_size})")
+            if i < 0:
+                raise InvalidRequestError(f"token id {i} is negative")
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         if self._cleanup_spaces:
             for before, after in _CLEANUP_PAIRS:

@@ -122,10 +122,13 @@ def test_decode_matches_transformers(pair, text, skip_special_tokens):
     assert ours.decode(ids, skip_special_tokens=True) == text.replace("<s>", "")
 
 
-def test_decode_rejects_ids_outside_vocabulary(pair):
-    ours, _ = pair
-    with pytest.raises(InvalidRequestError, match=f"token id {ours.vocab_size} "):
-        ours.decode([5, ours.vocab_size])
+def test_decode_skips_ids_past_vocabulary_and_rejects_negative_ones(pair):
+    ours, hf = pair
+    ids = ours.encode("hi", add_special_tokens=False)
+    assert ours.decode([ids[0], ours.vocab_size + 7, *ids[1:]]) == "hi"
+    assert ours.decode([ours.vocab_size + 7]) == hf.decode([ours.vocab_size + 7])
+    with pytest.raises(InvalidRequestError, match="token id -1 is negative"):
+        ours.decode([5, -1])
 
 
 def test_special_token_ids_match_transformers(pair):
@@ -190,6 +193,14 @@ def test_bos_follows_the_post_processor_as_in_transformers(tmp_path, post_proces
     ids = ours.encode("hello")
     assert ids == hf.encode("hello")
     assert (ids[0] == ours.bos_token_id) == post_processor
+
+
+def test_chat_template_file_wins_over_config(pair, tmp_path):
+    folder = _write_checkpoint(tmp_path, post_processor=True, config=BASE_CONFIG)
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert Tokenizer.from_pretrained(str(folder)).apply_chat_template(MESSAGES) == "You are terse. 🤖!"
+    hf = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    assert hf.apply_chat_template(MESSAGES, tokenize=False) == "You are terse. 🤖!"
 
 
 def test_generation_config_adds_eos_ids(checkpoint, tmp_path):
