@@ -51,9 +51,9 @@ def synthetic_engine(model_config: ModelConfig, config: EngineConfig, tokenizer:
 
 
 def demo_tokenizer() -> Tokenizer:
-    from lora_runtime.demo import demo_model_dir
+    from lora_runtime.demo import BASE_MODEL_DIR
 
-    return Tokenizer.from_pretrained(demo_model_dir())
+    return Tokenizer.from_pretrained(str(BASE_MODEL_DIR))
 
 
 def best_time(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:

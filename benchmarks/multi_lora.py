@@ -59,12 +59,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
     parser.add_argument("--backend", default="auto", help="LoRA backend (auto, reference, xla, pallas)")
+    parser.add_argument("--large", action="store_true",
+                        help="Llama-3-8B layer shapes (8 layers, bf16) for accelerators")
     args = parser.parse_args(argv)
     rank, distinct = 16, 8
-    shape = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816)
+    if args.large:
+        shape = dict(hidden=4096, layers=8, heads=32, kv_heads=8, intermediate=14336)
+        dtype = "bfloat16"
+    else:
+        shape = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816)
+        dtype = "float32"
     new_tokens, repeats = (24, 2) if args.quick else (64, 3)
     tokenizer = demo_tokenizer()
-    model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype="float32", **shape)
+    model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
     config = EngineConfig(max_batch=distinct, max_seq_len=64 + new_tokens, max_loras_per_batch=distinct,
                           max_lora_rank=rank, lora_backend=args.backend)
     engine = synthetic_engine(model_config, config, tokenizer)
