@@ -12,10 +12,10 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 smoke=${1:-}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv 2>/dev/null | tee "$OUT/gpu.txt"
-timeout 300 python3 benchmarks/device_check.py ${smoke:+--cpu-smoke} --budget-s 260 --out "$OUT" 2>&1 | tee "$OUT/device_check.log"
+timeout 270 python3 benchmarks/device_check.py ${smoke:+--cpu-smoke} --budget-s 235 --out "$OUT" 2>&1 | tee "$OUT/device_check.log"
 large=--large
 [ -n "$smoke" ] && large=
 for backend in pallas xla; do
-  timeout 90 python3 -m benchmarks.multi_lora --quick $large --backend "$backend" 2>&1 | tee "$OUT/multi_lora_$backend.log" | tail -9
+  timeout 80 python3 -m benchmarks.multi_lora --quick $large --backend "$backend" 2>&1 | tee "$OUT/multi_lora_$backend.log" | tail -9
 done
 timeout 60 python3 -m benchmarks.engine_throughput --quick --dtype bfloat16 2>&1 | tee "$OUT/engine_throughput.log" | tail -6
