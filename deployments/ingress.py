@@ -73,6 +73,16 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
+def _admin_name_check(name: str, base: str) -> str:
+    try:
+        check_adapter_name(name)
+    except ServingError as e:
+        raise _from_serving(e, param="name") from None
+    if name == base:
+        raise OpenAIError(f"adapter name={name!r} is the base model's name", param="name")
+    return name
+
+
 @serve.ingress(app)
 class OpenAIIngress:
     """OpenAI-compatible front door; forwards generation to LoRAModelServer replicas."""
@@ -272,12 +282,3 @@ class OpenAIIngress:
         await self._call_admin("unregister", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
-
-def _admin_name_check(name: str, base: str) -> str:
-    try:
-        check_adapter_name(name)
-    except ServingError as e:
-        raise _from_serving(e, param="name") from None
-    if name == base:
-        raise OpenAIError(f"adapter name={name!r} is the base model's name", param="name")
-    return name

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -53,6 +54,20 @@ class Cluster:
         if proc.returncode != 0:
             raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc
+
+
+def kill_actor(cluster: Cluster, name: str, namespace: str, *, no_restart: bool) -> None:
+    """ray.kill on a named actor, from a short-lived driver with the cluster's auth env.
+
+    A separate process, because Ray reads its auth mode when first imported and this
+    test process may have imported Ray before the cluster existed.
+    """
+    code = (
+        "import ray, sys\n"
+        f"ray.init(address={cluster.gcs_address!r}, namespace={namespace!r}, log_to_driver=False)\n"
+        f"ray.kill(ray.get_actor({name!r}), no_restart={no_restart!r})\n"
+    )
+    cluster.cli(sys.executable, "-c", code)
 
 
 def _start_gcs_emulator(port: int):
@@ -141,13 +156,16 @@ def cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def ray_driver(cluster):
-    """This process connected to the cluster as a driver (for ray.kill / ray.get_actor)."""
-    import ray
-
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN"] = cluster.env["RAY_AUTH_TOKEN"]
-    ray.init(address=cluster.gcs_address, namespace="multilora", log_to_driver=False)
-    yield ray
-    ray.shutdown()
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On failure, attach the tail of the Serve replica and actor error logs to the report."""
+    outcome = yield
+    report = outcome.get_result()
+    c = item.funcargs.get("cluster") or item.funcargs.get("app")
+    if report.when != "call" or not report.failed or not isinstance(c, Cluster):
+        return
+    logs = Path(c.temp_dir) / "session_latest" / "logs"
+    for f in sorted(logs.glob("serve/replica_*.log")) + sorted(logs.glob("worker-*.err")):
+        tail = f.read_text(errors="replace")[-3000:]
+        if "Error" in tail:
+            report.sections.append((f"log {f.name}", tail))

@@ -15,7 +15,7 @@ import yaml
 
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.integration.adapters import save_peft_adapter
-from tests.integration.conftest import ADMIN_TOKEN, REPO
+from tests.integration.conftest import ADMIN_TOKEN, REPO, kill_actor
 
 pytestmark = pytest.mark.integration
 
@@ -268,12 +268,13 @@ def test_gcs_adapter_source(app, files, reference):
     assert r.status_code == 400
 
 
-def test_registry_survives_admin_restart_and_redeploy(app, files, reference, ray_driver):
-    names = {"ad0", "ad1", "from-gcs"}
+def test_registry_survives_admin_restart_and_redeploy(app, files, reference):
+    names = {"keep-a", "keep-b"}
+    assert _register(app, "keep-a", str(files["adapters"]["ad0"])).status_code == 201
+    assert _register(app, "keep-b", str(files["adapters"]["ad4"]), pinned=True).status_code == 201
     listed = lambda: {a["name"] for a in httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()["data"]}  # noqa: E731
     assert names <= listed()
-    admin = ray_driver.get_actor("lora_admin", namespace="multilora")
-    ray_driver.kill(admin, no_restart=False)
+    kill_actor(app, "lora_admin", "multilora", no_restart=False)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -286,8 +287,8 @@ def test_registry_survives_admin_restart_and_redeploy(app, files, reference, ray
     # Full redeploy with a fresh admin actor: everything comes back from the store.
     before = listed()
     app.cli("serve", "shutdown", "-y", "-a", app.dashboard_url)
-    ray_driver.kill(ray_driver.get_actor("lora_admin", namespace="multilora"), no_restart=True)
+    kill_actor(app, "lora_admin", "multilora", no_restart=True)
     _deploy(app, files)
     assert listed() == before
-    got = _client(app).completions.create(model="ad0", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    got = _client(app).completions.create(model="keep-a", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
     assert got.choices[0].text == reference(PROMPTS[0], "ad0")
