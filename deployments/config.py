@@ -29,7 +29,7 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, description="LoRAModelServer replicas, one engine each.")
     tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over.")
     max_batch: int = Field(8, description="Sequences one replica decodes together.")
-    max_seq_len: int = Field(512, description="Longest prompt plus completion, in tokens.")
+    max_seq_len: int = Field(64, description="Longest prompt plus completion, in tokens (the demo model holds 64).")
     max_loras_per_batch: int = Field(4, description="Device adapter slots per replica.")
     max_lora_rank: int = Field(16, description="Largest adapter rank accepted.")
     max_cpu_loras: int = Field(64, description="Adapters kept in each replica's host cache.")
@@ -145,6 +145,30 @@ class AppArgs(BaseModel):
     @property
     def is_demo(self) -> bool:
         return self.model == "demo"
+
+    def engine_config(self):
+        """The replica engine's EngineConfig for these arguments."""
+        from lora_runtime.engine.config import EngineConfig
+
+        return EngineConfig(
+            max_batch=self.max_batch,
+            max_seq_len=self.max_seq_len,
+            max_loras_per_batch=self.max_loras_per_batch,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            lora_backend=self.lora_backend,
+            tensor_parallel_size=self.tensor_parallel_size,
+            dtype=self.dtype,
+            adapter_roots=self.adapter_roots,
+            max_adapter_bytes=self.max_adapter_bytes,
+        )
+
+    @property
+    def served_model_name(self) -> str | None:
+        """The base model's name for clients; None lets the engine take the directory name."""
+        if self.model_name is not None:
+            return self.model_name
+        return "demo" if self.is_demo else None
 
     @property
     def resolved_registry_url(self) -> str:

@@ -32,25 +32,12 @@ class LoRAModelServer:
     """A Serve replica: engine, registry view, multiplexed adapter routing, drain on stop."""
 
     async def __init__(self, args: dict):
-        from lora_runtime.engine.config import EngineConfig
         from lora_runtime.engine.engine import Engine
 
         self._args = AppArgs(**args)
         a = self._args
-        config = EngineConfig(
-            max_batch=a.max_batch,
-            max_seq_len=a.max_seq_len,
-            max_loras_per_batch=a.max_loras_per_batch,
-            max_lora_rank=a.max_lora_rank,
-            max_cpu_loras=a.max_cpu_loras,
-            lora_backend=a.lora_backend,
-            tensor_parallel_size=a.tensor_parallel_size,
-            dtype=a.dtype,
-            adapter_roots=a.adapter_roots,
-            max_adapter_bytes=a.max_adapter_bytes,
-        )
         self._engine = Engine.from_pretrained(
-            resolve_model_path(a.model), config, model_name=a.model_name
+            resolve_model_path(a.model), a.engine_config(), model_name=a.served_model_name
         )
         self._engine.start()
         self._admin = get_or_create_admin(

@@ -37,5 +37,11 @@ def test_more_slots_than_batch_rows_rejected():
         AppArgs(max_batch=4, max_loras_per_batch=8)
 
 
+def test_served_model_name():
+    assert AppArgs().served_model_name == "demo"
+    assert AppArgs(model="/ckpt/llama").served_model_name is None
+    assert AppArgs(model="/ckpt/llama", model_name="llama-7b").served_model_name == "llama-7b"
+
+
 def test_url_registry_kept_verbatim():
     assert AppArgs(registry_url="gs://b/r.json").resolved_registry_url == "gs://b/r.json"

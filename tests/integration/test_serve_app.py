@@ -216,9 +216,24 @@ def test_vllm_compatible_endpoints(app, files, reference):
     assert r.status_code == 401
 
 
+def _engine_stats(app) -> dict:
+    return httpx.get(f"{app.base_url}/health", timeout=30).json()["engine"]
+
+
+def test_registry_change_reaches_the_replica_within_a_second(app, files):
+    r = _register(app, "fresh", str(files["adapters"]["ad6"]))
+    assert r.status_code == 201
+    t0 = time.monotonic()
+    while httpx.get(f"{app.base_url}/health", timeout=30).json()["registry_version"] < r.json()["version"]:
+        assert time.monotonic() - t0 < 1.0, "replica did not see the registration within 1 s"
+        time.sleep(0.05)
+    assert httpx.delete(f"{app.base_url}/v1/adapters/fresh", headers=AUTH).status_code == 200
+
+
 def test_32_concurrent_streams_over_8_adapters(app, files, reference):
     for name, path in files["adapters"].items():
         assert _register(app, name, str(path)).status_code == 201
+    before = _engine_stats(app)
     jobs = [(f"ad{i % N_ADAPTERS}", PROMPTS[i % len(PROMPTS)]) for i in range(32)]
     want = [reference(p, a) for a, p in jobs]
     client = openai.AsyncOpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -233,6 +248,11 @@ def test_32_concurrent_streams_over_8_adapters(app, files, reference):
         return await asyncio.gather(*(one(a, p) for a, p in jobs))
 
     assert asyncio.run(all_of()) == want
+    after = _engine_stats(app)
+    # Requests for different adapters shared decode steps: more rows than steps.
+    rows = after["decode_row_steps"] - before["decode_row_steps"]
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert rows > 2 * steps
 
 
 def test_client_disconnect_aborts_the_sequence(app, files):
