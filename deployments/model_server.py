@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from ray import serve
 
@@ -21,6 +22,7 @@ logger = logging.getLogger("ray.serve")
 # Long-poll length: a change wakes the poll at once, so this only bounds idle churn.
 _POLL_TIMEOUT_S = 5.0
 _RETRY_S = 0.25
+_ENGINE_THREAD = "engine-loop"  # the name Engine.start gives its stepping thread
 
 
 def error_item(e: ServingError) -> dict:
@@ -111,9 +113,10 @@ class LoRAModelServer:
 
     def _prompt(self, request: dict) -> str | list[int]:
         if request["kind"] == "chat":
-            return self._engine.tokenizer.apply_chat_template(
-                request["messages"], add_generation_prompt=True
-            )
+            tokenizer = self._engine.tokenizer
+            text = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True)
+            # Chat templates write BOS themselves: no second one from the tokenizer.
+            return tokenizer.encode(text, add_special_tokens=False)
         return request["prompt"]
 
     def _sampling(self, request: dict, prompt: str | list[int]):
@@ -174,9 +177,12 @@ class LoRAModelServer:
         return {"registry_version": self._version, **self._engine.stats()}
 
     async def check_health(self) -> None:
+        """Serve's periodic probe: a failure restarts this replica."""
         if self._sync_task.done() and not self._sync_task.cancelled():
             raise RuntimeError(f"registry sync stopped: {self._sync_task.exception()!r}")
-        self._engine.stats()
+        # The engine steps on its own thread; if that thread died, requests would hang.
+        if not any(t.name == _ENGINE_THREAD and t.is_alive() for t in threading.enumerate()):
+            raise RuntimeError(f"engine thread {_ENGINE_THREAD!r} is not running")
 
     async def __del__(self) -> None:
         # Graceful drain: running sequences finish, new ones are refused.

@@ -20,8 +20,11 @@ from tests.integration.conftest import ADMIN_TOKEN, REPO, kill_actor
 pytestmark = pytest.mark.integration
 
 APP = "multilora"
-ARGS = dict(max_batch=8, max_seq_len=64, max_loras_per_batch=4, max_lora_rank=8, max_cpu_loras=16)
-PROMPTS = ["the quick brown fox", "hello world, this", "numbers 0123", "naïve café"]
+CONFIG = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+ARGS = CONFIG["applications"][0]["args"]
+BASE = "demo"
+# Demo-style prompts: a word and the separator (see lora_runtime.demo.tasks).
+PROMPTS = ["hello=", "serving=", "adapter=", "batch="]
 MAX_TOKENS = 8
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 N_ADAPTERS = 8
@@ -29,20 +32,22 @@ N_ADAPTERS = 8
 
 @pytest.fixture(scope="session")
 def files(tmp_path_factory):
+    from lora_runtime.demo import demo_adapters, demo_model_dir
+
     root = tmp_path_factory.mktemp("serve_app")
-    base = save_tiny_llama(root / "tiny-llama")
+    base = Path(demo_model_dir())
     adapters = {f"ad{i}": save_peft_adapter(base, root / f"ad{i}", seed=10 + i, rank=4 + 4 * (i % 2)) for i in range(N_ADAPTERS)}
-    wrong = save_peft_adapter(
-        save_tiny_llama(root / "other", hidden_size=32, intermediate_size=64), root / "wrong", seed=99
-    )
-    return {"root": root, "base": base, "adapters": adapters, "wrong": wrong}
+    wrong = save_peft_adapter(save_tiny_llama(root / "other"), root / "wrong", seed=99)
+    demo = {name: Path(path) for name, path in demo_adapters().items()}
+    return {"root": root, "base": base, "adapters": adapters, "wrong": wrong, "demo": demo}
 
 
 def _write_config(cluster, files) -> Path:
+    """The shipped serve_config.yaml; only the HTTP port and the registry path change."""
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": cluster.http_port}
     args = config["applications"][0]["args"]
-    args.update(ARGS, model=str(files["base"]), registry_url=str(files["root"] / "registry" / "registry.json"))
+    args["registry_url"] = str(files["root"] / "registry" / "registry.json")
     path = files["root"] / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -77,20 +82,22 @@ def app(cluster, files):
 def reference(files):
     """The runtime run directly, same limits: greedy text per (prompt, adapter)."""
     from cluster.admin import sync_entries
-    from lora_runtime.engine.config import EngineConfig
     from lora_runtime.engine.engine import Engine
     from lora_runtime.engine.sampling import SamplingParams
 
-    engine = Engine.from_pretrained(str(files["base"]), EngineConfig(**ARGS))
+    from deployments.config import AppArgs
+
+    engine = Engine.from_pretrained(str(files["base"]), AppArgs(**ARGS).engine_config(), model_name=BASE)
     engine.start()
-    entries = {n: {"source": str(p), "version": 1, "pinned": False} for n, p in files["adapters"].items()}
+    sources = {**files["adapters"], **files["demo"]}
+    entries = {n: {"source": str(p), "version": 1, "pinned": False} for n, p in sources.items()}
     engine.lora_manager.sync(sync_entries(entries))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     cache: dict = {}
 
-    def run(prompt: str, adapter: str | None) -> str:
+    def run(prompt: str | tuple[int, ...], adapter: str | None) -> str:
         if (prompt, adapter) not in cache:
-            [out] = engine.generate_batch([prompt], params, [adapter])
+            [out] = engine.generate_batch([prompt if isinstance(prompt, str) else list(prompt)], params, [adapter])
             cache[prompt, adapter] = out.text
         return cache[prompt, adapter]
 
@@ -106,10 +113,6 @@ def _client(app) -> openai.OpenAI:
 def _register(app, name: str, source: str, pinned: bool = False) -> httpx.Response:
     return httpx.post(f"{app.base_url}/v1/adapters", json={"name": name, "source": source, "pinned": pinned},
                       headers=AUTH, timeout=120)
-
-
-def _base_name(files) -> str:
-    return files["base"].name
 
 
 def test_admin_requires_the_token(app, files):
@@ -130,7 +133,7 @@ def test_health(app):
 
 def test_base_and_adapter_completions_match_the_runtime(app, files, reference):
     client = _client(app)
-    base = _base_name(files)
+    base = BASE
     r = _register(app, "ad0", str(files["adapters"]["ad0"]))
     assert r.status_code == 201, r.text
     models = {m.id: m for m in client.models.list().data}
@@ -155,12 +158,24 @@ def test_base_and_adapter_completions_match_the_runtime(app, files, reference):
     assert any(reference(p, None) != reference(p, "ad0") for p in PROMPTS)
 
 
+def test_demo_adapters_are_registered_at_start(app, files, reference):
+    models = {m["id"]: m for m in httpx.get(f"{app.base_url}/v1/models").json()["data"]}
+    for name in files["demo"]:
+        assert models[name]["parent"] == BASE
+    client = _client(app)
+    for name in files["demo"]:
+        got = client.completions.create(model=name, prompt="hello=", max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == reference("hello=", name)
+
+
 def test_chat_completions_match_the_runtime(app, files, reference):
     client = _client(app)
-    messages = [{"role": "user", "content": "hello world"}]
-    template = reference.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    messages = [{"role": "user", "content": "hello"}]
+    tokenizer = reference.engine.tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    template = tuple(tokenizer.encode(text, add_special_tokens=False))
     assert _register(app, "ad1", str(files["adapters"]["ad1"])).status_code == 201
-    for model, adapter in ((_base_name(files), None), ("ad1", "ad1")):
+    for model, adapter in ((BASE, None), ("ad1", "ad1")):
         want = reference(template, adapter)
         got = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
@@ -176,7 +191,7 @@ def test_errors_use_the_openai_format(app, files):
         client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
     assert "no-such-adapter" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=_base_name(files), prompt="hi", max_tokens=1000)
+        client.completions.create(model=BASE, prompt="hi", max_tokens=1000)
     assert "max_seq_len" in e.value.body["message"]
     r = httpx.post(f"{app.base_url}/v1/completions", json={"model": "m", "prompt": "x", "n": 3})
     assert r.status_code == 400 and "n=3" in r.json()["error"]["message"]
@@ -260,7 +275,7 @@ def test_client_disconnect_aborts_the_sequence(app, files):
         return httpx.get(f"{app.base_url}/health", timeout=30).json()["engine"]["aborted"]
 
     before = aborted()
-    body = {"model": _base_name(files), "prompt": "hello", "max_tokens": 50, "temperature": 0,
+    body = {"model": BASE, "prompt": "hello", "max_tokens": 50, "temperature": 0,
             "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
