@@ -15,6 +15,7 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from cluster.admin import AdapterValidator, check_adapter_name, get_or_create_admin, unwrap_error
 from cluster.auth import AdminAuth, AuthError
@@ -58,6 +59,16 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
     msg = first.get("msg", "invalid request")
     message = f"{param}: {msg}" if param else msg
     return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+
+@app.exception_handler(Exception)
+async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
+    cause = unwrap_error(e)
+    if isinstance(cause, ServingError):
+        return JSONResponse(_from_serving(cause).body(), status_code=cause.status_code)
+    if isinstance(cause, BackPressureError):
+        return JSONResponse(error_body(str(cause), "server_error"), status_code=503)
+    return JSONResponse(error_body(f"internal error: {cause!r}", "server_error"), status_code=500)
 
 
 def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
