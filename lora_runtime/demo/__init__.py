@@ -1,0 +1,23 @@
+"""The shipped demo: a small trained base model and one LoRA adapter per word task.
+
+Only paths live here (no torch): the serving side finds the files through them.
+``lora_runtime.demo.train`` recreates the files; ``lora_runtime.demo.tasks`` says what
+each adapter does and the prompt format ("hello=" -> "olleh" with the reverse adapter).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lora_runtime.demo.tasks import ADAPTER_TASKS
+
+ASSETS_DIR = Path(__file__).parent / "assets"
+BASE_MODEL_DIR = ASSETS_DIR / "base"  # config.json, model.safetensors, tokenizer files
+ADAPTERS_DIR = ASSETS_DIR / "adapters"  # <task>/adapter_config.json, adapter_model.safetensors
+
+
+def adapter_dir(name: str) -> Path:
+    """The folder of the demo adapter for task ``name`` (one of ADAPTER_TASKS)."""
+    if name not in ADAPTER_TASKS:
+        raise ValueError(f"{name=} is not a demo adapter; choose one of {sorted(ADAPTER_TASKS)}")
+    return ADAPTERS_DIR / name
