@@ -10,6 +10,7 @@ from lora_runtime.demo import tasks
 from lora_runtime.demo.train import (
     ADAPTER_RECIPES,
     MODEL_VOCAB_SIZE,
+    TARGET_MODULES,
     TrainSettings,
     encode_examples,
     main,
@@ -53,6 +54,7 @@ def test_script_writes_loadable_files(tmp_path, capsys):
         folder = tmp_path / "adapters" / name
         assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
         config = json.loads((folder / "adapter_config.json").read_text())
+        assert config["target_modules"] == sorted(TARGET_MODULES)  # stable order: reruns write equal files
         assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (
             recipe.r, recipe.lora_alpha, recipe.use_rslora
         )
