@@ -21,3 +21,13 @@ def adapter_dir(name: str) -> Path:
     if name not in ADAPTER_TASKS:
         raise ValueError(f"{name=} is not a demo adapter; choose one of {sorted(ADAPTER_TASKS)}")
     return ADAPTERS_DIR / name
+
+
+def demo_model_dir() -> str:
+    """The base model's folder, as the string Engine.from_pretrained takes."""
+    return str(BASE_MODEL_DIR)
+
+
+def demo_adapters() -> dict[str, Path]:
+    """Every demo adapter's folder by task name (reverse, upper, sort, caesar)."""
+    return {name: adapter_dir(name) for name in ADAPTER_TASKS}

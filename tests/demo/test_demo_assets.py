@@ -1,13 +1,14 @@
 """The shipped demo: adapters do their tasks on held-out words, the base does not."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from lora_runtime.demo import ADAPTERS_DIR, ASSETS_DIR, adapter_dir, tasks
+from lora_runtime.demo import ADAPTERS_DIR, ASSETS_DIR, adapter_dir, demo_adapters, demo_model_dir, tasks
 from lora_runtime.demo import BASE_MODEL_DIR as BASE_DIR
 from lora_runtime.demo.train import TARGET_MODULES, exact_match, generate_answers, load_hf_tokenizer
 from lora_runtime.model.tokenizer import Tokenizer
@@ -38,6 +39,13 @@ def test_shipped_files_are_small_and_complete():
     assert set(p.name for p in ADAPTERS_DIR.iterdir()) == set(tasks.ADAPTER_TASKS)
     size = sum(p.stat().st_size for p in ASSETS_DIR.rglob("*") if p.is_file())
     assert size < 8 * 2**20, f"demo assets are {size} bytes"
+
+
+def test_path_helpers_point_at_the_shipped_files():
+    assert (Path(demo_model_dir()) / "model.safetensors").is_file()
+    adapters = demo_adapters()
+    assert list(adapters) == ["reverse", "upper", "sort", "caesar"]
+    assert all((path / "adapter_model.safetensors").is_file() for path in adapters.values())
 
 
 def test_adapter_dir_rejects_unknown_task():
