@@ -260,3 +260,26 @@ def test_incremental_flush_returns_an_unfinished_character(pair):
     assert "".join(deltas).startswith("ok")
     assert "".join(deltas) + rest == ours.decode(ids)
     assert rest.endswith("\ufffd") and not any("\ufffd" in d for d in deltas)
+
+
+def test_incremental_keeps_spaces_of_a_metaspace_tokenizer(tmp_path):
+    # SentencePiece-style decoders drop the leading space of a text; the prefix window
+    # keeps word-initial spaces of later tokens.
+    backend = BackendTokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    backend.train_from_iterator(CORPUS * 3, trainer=trainer)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    ours, hf = Tokenizer.from_pretrained(str(tmp_path)), PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    text = "The lazy fox jumps over the quick dog"
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == hf.encode(text, add_special_tokens=False) and len(ids) > len(text.split())
+    assert ours.decode(ids) == hf.decode(ids) == text
+    deltas, rest = _stream(ours, [], ids)
+    assert "".join(deltas) + rest == text
+    prompt = ours.encode("Hello,", add_special_tokens=False)
+    deltas, rest = _stream(ours, prompt, ids)
+    assert "".join(deltas) + rest == ours.decode(prompt + ids)[len(ours.decode(prompt)):]
+    assert "".join(deltas).startswith(" The")
