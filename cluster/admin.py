@@ -61,10 +61,18 @@ class AdapterValidator:
 def resolve_model_path(model: str) -> str:
     """The checkpoint path of ``model``; 'demo' is the shipped demo checkpoint."""
     if model == "demo":
-        from lora_runtime.demo import demo_model_dir
+        from lora_runtime.demo import BASE_MODEL_DIR
 
-        return str(demo_model_dir())
+        return str(BASE_MODEL_DIR)
     return model
+
+
+def demo_adapter_sources() -> dict[str, str]:
+    """Adapter name -> directory of each shipped demo adapter."""
+    from lora_runtime.demo import adapter_dir
+    from lora_runtime.demo.tasks import ADAPTER_TASKS
+
+    return {name: str(adapter_dir(name)) for name in ADAPTER_TASKS}
 
 
 class AdminActor:
@@ -201,6 +209,7 @@ __all__ = [
     "AdapterValidator",
     "AdminActor",
     "check_adapter_name",
+    "demo_adapter_sources",
     "get_or_create_admin",
     "resolve_model_path",
     "sync_entries",

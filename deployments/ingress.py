@@ -17,7 +17,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from cluster.admin import AdapterValidator, check_adapter_name, get_or_create_admin, unwrap_error
+from cluster.admin import (
+    AdapterValidator,
+    check_adapter_name,
+    demo_adapter_sources,
+    get_or_create_admin,
+    unwrap_error,
+)
 from cluster.auth import AdminAuth, AuthError
 from deployments.config import AppArgs
 from deployments.openai_protocol import (
@@ -111,11 +117,8 @@ class OpenAIIngress:
         self._model_name: str | None = None
         self._created = int(time.time())
         if a.is_demo:
-            from lora_runtime.demo import demo_adapters
-
-            await self._admin.ensure_registered.remote(
-                {name: str(path) for name, path in demo_adapters().items()}
-            )
+            # Validated like any registration; ones already registered are left as they are.
+            await self._admin.ensure_registered.remote(demo_adapter_sources())
 
     async def _base_name(self) -> str:
         if self._model_name is None:

@@ -32,13 +32,14 @@ N_ADAPTERS = 8
 
 @pytest.fixture(scope="session")
 def files(tmp_path_factory):
-    from lora_runtime.demo import demo_adapters, demo_model_dir
+    from cluster.admin import demo_adapter_sources, resolve_model_path
 
     root = tmp_path_factory.mktemp("serve_app")
-    base = Path(demo_model_dir())
+    base = Path(resolve_model_path("demo"))
     adapters = {f"ad{i}": save_peft_adapter(base, root / f"ad{i}", seed=10 + i, rank=4 + 4 * (i % 2)) for i in range(N_ADAPTERS)}
-    wrong = save_peft_adapter(save_tiny_llama(root / "other"), root / "wrong", seed=99)
-    demo = {name: Path(path) for name, path in demo_adapters().items()}
+    # Same depth as the demo model, different width: every tensor has the wrong shape.
+    wrong = save_peft_adapter(save_tiny_llama(root / "other", num_hidden_layers=4), root / "wrong", seed=99)
+    demo = {name: Path(path) for name, path in demo_adapter_sources().items()}
     return {"root": root, "base": base, "adapters": adapters, "wrong": wrong, "demo": demo}
 
 
