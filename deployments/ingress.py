@@ -155,6 +155,9 @@ class OpenAIIngress:
             first = await anext(stream)
         except StopAsyncIteration:
             raise OpenAIError("the model returned no output", status_code=500, error_type="server_error") from None
+        except BaseException:
+            stream.cancel()  # e.g. the client left before the first token
+            raise
         if "error" in first:
             raise _from_item(first["error"])
         return stream, first
