@@ -164,7 +164,13 @@ class LoRAModelServer:
                 }
                 if finished:
                     break
-                out = await anext(stream)
+                try:
+                    out = await anext(stream)
+                except ServingError as e:
+                    # The engine ended this sequence itself (e.g. its adapter failed to load).
+                    finished = True
+                    yield error_item(e)
+                    break
         finally:
             # A client disconnect cancels this generator: free the sequence's slot now.
             if not finished:
