@@ -1,0 +1,166 @@
+"""Adapter-affinity routing: rendezvous hashing of adapters over replicas, within a load bound.
+
+Pure logic (no Ray): the Serve plugin in cluster/serve_router.py feeds it replica views.
+Each adapter gets a preference order over replicas from highest-random-weight hashing, so
+it has a stable home and host caches across replicas add up instead of all holding the
+same popular adapters. A replica leaving moves only the adapters homed on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the router knows of one replica: ongoing requests and adapters it holds."""
+
+    replica_id: str
+    load: int
+    resident: frozenset[str] = field(default_factory=frozenset)  # adapters in device slots
+    host_cached: frozenset[str] = field(default_factory=frozenset)  # adapters in host memory
+
+
+def rendezvous_score(adapter: str, replica_id: str) -> int:
+    """The highest-random-weight score of ``replica_id`` for ``adapter`` (stable across processes)."""
+    digest = hashlib.blake2b(f"{adapter}\x00{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_order(adapter: str, replica_ids: Iterable[str]) -> list[str]:
+    """Replica ids in ``adapter``'s preference order: highest score first, ties by id."""
+    return sorted(replica_ids, key=lambda r: (-rendezvous_score(adapter, r), r))
+
+
+def load_cap(loads: Sequence[int], eps: float) -> int:
+    """Bounded-load capacity: a replica may take a request while its load is below this.
+
+    The mean counts the request being placed; the cap is (1+eps) x mean, and at least one
+    above the mean so small clusters are not forced away from affinity on every request.
+    """
+    if not loads:
+        raise ValueError(f"{loads=} must name at least one replica")
+    if eps < 0:
+        raise ValueError(f"{eps=} must be >= 0")
+    mean = (sum(loads) + 1) / len(loads)
+    return max(math.ceil((1.0 + eps) * mean), math.ceil(mean) + 1)
+
+
+def route(
+    adapter: str | None,
+    replicas: Sequence[ReplicaView],
+    *,
+    homes: int = 1,
+    eps: float = 0.25,
+) -> list[str]:
+    """Replica ids in the order to try for a request for ``adapter`` (None: base model).
+
+    Under the load cap, in order: replicas holding the adapter in device slots (with a hot
+    adapter's homes, ``homes > 1``), then in host memory (each least loaded first), then
+    the adapter's ``homes`` first rendezvous replicas (least loaded first), then the rest
+    of its rendezvous order. Replicas over
+    the cap come last, least loaded first. Base-model requests go least loaded first.
+    """
+    if not replicas:
+        raise ValueError("no replicas to route to")
+    if homes < 1:
+        raise ValueError(f"{homes=} must be >= 1")
+    ids = [r.replica_id for r in replicas]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"replica ids must be unique, got {ids!r}")
+    cap = load_cap([r.load for r in replicas], eps)
+    by_load = sorted(replicas, key=lambda r: (r.load, r.replica_id))
+    over = [r.replica_id for r in by_load if r.load >= cap]
+    if adapter is None:
+        return [r.replica_id for r in by_load if r.load < cap] + over
+
+    order = rendezvous_order(adapter, ids)
+    rank = {rid: i for i, rid in enumerate(order)}
+    under = sorted((r for r in replicas if r.load < cap), key=lambda r: (r.load, rank[r.replica_id]))
+    home_ids = set(order[:homes])
+    # A hot adapter's homes rank with its device holders, so its load spreads over them.
+    spread = home_ids if homes > 1 else set()
+    tiers = (
+        [r.replica_id for r in under if adapter in r.resident or r.replica_id in spread],
+        [r.replica_id for r in under if adapter in r.host_cached],
+        [r.replica_id for r in under if r.replica_id in home_ids],
+        sorted((r.replica_id for r in under), key=rank.__getitem__),
+    )
+    chosen: list[str] = []
+    seen: set[str] = set()
+    for tier in tiers:
+        for rid in tier:
+            if rid not in seen:
+                seen.add(rid)
+                chosen.append(rid)
+    return chosen + over
+
+
+class HotAdapterTracker:
+    """Decayed per-adapter request rates, and how many homes each adapter gets.
+
+    An adapter whose recent rate exceeds ``hot_rate`` (requests/s) gets
+    ``ceil(rate / hot_rate)`` homes, at most ``max_homes``, so its load spreads over the
+    first few replicas of its rendezvous order rather than all of them.
+    """
+
+    def __init__(
+        self,
+        *,
+        hot_rate: float,
+        max_homes: int,
+        half_life_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if hot_rate <= 0:
+            raise ValueError(f"{hot_rate=} must be > 0")
+        if max_homes < 1:
+            raise ValueError(f"{max_homes=} must be >= 1")
+        if half_life_s <= 0:
+            raise ValueError(f"{half_life_s=} must be > 0")
+        self.hot_rate = hot_rate
+        self.max_homes = max_homes
+        self._tau = half_life_s / math.log(2.0)
+        self._clock = clock
+        self._rates: dict[str, tuple[float, float]] = {}  # adapter -> (rate, as of time)
+
+    def _decayed(self, adapter: str, now: float) -> float:
+        rate, t = self._rates.get(adapter, (0.0, now))
+        return rate * math.exp(-(now - t) / self._tau)
+
+    def record(self, adapter: str) -> None:
+        """Counts one request for ``adapter`` now."""
+        now = self._clock()
+        # An exponentially weighted rate: each request adds 1/tau, so a steady stream of
+        # r requests/s converges to r.
+        self._rates[adapter] = (self._decayed(adapter, now) + 1.0 / self._tau, now)
+        self._forget(now)
+
+    def rate(self, adapter: str) -> float:
+        """The adapter's recent request rate, requests per second."""
+        return self._decayed(adapter, self._clock())
+
+    def homes(self, adapter: str, num_replicas: int) -> int:
+        """How many replicas serve as homes for ``adapter`` (1 unless it is hot)."""
+        k = max(1, math.ceil(self.rate(adapter) / self.hot_rate))
+        return max(1, min(k, self.max_homes, num_replicas))
+
+    def _forget(self, now: float) -> None:
+        # Bound memory: drop adapters whose rate has decayed to nothing.
+        if len(self._rates) > 4096:
+            for name in [a for a in self._rates if self._decayed(a, now) < 1e-3]:
+                del self._rates[name]
+
+
+__all__ = [
+    "HotAdapterTracker",
+    "ReplicaView",
+    "load_cap",
+    "rendezvous_order",
+    "rendezvous_score",
+    "route",
+]
