@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import re
-import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from lora_runtime.errors import InvalidAdapterError
 from lora_runtime.model.lora_hook import GROUP_SLICES, GROUPS
+from lora_runtime.model.safetensors_io import SAFETENSORS_DTYPES, read_bytes
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -34,7 +34,6 @@ _REFUSED_TARGETS = ("embed_tokens", "lm_head")
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
 )
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 _SUPPORTED_CONFIG = {"bias": "none", "use_dora": False}
 
 
@@ -146,34 +145,19 @@ class LoRAAdapter:
         return out
 
 
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))
+
+
 def read_safetensors(name: str, data: bytes) -> dict[str, np.ndarray]:
-    """Parses a safetensors blob without pickle or torch; float tensors only."""
-    if len(data) < 8:
-        raise InvalidAdapterError(f"adapter {name!r}: adapter_model.safetensors is truncated ({len(data)} bytes)")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > len(data) - 8:
-        raise InvalidAdapterError(
-            f"adapter {name!r}: safetensors header length {header_len} exceeds file size {len(data)}"
-        )
+    """Parses a safetensors blob without pickle or torch."""
     try:
-        header = json.loads(data[8:8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidAdapterError(f"adapter {name!r}: safetensors header is not valid JSON: {e}") from None
-    body = memoryview(data)[8 + header_len:]
-    tensors = {}
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        dtype = _DTYPES.get(meta.get("dtype"))
-        if dtype is None:
-            raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} has unsupported dtype {meta.get('dtype')!r}")
-        start, end = meta["data_offsets"]
-        shape = tuple(meta["shape"])
-        if not 0 <= start <= end <= len(body) or end - start != math.prod(shape) * np.dtype(dtype).itemsize:
-            raise InvalidAdapterError(
-                f"adapter {name!r}: tensor {key!r} offsets {[start, end]} do not fit shape {shape}"
-            )
-        tensors[key] = np.frombuffer(body[start:end], dtype=dtype).reshape(shape)
+        tensors = read_bytes(data)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise InvalidAdapterError(f"adapter {name!r}: adapter_model.safetensors is malformed: {e}") from None
+    for key, t in tensors.items():
+        if t.dtype not in _FLOAT_DTYPES:
+            file_dtype = next(k for k, v in SAFETENSORS_DTYPES.items() if v == t.dtype)
+            raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} has unsupported dtype {file_dtype!r}")
     return tensors
 
 
