@@ -1,0 +1,214 @@
+"""Serving metrics: per-replica recording, and Prometheus exposition across replicas.
+
+Each LoRAModelServer replica records its requests in a plain ``ReplicaMetrics`` (no
+global registry: Ray rebuilds deployment modules by value, and several replicas may share
+a process in tests) and publishes ``snapshot()`` with its routing stats. The ingress
+renders every replica's latest snapshot, labelled by replica, as Prometheus text on
+``GET /metrics`` through its own ``CollectorRegistry``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+PREFIX = "multilora"
+BASE_LABEL = "base"  # requests for the base model, no adapter
+OTHER_LABEL = "other"  # adapters past the label budget
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+LORA_COUNTERS = ("loads", "evictions", "host_hits", "host_misses", "host_evictions", "fetches", "fetch_errors")
+
+
+class AdapterLabels:
+    """Bounded label values for adapters: the first ``max_adapters`` keep their name.
+
+    Labels are sticky: once an adapter has its own series it keeps it, so every counter
+    stays monotonic (re-ranking a top-K would move counts between series and read as
+    counter resets). Adapters past the budget share ``"other"``; None is ``"base"``.
+    """
+
+    def __init__(self, max_adapters: int):
+        if max_adapters < 0:
+            raise ValueError(f"{max_adapters=} must be >= 0")
+        self.max_adapters = max_adapters
+        self._named: set[str] = set()
+
+    def label(self, adapter: str | None) -> str:
+        if not adapter:
+            return BASE_LABEL
+        if adapter in self._named:
+            return adapter
+        if len(self._named) < self.max_adapters and adapter not in (BASE_LABEL, OTHER_LABEL):
+            self._named.add(adapter)
+            return adapter
+        return OTHER_LABEL
+
+
+class Histogram:
+    """Cumulative-bucket histogram as plain numbers, so it travels in a snapshot."""
+
+    def __init__(self, buckets: Iterable[float]):
+        self.buckets = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.buckets) + 1)  # last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum}
+
+
+class RequestTrace:
+    """Timing of one request on a replica; ``finish`` records it once."""
+
+    def __init__(self, metrics: "ReplicaMetrics", label: str, clock: Callable[[], float]):
+        self._metrics = metrics
+        self._label = label
+        self._clock = clock
+        self._start = clock()
+        self._last: float | None = None
+        self._done = False
+
+    def tokens(self, n: int) -> None:
+        """``n`` new tokens arrived now (the first arrival is the time to first token)."""
+        if n <= 0:
+            return
+        now = self._clock()
+        m = self._metrics
+        if self._last is None:
+            m.ttft.observe(now - self._start)
+            n -= 1
+        elif n > 0:
+            # Tokens that arrive together share the gap since the last arrival.
+            gap = (now - self._last) / n
+            for _ in range(n):
+                m.inter_token.observe(gap)
+        self._last = now
+
+    def finish(self, status: str, prompt_tokens: int, completion_tokens: int) -> None:
+        if self._done:
+            return
+        self._done = True
+        m = self._metrics
+        m.e2e.observe(self._clock() - self._start)
+        key = (self._label, status)
+        m.requests[key] = m.requests.get(key, 0) + 1
+        m.prompt_tokens[self._label] = m.prompt_tokens.get(self._label, 0) + prompt_tokens
+        m.generation_tokens[self._label] = m.generation_tokens.get(self._label, 0) + completion_tokens
+
+
+class ReplicaMetrics:
+    """One replica's request counters and latency histograms."""
+
+    def __init__(self, max_adapter_labels: int = 20, clock: Callable[[], float] = time.monotonic):
+        self.labels = AdapterLabels(max_adapter_labels)
+        self._clock = clock
+        self.requests: dict[tuple[str, str], int] = {}  # (adapter label, status) -> count
+        self.prompt_tokens: dict[str, int] = {}
+        self.generation_tokens: dict[str, int] = {}
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+
+    def start(self, adapter: str | None) -> RequestTrace:
+        return RequestTrace(self, self.labels.label(adapter), self._clock)
+
+    def snapshot(self, engine_stats: Mapping[str, float], lora_stats=None, slots_used: int = 0,
+                 slots_total: int = 0) -> dict:
+        """Everything /metrics shows for this replica, as plain data."""
+        return {
+            "requests": [[a, s, n] for (a, s), n in sorted(self.requests.items())],
+            "prompt_tokens": dict(self.prompt_tokens),
+            "generation_tokens": dict(self.generation_tokens),
+            "ttft": self.ttft.snapshot(),
+            "inter_token": self.inter_token.snapshot(),
+            "e2e": self.e2e.snapshot(),
+            "running": engine_stats.get("running", 0),
+            "waiting": engine_stats.get("waiting", 0),
+            "lora": {} if lora_stats is None else {k: dataclasses.asdict(lora_stats)[k] for k in LORA_COUNTERS},
+            "slots_used": slots_used,
+            "slots_total": slots_total,
+        }
+
+
+def _histogram(name: str, doc: str, snaps: Mapping[str, dict], key: str) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=["replica"])
+    for replica, snap in snaps.items():
+        h = snap[key]
+        cumulative, running = [], 0
+        for bound, count in zip([*h["buckets"], float("inf")], h["counts"]):
+            running += count
+            cumulative.append((_bound(bound), running))
+        fam.add_metric([replica], cumulative, sum_value=h["sum"])
+    return fam
+
+
+def _bound(b: float) -> str:
+    return "+Inf" if b == float("inf") else repr(float(b))
+
+
+class ClusterCollector:
+    """A prometheus_client collector over the latest snapshot of every replica."""
+
+    def __init__(self, source: Callable[[], Mapping[str, dict]]):
+        self._source = source  # replica id -> ReplicaMetrics.snapshot() dict
+
+    def collect(self):
+        snaps = dict(self._source())
+        req = CounterMetricFamily(f"{PREFIX}_requests", "Finished requests", labels=["replica", "adapter", "status"])
+        p_tok = CounterMetricFamily(f"{PREFIX}_prompt_tokens", "Prompt tokens", labels=["replica", "adapter"])
+        g_tok = CounterMetricFamily(f"{PREFIX}_generation_tokens", "Generated tokens", labels=["replica", "adapter"])
+        running = GaugeMetricFamily(f"{PREFIX}_running_requests", "Sequences decoding", labels=["replica"])
+        waiting = GaugeMetricFamily(f"{PREFIX}_waiting_requests", "Sequences queued", labels=["replica"])
+        used = GaugeMetricFamily(f"{PREFIX}_adapter_slots_used", "Device adapter slots holding an adapter",
+                                 labels=["replica"])
+        total = GaugeMetricFamily(f"{PREFIX}_adapter_slots", "Device adapter slots", labels=["replica"])
+        lora = {
+            k: CounterMetricFamily(f"{PREFIX}_adapter_{k}", f"Adapter {k.replace('_', ' ')}", labels=["replica"])
+            for k in LORA_COUNTERS
+        }
+        for replica, s in snaps.items():
+            for adapter, status, n in s["requests"]:
+                req.add_metric([replica, adapter, status], n)
+            for adapter, n in s["prompt_tokens"].items():
+                p_tok.add_metric([replica, adapter], n)
+            for adapter, n in s["generation_tokens"].items():
+                g_tok.add_metric([replica, adapter], n)
+            running.add_metric([replica], s["running"])
+            waiting.add_metric([replica], s["waiting"])
+            used.add_metric([replica], s["slots_used"])
+            total.add_metric([replica], s["slots_total"])
+            for k, v in s["lora"].items():
+                lora[k].add_metric([replica], v)
+        yield from (req, p_tok, g_tok, running, waiting, used, total, *lora.values())
+        yield _histogram("time_to_first_token_seconds", "Time to first token", snaps, "ttft")
+        yield _histogram("inter_token_seconds", "Time between output tokens", snaps, "inter_token")
+        yield _histogram("request_seconds", "End-to-end request time", snaps, "e2e")
+
+
+def render(source: Callable[[], Mapping[str, dict]]) -> bytes:
+    """Prometheus text exposition of every replica's snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClusterCollector(source))
+    return generate_latest(registry)
+
+
+__all__ = [
+    "AdapterLabels",
+    "ClusterCollector",
+    "Histogram",
+    "ReplicaMetrics",
+    "RequestTrace",
+    "render",
+]

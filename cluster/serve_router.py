@@ -1,0 +1,110 @@
+"""AdapterAffinityRouter: the Serve RequestRouter plugin that applies cluster/routing.py.
+
+Replicas publish the adapters they hold through ``record_routing_stats``
+(``{"resident": [...], "host_cached": [...]}``); the router ranks replicas for each request
+by device holders, host holders, then the adapter's rendezvous order, within a load bound.
+"""
+
+from __future__ import annotations
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from cluster.routing import HotAdapterTracker, ReplicaView, route
+
+# deployment name -> replica id -> the metrics snapshot that replica last published. The
+# router lives in the caller's process (the ingress), so /metrics there reads it directly.
+_REPLICA_METRICS: dict[str, dict[str, dict]] = {}
+
+
+def replica_metrics(deployment: str) -> dict[str, dict]:
+    """The latest metrics snapshot of each running replica of ``deployment`` seen by this process."""
+    return dict(_REPLICA_METRICS.get(deployment, {}))
+
+
+def routing_stats(adapters: list[dict], metrics: dict) -> dict:
+    """The stats a replica publishes: adapters it holds (``LoRAManager.list_adapters()``
+    rows) and its ``ReplicaMetrics.snapshot()``."""
+    return {
+        "resident": sorted(a["name"] for a in adapters if a["slot"] is not None),
+        "host_cached": sorted(a["name"] for a in adapters if a["host_cached"]),
+        "metrics": metrics,
+    }
+
+
+class ReplicaMetricsMixin:
+    """Keeps each replica's published metrics snapshot where the ingress can read it."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        _REPLICA_METRICS[self._deployment_id.name] = {
+            r.replica_id.unique_id: r.routing_stats["metrics"]
+            for r in replicas
+            if "metrics" in (r.routing_stats or {})
+        }
+
+
+def replica_view(replica: RunningReplica, load: int) -> ReplicaView:
+    """What routing needs of a Serve replica: its id, load and the adapters it holds."""
+    stats = replica.routing_stats or {}
+    # Serve's multiplexed ids are adapters this replica has served lately: at least host-warm.
+    host = set(stats.get("host_cached", ())) | set(replica.multiplexed_model_ids)
+    return ReplicaView(
+        replica_id=replica.replica_id.unique_id,
+        load=load,
+        resident=frozenset(stats.get("resident", ())),
+        host_cached=frozenset(host),
+    )
+
+
+class AdapterAffinityRouter(ReplicaMetricsMixin, RequestRouter):
+    """Routes each adapter to a replica that holds it or to its rendezvous home, within a load bound."""
+
+    def initialize_state(
+        self,
+        eps: float = 0.25,
+        hot_rate: float = 20.0,
+        max_homes: int = 2,
+        half_life_s: float = 10.0,
+    ) -> None:
+        if eps < 0:
+            raise ValueError(f"{eps=} must be >= 0")
+        self._eps = eps
+        self._hot = HotAdapterTracker(hot_rate=hot_rate, max_homes=max_homes, half_life_s=half_life_s)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = [
+            replica_view(r, self._replica_queue_len_cache.get(r.replica_id) or 0) for r in candidate_replicas
+        ]
+        homes = self._hot.homes(adapter, len(views)) if adapter else 1
+        order = route(adapter or None, views, homes=homes, eps=self._eps)
+        # One replica per rank: Serve tries them in order, skipping full ones.
+        return [[by_id[rid]] for rid in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        # Counted once per routed request (choose_replicas may run again on a retry).
+        adapter = pending_request.metadata.multiplexed_model_id
+        if adapter:
+            self._hot.record(adapter)
+
+
+class MultiplexMetricsRouter(ReplicaMetricsMixin, PowerOfTwoChoicesRequestRouter):
+    """Serve's default multiplex-aware router, with replica metrics kept for /metrics."""
+
+
+__all__ = [
+    "AdapterAffinityRouter",
+    "MultiplexMetricsRouter",
+    "ReplicaMetricsMixin",
+    "replica_metrics",
+    "replica_view",
+    "routing_stats",
+]

@@ -1,0 +1,103 @@
+"""Replica metrics: bounded adapter labels, histograms, traces, Prometheus exposition."""
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.metrics import AdapterLabels, Histogram, ReplicaMetrics, render
+from lora_runtime.lora.manager import LoRAStats
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def samples(text: bytes) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_adapter_labels_are_bounded_and_sticky():
+    labels = AdapterLabels(max_adapters=2)
+    assert labels.label(None) == "base"
+    assert labels.label("") == "base"
+    assert labels.label("a") == "a"
+    assert labels.label("b") == "b"
+    assert labels.label("c") == "other"
+    assert labels.label("a") == "a"  # keeps its series
+    got = {labels.label(f"x{i}") for i in range(1000)}
+    assert got == {"other"}
+    with pytest.raises(ValueError, match="max_adapters=-1"):
+        AdapterLabels(-1)
+
+
+def test_adapter_named_like_a_reserved_label_is_not_confused_with_it():
+    labels = AdapterLabels(max_adapters=5)
+    assert labels.label("other") == "other"
+    assert labels.label("base") == "other"  # never merged into base-model traffic
+
+
+def test_histogram_buckets_are_upper_inclusive():
+    h = Histogram([0.1, 1.0])
+    for v in (0.05, 0.1, 0.5, 2.0):
+        h.observe(v)
+    assert h.counts == [2, 1, 1]
+    assert h.sum == pytest.approx(2.65)
+
+
+def test_trace_records_ttft_inter_token_e2e_and_tokens():
+    clock = FakeClock()
+    m = ReplicaMetrics(max_adapter_labels=1, clock=clock)
+    t = m.start("a1")
+    clock.t += 0.3
+    t.tokens(1)  # first token: TTFT 0.3
+    clock.t += 0.04
+    t.tokens(2)  # two tokens in 0.04 s: two gaps of 0.02
+    t.finish("ok", prompt_tokens=5, completion_tokens=3)
+    t.finish("ok", prompt_tokens=5, completion_tokens=3)  # counted once
+    m.start("a2").finish("error", prompt_tokens=0, completion_tokens=0)
+    assert m.ttft.sum == pytest.approx(0.3) and sum(m.ttft.counts) == 1
+    assert sum(m.inter_token.counts) == 2 and m.inter_token.sum == pytest.approx(0.04)
+    assert m.e2e.sum == pytest.approx(0.34 + 0.0)
+    assert m.requests == {("a1", "ok"): 1, ("other", "error"): 1}
+    assert m.prompt_tokens == {"a1": 5, "other": 0}
+    assert m.generation_tokens == {"a1": 3, "other": 0}
+
+
+def test_render_aggregates_replicas_in_prometheus_text():
+    clock = FakeClock()
+    snaps = {}
+    for i, rid in enumerate(["r0", "r1"]):
+        m = ReplicaMetrics(max_adapter_labels=4, clock=clock)
+        for _ in range(i + 1):
+            t = m.start("a1")
+            clock.t += 0.2
+            t.tokens(1)
+            t.finish("ok", prompt_tokens=4, completion_tokens=1)
+        stats = LoRAStats(loads=3 + i, evictions=1, host_hits=2, host_misses=1)
+        snaps[rid] = m.snapshot({"running": i, "waiting": 2}, stats, slots_used=i + 1, slots_total=4)
+    got = samples(render(lambda: snaps))
+    assert got[("multilora_requests_total", (("adapter", "a1"), ("replica", "r1"), ("status", "ok")))] == 2
+    assert got[("multilora_prompt_tokens_total", (("adapter", "a1"), ("replica", "r0")))] == 4
+    assert got[("multilora_adapter_loads_total", (("replica", "r1"),))] == 4
+    assert got[("multilora_adapter_host_hits_total", (("replica", "r0"),))] == 2
+    assert got[("multilora_adapter_slots_used", (("replica", "r1"),))] == 2
+    assert got[("multilora_adapter_slots", (("replica", "r0"),))] == 4
+    assert got[("multilora_running_requests", (("replica", "r1"),))] == 1
+    assert got[("multilora_time_to_first_token_seconds_count", (("replica", "r1"),))] == 2
+    # 0.2 s falls in le=0.25, not in le=0.1.
+    assert got[("multilora_time_to_first_token_seconds_bucket", (("le", "0.25"), ("replica", "r1")))] == 2
+    assert got[("multilora_time_to_first_token_seconds_bucket", (("le", "0.1"), ("replica", "r1")))] == 0
+    assert got[("multilora_time_to_first_token_seconds_bucket", (("le", "+Inf"), ("replica", "r0")))] == 1
+
+
+def test_render_with_no_replicas_is_valid_text():
+    text = render(dict)
+    assert samples(text) == {}
+    assert b"# TYPE multilora_requests_total counter" in text
