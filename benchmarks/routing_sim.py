@@ -1,0 +1,155 @@
+"""Routing simulation (no Ray): slot-miss rate and load imbalance of four routing policies.
+
+N replicas, each with an LRU pool of S device slots and an LRU host cache of H adapters,
+serve a Zipf-distributed adapter workload. A slot miss that also misses the host cache is
+a fetch from storage, the expensive case that rendezvous homes exist to avoid: with each
+adapter homed on one replica, the host caches hold disjoint sets and add up. Requests arrive one per tick and each lasts ``service_ticks`` ticks, so load is
+the number of requests in flight on a replica. Policies:
+
+- random: any replica.
+- least_loaded: the replica with the fewest requests in flight.
+- multiplex: Serve's multiplex routing, roughly: a replica that holds the adapter if one
+  is under its max ongoing requests, else the least loaded (which then loads it).
+- affinity: cluster/routing.py, device holders then rendezvous order within a load bound.
+
+Prints a table and, last, one ``key=value`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from cluster.routing import HotAdapterTracker, ReplicaView, route
+
+
+class LRUPool:
+    """A replica's device slots: least recently used adapter leaves first."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self._held: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, adapter: str) -> bool:
+        return adapter in self._held
+
+    def use(self, adapter: str) -> bool:
+        """Makes ``adapter`` resident; returns True on a miss (a slot write)."""
+        if adapter in self._held:
+            self._held.move_to_end(adapter)
+            return False
+        if len(self._held) >= self.slots:
+            self._held.popitem(last=False)
+        self._held[adapter] = None
+        return True
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self._held)
+
+
+@dataclass
+class Result:
+    policy: str
+    miss_rate: float  # slot misses per request
+    fetch_rate: float  # host-cache misses (storage fetches) per request
+    max_load_ratio: float  # mean over ticks of max load / mean load (busy ticks)
+    p99_load: int
+
+
+def zipf_workload(num_adapters: int, alpha: float, n: int, rng: random.Random) -> list[str]:
+    weights = [1.0 / (i + 1) ** alpha for i in range(num_adapters)]
+    return rng.choices([f"adapter-{i}" for i in range(num_adapters)], weights=weights, k=n)
+
+
+def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, host_slots: int, service_ticks: int,
+             max_ongoing: int, eps: float, seed: int) -> Result:
+    rng = random.Random(seed)
+    ids = [f"replica-{i}" for i in range(replicas)]
+    pools = {r: LRUPool(slots) for r in ids}
+    hosts = {r: LRUPool(host_slots) for r in ids}
+    loads = dict.fromkeys(ids, 0)
+    finishing: deque[tuple[int, str]] = deque()
+    # Rates in requests per tick: a tick is one arrival, so the clock is the tick count.
+    tick = [0]
+    hot = HotAdapterTracker(hot_rate=0.3, max_homes=max(1, replicas // 2), half_life_s=200.0,
+                            clock=lambda: float(tick[0]))
+    misses = 0
+    fetches = 0
+    ratios: list[float] = []
+    samples: list[int] = []
+    for t, adapter in enumerate(workload):
+        tick[0] = t
+        while finishing and finishing[0][0] <= t:
+            loads[finishing.popleft()[1]] -= 1
+        if policy == "random":
+            chosen = rng.choice(ids)
+        elif policy == "least_loaded":
+            chosen = min(ids, key=lambda r: (loads[r], rng.random()))
+        elif policy == "multiplex":
+            holders = [r for r in ids if adapter in pools[r] and loads[r] < max_ongoing]
+            pick_from = holders or ids
+            chosen = min(pick_from, key=lambda r: (loads[r], rng.random()))
+        elif policy == "affinity":
+            views = [ReplicaView(r, loads[r], pools[r].names(), hosts[r].names()) for r in ids]
+            chosen = route(adapter, views, homes=hot.homes(adapter, replicas), eps=eps)[0]
+            hot.record(adapter)
+        else:
+            raise ValueError(f"{policy=} is not one of random, least_loaded, multiplex, affinity")
+        misses += pools[chosen].use(adapter)
+        fetches += hosts[chosen].use(adapter)
+        loads[chosen] += 1
+        finishing.append((t + service_ticks, chosen))
+        mean = sum(loads.values()) / replicas
+        ratios.append(max(loads.values()) / mean)
+        samples.append(max(loads.values()))
+    samples.sort()
+    return Result(policy, misses / len(workload), fetches / len(workload), sum(ratios) / len(ratios), samples[int(0.99 * (len(samples) - 1))])
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--slots", type=int, default=4, help="device adapter slots per replica")
+    p.add_argument("--host-slots", type=int, default=16, help="adapters in each replica's host cache")
+    p.add_argument("--adapters", type=int, default=64)
+    p.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
+    p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--service-ticks", type=int, default=16, help="ticks a request stays in flight")
+    p.add_argument("--max-ongoing", type=int, default=16, help="multiplex policy: a holder's cap")
+    p.add_argument("--eps", type=float, default=0.25, help="affinity policy: load bound slack")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    for name in ("replicas", "slots", "host_slots", "adapters", "requests", "service_ticks", "max_ongoing"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
+    workload = zipf_workload(a.adapters, a.alpha, a.requests, random.Random(a.seed))
+    results = {
+        policy: simulate(policy, workload, replicas=a.replicas, slots=a.slots, host_slots=a.host_slots,
+                         service_ticks=a.service_ticks,
+                         max_ongoing=a.max_ongoing, eps=a.eps, seed=a.seed)
+        for policy in ("random", "least_loaded", "multiplex", "affinity")
+    }
+    print(f"{a.replicas} replicas x {a.slots} slots + {a.host_slots} host, {a.adapters} adapters, Zipf alpha={a.alpha}, "
+          f"{a.requests} requests, {a.service_ticks} ticks each")
+    print(f"{'policy':<14}{'slot miss':>11}{'fetch':>9}{'max/mean load':>15}{'p99 max load':>14}")
+    for r in results.values():
+        print(f"{r.policy:<14}{r.miss_rate:>11.4f}{r.fetch_rate:>9.4f}{r.max_load_ratio:>15.3f}{r.p99_load:>14d}")
+    out = {
+        "miss_rate_affinity": results["affinity"].miss_rate,
+        "miss_rate_multiplex": results["multiplex"].miss_rate,
+        "miss_rate_least_loaded": results["least_loaded"].miss_rate,
+        "miss_rate_random": results["random"].miss_rate,
+        "fetch_rate_affinity": results["affinity"].fetch_rate,
+        "fetch_rate_multiplex": results["multiplex"].fetch_rate,
+        "fetch_rate_random": results["random"].fetch_rate,
+        "max_load_ratio": results["affinity"].max_load_ratio,
+        "max_load_ratio_least_loaded": results["least_loaded"].max_load_ratio,
+    }
+    print(" ".join(f"{k}={v:.4f}" for k, v in out.items()))
+    return out
+
+
+if __name__ == "__main__":
+    main()
