@@ -101,3 +101,18 @@ def test_render_with_no_replicas_is_valid_text():
     text = render(dict)
     assert samples(text) == {}
     assert b"# TYPE multilora_requests_total counter" in text
+
+
+def test_dashboard_queries_only_metrics_that_are_exported():
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "cluster"
+    dash = json.loads((root / "grafana" / "multilora.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = set(re.findall(r"multilora_[a-z_]+", " ".join(exprs)))
+    m = ReplicaMetrics()
+    m.start("a").finish("ok", 1, 1)
+    exported = {name for name, _ in samples(render(lambda: {"r": m.snapshot({}, LoRAStats(), 0, 1)}))}
+    assert used and used <= exported, used - exported
