@@ -12,14 +12,15 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from cluster.routing import HotAdapterTracker, ReplicaView, route
 
-# deployment name -> replica id -> the metrics snapshot that replica last published. The
+# (app, deployment) -> replica id -> the metrics snapshot that replica last published. The
 # router lives in the caller's process (the ingress), so /metrics there reads it directly.
-_REPLICA_METRICS: dict[str, dict[str, dict]] = {}
+_REPLICA_METRICS: dict[tuple[str, str], dict[str, dict]] = {}
 
 
-def replica_metrics(deployment: str) -> dict[str, dict]:
-    """The latest metrics snapshot of each running replica of ``deployment`` seen by this process."""
-    return dict(_REPLICA_METRICS.get(deployment, {}))
+def replica_metrics(app: str, deployment: str) -> dict[str, dict]:
+    """The latest metrics snapshot of each running replica of ``deployment`` in ``app``,
+    as routers in this process last saw them."""
+    return dict(_REPLICA_METRICS.get((app, deployment), {}))
 
 
 def routing_stats(adapters: list[dict], metrics: dict) -> dict:
@@ -37,7 +38,7 @@ class ReplicaMetricsMixin:
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        _REPLICA_METRICS[self._deployment_id.name] = {
+        _REPLICA_METRICS[self._deployment_id.app_name, self._deployment_id.name] = {
             r.replica_id.unique_id: r.routing_stats["metrics"]
             for r in replicas
             if "metrics" in (r.routing_stats or {})

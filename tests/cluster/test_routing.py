@@ -1,8 +1,15 @@
-"""Adapter-affinity routing: rendezvous order, load bound, hot-adapter homes, churn."""
+"""Adapter-affinity routing: rendezvous order, load bound, hot-adapter homes, churn, and the
+Serve RequestRouter plugin driven through Serve's own routing loop."""
+
+import asyncio
 
 import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.test_utils import FakeRunningReplica
 
 from cluster.routing import HotAdapterTracker, ReplicaView, load_cap, rendezvous_order, route
+from cluster.serve_router import AdapterAffinityRouter, replica_metrics, routing_stats
 
 IDS = [f"replica-{i}" for i in range(5)]
 
@@ -141,3 +148,86 @@ def test_hot_tracker_rejects_bad_config():
         HotAdapterTracker(hot_rate=0, max_homes=2)
     with pytest.raises(ValueError, match="max_homes=0"):
         HotAdapterTracker(hot_rate=1.0, max_homes=0)
+
+
+# --- the Serve RequestRouter plugin, with Serve's in-memory replica stand-in -----------
+
+
+
+class StatsReplica(FakeRunningReplica):
+    """Serve's fake replica plus the routing stats a LoRAModelServer publishes."""
+
+    def __init__(self, unique_id: str, stats: dict):
+        super().__init__(unique_id)
+        self._stats = stats
+        self.set_queue_len_response(0)
+
+    @property
+    def routing_stats(self) -> dict:
+        return self._stats
+
+
+def _pending(adapter: str) -> PendingRequest:
+    meta = RequestMetadata(request_id="r", internal_request_id="i", multiplexed_model_id=adapter)
+    return PendingRequest(args=[], kwargs={}, metadata=meta)
+
+
+def _router() -> AdapterAffinityRouter:
+    router = AdapterAffinityRouter(
+        deployment_id=DeploymentID(name="LoRAModelServer", app_name="test-app"),
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+    )
+    router.initialize_state(eps=0.25, hot_rate=1000.0, max_homes=2)
+    return router
+
+
+def _rows(slot_names=(), host_names=()):
+    names = sorted(set(slot_names) | set(host_names))
+    return [{"name": n, "slot": 0 if n in slot_names else None, "host_cached": n in host_names} for n in names]
+
+
+def test_serve_router_sends_an_adapter_to_its_holder_and_routes_through_serve():
+    async def run():
+        router = _router()
+        ids = ["r0", "r1", "r2"]
+        home = rendezvous_order("a1", ids)[0]
+        holder = next(r for r in ids if r != home)
+        replicas = [
+            StatsReplica(r, routing_stats(_rows(slot_names=["a1"] if r == holder else []), {"n": r}))
+            for r in ids
+        ]
+        router.update_replicas(replicas)
+        ranks = await router.choose_replicas(replicas, _pending("a1"))
+        assert [rank[0].replica_id.unique_id for rank in ranks][0] == holder
+        assert all(len(rank) == 1 for rank in ranks)
+        # Through Serve's own routing loop (queue-length probes included).
+        chosen = await router._choose_replica_for_request(_pending("a1"))
+        assert chosen.replica_id.unique_id == holder
+        # An adapter nobody holds goes to its rendezvous home.
+        chosen = await router._choose_replica_for_request(_pending("zz"))
+        assert chosen.replica_id.unique_id == rendezvous_order("zz", ids)[0]
+        # Each replica's published metrics are kept for the ingress's /metrics.
+        assert replica_metrics("test-app", "LoRAModelServer") == {r: {"n": r} for r in ids}
+
+    asyncio.run(run())
+
+
+def test_serve_router_skips_a_full_holder():
+    async def run():
+        router = _router()
+        ids = ["r0", "r1"]
+        holder = rendezvous_order("a1", ids)[0]
+        replicas = [StatsReplica(r, routing_stats(_rows(slot_names=["a1"] if r == holder else []), {})) for r in ids]
+        router.update_replicas(replicas)
+        for _ in range(5):
+            router.on_send_request(replicas[ids.index(holder)].replica_id)
+        ranks = await router.choose_replicas(replicas, _pending("a1"))
+        assert ranks[0][0].replica_id.unique_id != holder
+
+    asyncio.run(run())
+
+
+def test_routing_stats_from_manager_rows():
+    stats = routing_stats(_rows(slot_names=["b", "a"], host_names=["a", "c"]), {"x": 1})
+    assert stats == {"resident": ["a", "b"], "host_cached": ["a", "c"], "metrics": {"x": 1}}
