@@ -31,7 +31,9 @@ class AppArgs(BaseModel):
     max_batch: int = Field(8, description="Sequences one replica decodes together.")
     max_seq_len: int = Field(64, description="Longest prompt plus completion, in tokens (the demo model holds 64).")
     max_loras_per_batch: int = Field(4, description="Device adapter slots per replica.")
-    max_lora_rank: int = Field(16, description="Largest adapter rank accepted.")
+    max_lora_rank: int = Field(
+        64, description="Largest adapter rank accepted; each slot is this wide (smaller ranks zero-padded)."
+    )
     max_cpu_loras: int = Field(64, description="Adapters kept in each replica's host cache.")
     max_adapter_bytes: int = Field(1 << 30, description="Largest adapter accepted, in bytes.")
     lora_backend: str = Field("auto", description="LoRA backend: auto, reference, xla or pallas.")

@@ -148,7 +148,8 @@ class OpenAIIngress:
     async def _start(self, body: CompletionRequest | ChatCompletionRequest, payload: dict):
         """Starts a replica stream; returns it with its first item (errors raised here)."""
         base = await self._base_name()
-        adapter = "" if body.model == base else body.model
+        # The configured checkpoint path also names the base model, as in vLLM.
+        adapter = "" if body.model in (base, self._args.model) else body.model
         handle = self._server.options(stream=True, multiplexed_model_id=adapter)
         stream = handle.generate.remote(payload)
         try:

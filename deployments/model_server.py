@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 from ray import serve
 
@@ -22,7 +21,6 @@ logger = logging.getLogger("ray.serve")
 # Long-poll length: a change wakes the poll at once, so this only bounds idle churn.
 _POLL_TIMEOUT_S = 5.0
 _RETRY_S = 0.25
-_ENGINE_THREAD = "engine-loop"  # the name Engine.start gives its stepping thread
 
 
 def error_item(e: ServingError) -> dict:
@@ -187,8 +185,8 @@ class LoRAModelServer:
         if self._sync_task.done() and not self._sync_task.cancelled():
             raise RuntimeError(f"registry sync stopped: {self._sync_task.exception()!r}")
         # The engine steps on its own thread; if that thread died, requests would hang.
-        if not any(t.name == _ENGINE_THREAD and t.is_alive() for t in threading.enumerate()):
-            raise RuntimeError(f"engine thread {_ENGINE_THREAD!r} is not running")
+        if not self._engine.is_alive():
+            raise RuntimeError("the engine's loop thread is not running")
 
     async def __del__(self) -> None:
         # Graceful drain: running sequences finish, new ones are refused.

@@ -95,6 +95,10 @@ class Engine:
     def compiles_after_warmup(self) -> int:
         return self.runner.traces - (self.warm_traces or 0)
 
+    def is_alive(self) -> bool:
+        """Whether the loop thread runs (requests would hang if it had died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     async def drain(self, timeout_s: float = 30.0) -> bool:
         """Stops accepting requests and waits for in-flight ones; True if all finished."""
         self._accepting = False
