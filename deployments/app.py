@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from cluster.serve_router import AdapterAffinityRouter, MultiplexMetricsRouter
 
 from deployments.config import AppArgs
 from deployments.ingress import OpenAIIngress
@@ -13,6 +16,8 @@ from deployments.model_server import LoRAModelServer
 _HEALTH_CHECK_PERIOD_S = 10.0
 _HEALTH_CHECK_TIMEOUT_S = 60.0
 _INGRESS_MAX_ONGOING = 1000
+# How often replicas publish held adapters and metrics to the router (and so to /metrics).
+_ROUTING_STATS_PERIOD_S = 1.0
 
 
 def build_app(args: dict | AppArgs) -> Application:
@@ -28,6 +33,10 @@ def build_app(args: dict | AppArgs) -> Application:
         health_check_period_s=_HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=_HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=a.drain_timeout_s + 5.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=AdapterAffinityRouter if a.adapter_affinity_routing else MultiplexMetricsRouter,
+            request_routing_stats_period_s=_ROUTING_STATS_PERIOD_S,
+        ),
     ).bind(plain)
     ingress = serve.deployment(
         OpenAIIngress,

@@ -61,6 +61,12 @@ class AppArgs(BaseModel):
     drain_timeout_s: float = Field(
         20.0, description="Seconds a stopping replica lets running sequences finish."
     )
+    # --- routing (cluster/serve_router.py) ---
+    adapter_affinity_routing: bool = Field(
+        True,
+        description="Send each adapter to a replica holding it, else to its rendezvous-hash "
+        "home, within a load bound; False uses Serve's multiplex routing.",
+    )
 
     @field_validator(
         "num_replicas", "tensor_parallel_size", "max_batch", "max_lora_rank",

@@ -13,7 +13,8 @@ import time
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
@@ -25,6 +26,8 @@ from cluster.admin import (
     unwrap_error,
 )
 from cluster.auth import AdminAuth, AuthError
+from cluster.metrics import render
+from cluster.serve_router import replica_metrics
 from deployments.config import AppArgs
 from deployments.openai_protocol import (
     ERROR_TYPES_BY_STATUS,
@@ -259,6 +262,14 @@ class OpenAIIngress:
             return JSONResponse({"status": "unhealthy", "reason": repr(unwrap_error(e))}, status_code=503)
         version = stats.pop("registry_version")
         return {"status": "ok", "registry_version": version, "engine": stats}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        """Prometheus text: every model-server replica's latest published metrics."""
+        # The server handle's router lives in this process and keeps what replicas publish.
+        server = self._server
+        body = render(lambda: replica_metrics(server.app_name, server.deployment_name))
+        return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
     # --- adapter admin -------------------------------------------------------------
 

@@ -13,6 +13,8 @@ import logging
 from ray import serve
 
 from cluster.admin import AdapterValidator, get_or_create_admin, resolve_model_path, sync_entries, unwrap_error
+from cluster.metrics import ReplicaMetrics
+from cluster.serve_router import routing_stats
 from deployments.config import AppArgs
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 
@@ -56,6 +58,7 @@ class LoRAModelServer:
             self._make_loader()
         )
         self._draining = False
+        self._metrics = ReplicaMetrics()
 
     # --- registry view ---------------------------------------------------------------
 
@@ -131,6 +134,7 @@ class LoRAModelServer:
         "completion_tokens"}`` items, or one ``{"error": ...}`` item for a bad request."""
         adapter = serve.get_multiplexed_model_id() or None
         rid = request["request_id"]
+        trace = self._metrics.start(adapter)
         try:
             if self._draining:
                 raise CapacityError("replica is shutting down; retry")
@@ -141,17 +145,24 @@ class LoRAModelServer:
             stream = self._engine.generate(prompt, params, request_id=rid, adapter=adapter)
             first = await anext(stream)
         except ServingError as e:
+            trace.finish("error", 0, 0)
             yield error_item(e)
             return
         except (TypeError, ValueError) as e:
             # A chat template or a sampling field the runtime refused.
+            trace.finish("error", 0, 0)
             yield error_item(InvalidRequestError(str(e)))
             return
         finished = False
+        seen = 0  # completion tokens counted by the trace so far
         try:
             out = first
             while True:
+                trace.tokens(out.completion_tokens - seen)
+                seen = out.completion_tokens
                 finished = out.finished
+                if finished:
+                    trace.finish("ok", out.prompt_tokens, out.completion_tokens)
                 yield {
                     "text": out.text,
                     "token_ids": list(out.token_ids),
@@ -167,10 +178,12 @@ class LoRAModelServer:
                 except ServingError as e:
                     # The engine ended this sequence itself (e.g. its adapter failed to load).
                     finished = True
+                    trace.finish("error", out.prompt_tokens, seen)
                     yield error_item(e)
                     break
         finally:
             # A client disconnect cancels this generator: free the sequence's slot now.
+            trace.finish("aborted", out.prompt_tokens, seen)  # no-op once finished
             if not finished:
                 self._engine.abort(rid)
             await stream.aclose()
@@ -179,6 +192,18 @@ class LoRAModelServer:
 
     async def health(self) -> dict:
         return {"registry_version": self._version, **self._engine.stats()}
+
+    def record_routing_stats(self) -> dict:
+        """Serve polls this: the adapters this replica holds, and its metrics for /metrics."""
+        manager = self._engine.lora_manager
+        rows = manager.list_adapters() if manager is not None else []
+        snapshot = self._metrics.snapshot(
+            self._engine.stats(),
+            manager.stats() if manager is not None else None,
+            slots_used=sum(r["slot"] is not None for r in rows),
+            slots_total=manager.num_slots if manager is not None else 0,
+        )
+        return routing_stats(rows, snapshot)
 
     async def check_health(self) -> None:
         """Serve's periodic probe: a failure restarts this replica."""
