@@ -176,3 +176,26 @@ def test_abort_by_id_while_waiting_and_running(engine):
     assert done.wait(30)
     assert all(outs[r].finish_reason in ("abort", "length") for r in ids)
     assert sum(outs[r].finish_reason == "abort" for r in ids) >= 2
+
+
+def test_drain_finishes_running_requests_and_refuses_new_ones(checkpoint):
+    from lora_runtime.errors import CapacityError
+
+    eng = Engine.from_pretrained(str(checkpoint), EngineConfig(max_batch=2, max_seq_len=96, max_loras_per_batch=0)).start()
+    try:
+        long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        outs = []
+        eng.submit(PROMPTS[0], long, outs.append)
+
+        async def drain():
+            return await eng.drain(timeout_s=60)
+
+        assert asyncio.run(drain()) is True
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert sum(len(o.token_ids) for o in outs) == 30
+        with pytest.raises(CapacityError, match="shutting down"):
+            eng.submit(PROMPTS[1], GREEDY, outs.append)
+        assert eng.is_alive()
+    finally:
+        eng.shutdown()
+    assert not eng.is_alive()
