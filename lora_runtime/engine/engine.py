@@ -25,7 +25,7 @@ from lora_runtime.engine.runner import ModelRunner, StepInputs
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
 from lora_runtime.engine.scheduler import Scheduler
 from lora_runtime.engine.sequence import RequestOutput, Sequence
-from lora_runtime.errors import InvalidRequestError, ServingError
+from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 from lora_runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -135,8 +135,6 @@ class Engine:
         unknown adapter.
         """
         if not self._accepting:
-            from lora_runtime.errors import CapacityError
-
             raise CapacityError("the engine is shutting down and accepts no new requests")
         params.validate(self.model_config.vocab_size)
         prompt_ids = self._prompt_ids(prompt)
@@ -147,8 +145,6 @@ class Engine:
             )
         if adapter is not None:
             if self.lora_manager is None:
-                from lora_runtime.errors import AdapterNotFoundError
-
                 raise AdapterNotFoundError(
                     f"adapter {adapter!r} requested but this engine serves no adapters "
                     f"(max_loras_per_batch=0)"

@@ -7,6 +7,7 @@ import enum
 from typing import Callable
 
 from lora_runtime.engine.sampling import SamplingParams
+from lora_runtime.model.tokenizer import IncrementalDetokenizer
 
 
 class FinishReason(str, enum.Enum):
@@ -39,7 +40,7 @@ class Sequence:
     seed: int
     adapter: str | None
     emit: Callable[[RequestOutput], None]
-    detokenizer: object  # IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
     arrival: int = 0  # engine step at arrival
     row: int | None = None  # KV cache row while running
