@@ -7,6 +7,8 @@ by device holders, host holders, then the adapter's rendezvous order, within a l
 
 from __future__ import annotations
 
+import importlib
+
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -17,10 +19,16 @@ from cluster.routing import HotAdapterTracker, ReplicaView, route
 _REPLICA_METRICS: dict[tuple[str, str], dict[str, dict]] = {}
 
 
+def _store() -> dict[tuple[str, str], dict[str, dict]]:
+    # Serve ships the router class inside the deployment config pickled by value, so its
+    # methods see their own copy of this module's globals: reach the imported module.
+    return importlib.import_module("cluster.serve_router")._REPLICA_METRICS
+
+
 def replica_metrics(app: str, deployment: str) -> dict[str, dict]:
     """The latest metrics snapshot of each running replica of ``deployment`` in ``app``,
     as routers in this process last saw them."""
-    return dict(_REPLICA_METRICS.get((app, deployment), {}))
+    return dict(_store().get((app, deployment), {}))
 
 
 def routing_stats(adapters: list[dict], metrics: dict) -> dict:
@@ -38,7 +46,7 @@ class ReplicaMetricsMixin:
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        _REPLICA_METRICS[self._deployment_id.app_name, self._deployment_id.name] = {
+        _store()[self._deployment_id.app_name, self._deployment_id.name] = {
             r.replica_id.unique_id: r.routing_stats["metrics"]
             for r in replicas
             if "metrics" in (r.routing_stats or {})
