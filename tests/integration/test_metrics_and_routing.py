@@ -1,0 +1,145 @@
+"""Two replicas behind the adapter-affinity router, scraped by a real Prometheus server:
+each adapter's requests land on one replica, and the counts reach Prometheus."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+import yaml
+
+from cluster.admin import ADMIN_NAMESPACE
+from cluster.routing import rendezvous_order
+from tests.integration.conftest import REPO, free_port, kill_actor
+
+pytestmark = pytest.mark.integration
+
+APP = "multilora"
+ADMIN_ACTOR = "lora_admin_metrics"  # its own registry, apart from the other integration tests
+ADAPTERS = ("reverse", "upper")
+REQUESTS_PER_ADAPTER = 4
+
+
+def _wait_running(cluster, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    status = None
+    while time.monotonic() < deadline:
+        out = cluster.cli("serve", "status", "-a", cluster.dashboard_url).stdout
+        status = (yaml.safe_load(out) or {}).get("applications", {}).get(APP, {}).get("status")
+        if status == "RUNNING":
+            return
+        if status == "DEPLOY_FAILED":
+            raise AssertionError(f"deploy failed:\n{out}")
+        time.sleep(1.0)
+    raise TimeoutError(f"application {APP!r} not RUNNING after {timeout}s (last status {status})")
+
+
+@pytest.fixture(scope="module")
+def two_replicas(cluster, tmp_path_factory):
+    """The shipped serve_config.yaml with two model-server replicas."""
+    root = tmp_path_factory.mktemp("metrics_routing")
+    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": cluster.http_port}
+    args = config["applications"][0]["args"]
+    args.update(num_replicas=2, registry_url=str(root / "registry.json"), admin_actor_name=ADMIN_ACTOR,
+                drain_timeout_s=1.0)
+    path = root / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cluster.cli("serve", "deploy", str(path), "-a", cluster.dashboard_url)
+    _wait_running(cluster)
+    yield cluster
+    cluster.cli("serve", "shutdown", "-y", "-a", cluster.dashboard_url)
+    kill_actor(cluster, ADMIN_ACTOR, ADMIN_NAMESPACE, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def prometheus(two_replicas, tmp_path_factory):
+    """A real Prometheus server scraping the ingress's /metrics every second."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise AssertionError("the prometheus binary is missing: apt-get install -y prometheus")
+    root = tmp_path_factory.mktemp("prometheus")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{
+            "job_name": "multilora",
+            "metrics_path": "/metrics",
+            "static_configs": [{"targets": [f"127.0.0.1:{two_replicas.http_port}"]}],
+        }],
+    }
+    (root / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = open(root / "prometheus.log", "w")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError(f"prometheus did not start:\n{(root / 'prometheus.log').read_text()[-2000:]}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _query(prom: str, expr: str) -> list[dict]:
+    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10)
+    r.raise_for_status()
+    return r.json()["data"]["result"]
+
+
+def _wait_for(prom: str, expr: str, want: float, timeout: float = 30.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    result: list[dict] = []
+    while time.monotonic() < deadline:
+        result = _query(prom, expr)
+        if sum(float(s["value"][1]) for s in result) == want:
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"{expr} never summed to {want}; last {result}")
+
+
+def test_affinity_routing_and_prometheus_scrape(two_replicas, prometheus):
+    base = two_replicas.base_url
+    for adapter in ADAPTERS:
+        for i in range(REQUESTS_PER_ADAPTER):
+            r = httpx.post(f"{base}/v1/completions", timeout=120,
+                           json={"model": adapter, "prompt": f"word{i}=", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+
+    text = httpx.get(f"{base}/metrics", timeout=10)
+    assert text.status_code == 200
+    assert text.headers["content-type"].startswith("text/plain")
+
+    replicas = [s["metric"]["replica"] for s in _wait_for(prometheus, "multilora_adapter_slots", 8)]
+    assert len(replicas) == 2, replicas
+    for adapter in ADAPTERS:
+        expr = f'multilora_requests_total{{adapter="{adapter}",status="ok"}}'
+        try:
+            series = _wait_for(prometheus, expr, REQUESTS_PER_ADAPTER)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n/metrics now:\n{httpx.get(f'{base}/metrics', timeout=10).text}") from None
+        # Every request for one adapter went to one replica: its rendezvous home (then,
+        # once the adapter was resident there, its holder).
+        assert len(series) == 1, series
+        assert float(series[0]["value"][1]) == REQUESTS_PER_ADAPTER
+        assert series[0]["metric"]["replica"] == rendezvous_order(adapter, replicas)[0]
+    n = REQUESTS_PER_ADAPTER * len(ADAPTERS)
+    _wait_for(prometheus, "sum(multilora_time_to_first_token_seconds_count)", n)
+    [tokens] = _query(prometheus, "sum(multilora_generation_tokens_total)")
+    assert n <= float(tokens["value"][1]) <= 4 * n  # max_tokens=4; a request may stop early
