@@ -15,7 +15,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 PREFIX = "multilora"
 BASE_LABEL = "base"  # requests for the base model, no adapter
@@ -72,7 +76,7 @@ class Histogram:
 class RequestTrace:
     """Timing of one request on a replica; ``finish`` records it once."""
 
-    def __init__(self, metrics: "ReplicaMetrics", label: str, clock: Callable[[], float]):
+    def __init__(self, metrics: ReplicaMetrics, label: str, clock: Callable[[], float]):
         self._metrics = metrics
         self._label = label
         self._clock = clock

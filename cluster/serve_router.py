@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.pow_2_router import (
+    PowerOfTwoChoicesRequestRouter,
+)
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from cluster.routing import HotAdapterTracker, ReplicaView, route

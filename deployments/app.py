@@ -7,7 +7,6 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.serve_router import AdapterAffinityRouter, MultiplexMetricsRouter
-
 from deployments.config import AppArgs
 from deployments.ingress import OpenAIIngress
 from deployments.model_server import LoRAModelServer

@@ -4,11 +4,21 @@ Serve RequestRouter plugin driven through Serve's own routing loop."""
 import asyncio
 
 import pytest
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    RequestMetadata,
+)
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.test_utils import FakeRunningReplica
 
-from cluster.routing import HotAdapterTracker, ReplicaView, load_cap, rendezvous_order, route
+from cluster.routing import (
+    HotAdapterTracker,
+    ReplicaView,
+    load_cap,
+    rendezvous_order,
+    route,
+)
 from cluster.serve_router import AdapterAffinityRouter, replica_metrics, routing_stats
 
 IDS = [f"replica-{i}" for i in range(5)]
@@ -199,7 +209,7 @@ def test_serve_router_sends_an_adapter_to_its_holder_and_routes_through_serve():
         ]
         router.update_replicas(replicas)
         ranks = await router.choose_replicas(replicas, _pending("a1"))
-        assert [rank[0].replica_id.unique_id for rank in ranks][0] == holder
+        assert ranks[0][0].replica_id.unique_id == holder
         assert all(len(rank) == 1 for rank in ranks)
         # Through Serve's own routing loop (queue-length probes included).
         chosen = await router._choose_replica_for_request(_pending("a1"))
