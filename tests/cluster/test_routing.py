@@ -241,3 +241,15 @@ def test_serve_router_skips_a_full_holder():
 def test_routing_stats_from_manager_rows():
     stats = routing_stats(_rows(slot_names=["b", "a"], host_names=["a", "c"]), {"x": 1})
     assert stats == {"resident": ["a", "b"], "host_cached": ["a", "c"], "metrics": {"x": 1}}
+
+
+@pytest.mark.parametrize("affinity, router", [(True, "AdapterAffinityRouter"), (False, "MultiplexMetricsRouter")])
+def test_build_app_puts_the_chosen_router_on_the_model_server(affinity, router):
+    from deployments.app import build_app
+
+    ingress = build_app({"adapter_affinity_routing": affinity})._bound_deployment
+    server = ingress.init_args[0]._bound_deployment
+    config = server._deployment_config.request_router_config
+    assert server.name == "LoRAModelServer"
+    assert config.request_router_class == f"cluster.serve_router.{router}"
+    assert config.request_routing_stats_period_s == 1.0
