@@ -1,8 +1,9 @@
 """AdapterAffinityRouter: the Serve RequestRouter plugin that applies cluster/routing.py.
 
-Replicas publish the adapters they hold through ``record_routing_stats``
-(``{"resident": [...], "host_cached": [...]}``); the router ranks replicas for each request
-by device holders, host holders, then the adapter's rendezvous order, within a load bound.
+Replicas publish the adapters they hold and their metrics through ``record_routing_stats``
+(``{"resident": [...], "host_cached": [...], "metrics": {...}}``); the router ranks replicas
+for each request by device holders, host holders, then the adapter's rendezvous order,
+within a load bound, and keeps the metrics for the ingress's ``GET /metrics``.
 """
 
 from __future__ import annotations
