@@ -46,7 +46,7 @@ class AdapterValidator:
         if self._model_config is None:
             from lora_runtime.model.config import ModelConfig
 
-            self._model_config = ModelConfig.from_pretrained(resolve_model_path(self.model))
+            self._model_config = ModelConfig.from_pretrained(resolve_model_path(self.model, weights=False))
         return self._model_config
 
     def validate(self, name: str, source: str) -> dict:
@@ -58,13 +58,16 @@ class AdapterValidator:
         return {"rank": int(adapter.rank)}
 
 
-def resolve_model_path(model: str) -> str:
-    """The checkpoint path of ``model``; 'demo' is the shipped demo checkpoint."""
+def resolve_model_path(model: str, *, weights: bool = True) -> str:
+    """A local directory of ``model``: 'demo' is the shipped demo checkpoint, a URL is
+    copied once into the checkpoint cache (only its metadata files when not ``weights``)."""
     if model == "demo":
         from lora_runtime.demo import BASE_MODEL_DIR
 
         return str(BASE_MODEL_DIR)
-    return model
+    from lora_runtime.model.fetch import local_checkpoint
+
+    return local_checkpoint(model, weights=weights)
 
 
 def demo_adapter_sources() -> dict[str, str]:

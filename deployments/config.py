@@ -172,11 +172,12 @@ class AppArgs(BaseModel):
         )
 
     @property
-    def served_model_name(self) -> str | None:
-        """The base model's name for clients; None lets the engine take the directory name."""
+    def served_model_name(self) -> str:
+        """The base model's name for clients: model_name, else the checkpoint folder's name
+        (of the path or URL as given, not of a local cached copy)."""
         if self.model_name is not None:
             return self.model_name
-        return "demo" if self.is_demo else None
+        return "demo" if self.is_demo else os.path.basename(self.model.rstrip("/"))
 
     @property
     def resolved_registry_url(self) -> str:

@@ -39,7 +39,8 @@ def test_more_slots_than_batch_rows_rejected():
 
 def test_served_model_name():
     assert AppArgs().served_model_name == "demo"
-    assert AppArgs(model="/ckpt/llama").served_model_name is None
+    assert AppArgs(model="/ckpt/llama").served_model_name == "llama"
+    assert AppArgs(model="gs://bucket/models/qwen-tiny/").served_model_name == "qwen-tiny"
     assert AppArgs(model="/ckpt/llama", model_name="llama-7b").served_model_name == "llama-7b"
 
 
