@@ -157,3 +157,24 @@ def test_unregister_while_in_flight(checkpoint, adapters, peft_greedy):
         assert engine.generate_batch([PROMPTS[1]], GREEDY, ["r16"])[0].token_ids == peft_greedy["r16", PROMPTS[1]]
     finally:
         engine.shutdown()
+
+
+def test_waiting_request_prefetches_its_adapter_off_the_step_loop(checkpoint, adapters, peft_greedy):
+    # A host cache of one adapter: registering four leaves only the last one cached.
+    engine = _engine(checkpoint, adapters, max_cpu_loras=1)
+    try:
+        assert not engine.lora_manager.is_host_cached("r4")
+        before = engine.lora_manager.stats()
+        long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        outs = []
+        engine.submit(PROMPTS[0], long, outs.append)  # keeps decode steps going
+        out = engine.generate_batch([PROMPTS[2]], GREEDY, ["r4"])[0]
+        assert out.token_ids == peft_greedy["r4", PROMPTS[2]]
+        after = engine.lora_manager.stats()
+        # The files were fetched by the background prefetch that the request's arrival
+        # started; admission then found them in the host cache instead of fetching inline.
+        assert after.fetches - before.fetches == 1
+        assert after.host_misses - before.host_misses == 0
+        assert after.host_hits - before.host_hits == 1
+    finally:
+        engine.shutdown()
