@@ -40,7 +40,7 @@ from kernels import xla  # noqa: E402
 from kernels.bgmv import bgmv, bgmv_expand, bgmv_shrink  # noqa: E402
 from kernels.bgmv.ops import block_sizes  # noqa: E402
 from kernels.bgmv.tuned_block_sizes import BlockSizes  # noqa: E402
-from kernels.common import tiles_from_slots  # noqa: E402
+from kernels.common import gpu_lowering_target, tiles_from_slots  # noqa: E402
 from kernels.sgmv import sgmv  # noqa: E402
 from lora_runtime.lora.batch_info import build_batch_info  # noqa: E402
 
@@ -273,7 +273,8 @@ def section_cuda_lowering(run: Run) -> dict:
 
     def lower(name, fn, *args):
         try:
-            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            with gpu_lowering_target():
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
             rows.append({"case": name, "ok": True})
         except Exception as e:
             rows.append({"case": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:800]})

@@ -9,6 +9,7 @@ The "tile layout" of a per-token array puts tile g's tokens in rows [g*tm, g*tm 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -25,6 +26,18 @@ def default_platform() -> str:
     if backend == "tpu":
         return "tpu"
     return "cpu"
+
+
+def gpu_lowering_target(device_kind: str = "NVIDIA H200", num_cores: int = 132):
+    """Context for lowering the Triton kernels without a GPU (ahead-of-time, tests).
+
+    JAX >= 0.11 asks which GPU a Triton kernel targets and, with no GPU present, reads it
+    from an abstract mesh's device; older JAX lowers without asking.
+    """
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernels.bgmv import bgmv
+from kernels.common import gpu_lowering_target
 from kernels.sgmv import sgmv
 
 MODELS = {  # hidden, intermediate, heads, kv_heads, head_dim
@@ -50,8 +51,10 @@ def lower_bgmv(model, tp, platform, num_tokens=64):
         return {g: bgmv(*args, slots, scal, ranks, platform=platform) for g, args in all_args.items()}
 
     all_args = {g: group_args(num_tokens, i, o) for g, (i, o) in gs.items()}
-    lowering = "cuda" if platform == "gpu" else platform
-    return jax.jit(step).trace(all_args, *meta).lower(lowering_platforms=(lowering,)).as_text()
+    if platform == "gpu":
+        with gpu_lowering_target():
+            return jax.jit(step).trace(all_args, *meta).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(step).trace(all_args, *meta).lower(lowering_platforms=(platform,)).as_text()
 
 
 def lower_sgmv(model, tp, num_tokens=512):
