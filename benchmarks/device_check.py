@@ -417,14 +417,17 @@ def stack_impls(run: Run, num_slots: int, rank: int, block: BlockSizes | None, w
         bs = block or block_sizes(run.platform, 64, 4096, jnp.bfloat16)
 
         def step(x, w, a, b, idx):
+            # The pool stays stacked: the scan passes the layer index, the kernel reads
+            # that layer in place (a scan slice feeding a custom call would be copied).
             scal = jnp.ones((num_slots,), jnp.float32)
             ranks = jnp.full((num_slots,), rank, jnp.int32)
             tiles = tiles_from_slots(idx, num_slots, bs.tm) if hoisted else None
 
-            def layer(h, w_, a_, b_):
-                return bgmv(h, a_, (b_,), (h @ w_,), idx, scal, ranks, platform=run.platform,
-                            interpret=run.interpret, block=bs, tiles=tiles)[0]
-            return scan_layers(x, w, a, b, layer)
+            def body(h, wl):
+                w_, layer = wl
+                return bgmv(h, a, (b,), (h @ w_,), idx, scal, ranks, layer=layer, platform=run.platform,
+                            interpret=run.interpret, block=bs, tiles=tiles)[0].astype(jnp.bfloat16), None
+            return lax.scan(body, x, (w, jnp.arange(w.shape[0], dtype=jnp.int32)))[0]
         return step
 
     impls = {

@@ -57,8 +57,10 @@ def lora_fn(name: str, platform: str, interpret: bool, shape: Shape, block: Bloc
     """(prepare, layer) for a formulation: kernel, onehot, gather or sorted.
 
     prepare(slots) runs once per batch (the kernel's slot sort, as an engine step would
-    do once for all its projections); layer(x, a, b, base, slots, scal, ranks, prep) is
-    one projection's y = base + LoRA(x).
+    do once for all its projections); layer(x, a, b, layer, base, slots, scal, ranks, prep)
+    is one projection's y = base + LoRA(x) with layer `layer` of the stacked pool a, b
+    ([L, S, r, H]). The kernel reads that layer in place; the XLA formulations index it
+    (a dynamic slice that XLA fuses into their gathers and einsums).
     """
     num_slots = shape.num_slots
     if name == "kernel" and platform == "cpu":
@@ -69,13 +71,13 @@ def lora_fn(name: str, platform: str, interpret: bool, shape: Shape, block: Bloc
         def prepare(slots):
             return tiles_from_slots(slots, num_slots, bs.tm)
 
-        def kernel(x, a, b, base, slots, scal, ranks, tiles):
-            return bgmv(x, a, (b,), (base,), slots, scal, ranks, platform=platform, interpret=interpret,
-                        block=bs, tiles=tiles)[0]
+        def kernel(x, a, b, layer, base, slots, scal, ranks, tiles):
+            return bgmv(x, a, (b,), (base,), slots, scal, ranks, layer=layer, platform=platform,
+                        interpret=interpret, block=bs, tiles=tiles)[0]
         return prepare, kernel
 
-    def formulation(x, a, b, base, slots, scal, ranks, prep):
-        return xla.lora(x, a, (b,), (base,), slots, scal, name)[0]
+    def formulation(x, a, b, layer, base, slots, scal, ranks, prep):
+        return xla.lora(x, a[layer], (b[layer],), (base,), slots, scal, name)[0]
     return (lambda slots: None), formulation
 
 
@@ -84,9 +86,9 @@ def stack_fn(prepare, layer):
     def run(x, a, b, slots, scal, ranks):
         prep = prepare(slots)
 
-        def body(h, ab):
-            return layer(h, ab[0], ab[1], h, slots, scal, ranks, prep), None
-        h, _ = lax.scan(body, x, (a, b))
+        def body(h, index):
+            return layer(h, a, b, index, h, slots, scal, ranks, prep), None
+        h, _ = lax.scan(body, x, jnp.arange(a.shape[0], dtype=jnp.int32))
         return h
     return jax.jit(run)
 

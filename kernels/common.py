@@ -40,6 +40,47 @@ def gpu_lowering_target(device_kind: str = "NVIDIA H200", num_cores: int = 132):
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
+def stacked_pool(arrays, layer, per_layer_ndim: int = 3):
+    """Pool arrays with a leading layer axis, and the layer index as i32[1].
+
+    The kernels read a layer of a stacked pool ([L, S, ...]) in place, indexing the layer
+    inside the kernel, so no layer slice is ever copied out of the stack (XLA would copy
+    a slice that feeds a custom call). A per-layer array ([S, ...]) gets a unit layer axis
+    (a free reshape) and layer 0. `arrays` is one array or a tuple of them; `layer` is an
+    int or a traced integer scalar, required for stacked arrays and refused otherwise.
+    """
+    single = not isinstance(arrays, tuple)
+    group = (arrays,) if single else arrays
+    ndims = {arr.ndim for arr in group}
+    if len(ndims) != 1:
+        raise ValueError(f"pool arrays mix per-layer and stacked shapes: {[arr.shape for arr in group]}")
+    ndim = ndims.pop()
+    if ndim == per_layer_ndim:
+        if layer is not None:
+            raise ValueError(f"{layer=} given for a per-layer pool array of shape {group[0].shape}")
+        group = tuple(arr[None] for arr in group)
+        index = jnp.zeros((1,), jnp.int32)
+    elif ndim == per_layer_ndim + 1:
+        if layer is None:
+            raise ValueError(f"a stacked pool array of shape {group[0].shape} needs the layer to read")
+        if isinstance(layer, int) and not 0 <= layer < group[0].shape[0]:
+            raise ValueError(f"{layer=} outside the pool's {group[0].shape[0]} layers")
+        index = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    else:
+        raise ValueError(f"pool array shape {group[0].shape} is neither per-layer nor stacked over layers")
+    return (group[0] if single else group), index
+
+
+def per_layer_aval(arr: jax.Array) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of one layer of a stacked pool array (for the static checks)."""
+    return jax.ShapeDtypeStruct(arr.shape[1:], arr.dtype)
+
+
+def layer_slice(arr: jax.Array, layer: jax.Array) -> jax.Array:
+    """One layer of a stacked pool array for the XLA formulations (they fuse the slice)."""
+    return jax.lax.dynamic_index_in_dim(arr, layer[0], 0, keepdims=False)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

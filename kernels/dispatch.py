@@ -4,6 +4,8 @@ The bgmv (decode) and sgmv (prefill) ops differ only in how the tile metadata is
 (sorted inside the jit vs host-given segments) and in their block sizes; both land here.
   gpu: Triton kernels (kernels.bgmv.gpu), x and y gathered/scattered inside the kernel
   tpu: Mosaic kernels (kernels.bgmv.tpu) on a padded tile-layout copy of x
+A and B are stacked over layers ([L, S, ...], see kernels.common.stacked_pool) and
+`layer` (i32[1]) says which layer the kernels read.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def _tile_layout(
 
 def shrink_on_tiles(
     x: jax.Array,  # [T, in]
-    a: jax.Array,  # [S, n*R, in]
+    a: jax.Array,  # [L, S, n*R, in]
+    layer: jax.Array,  # i32[1]
     token_slots: jax.Array,  # i32[T]
     slot_scalings: jax.Array,  # f32[S]
     slot_ranks: jax.Array,  # i32[S]
@@ -52,31 +55,32 @@ def shrink_on_tiles(
 ) -> jax.Array:  # f32[T, n*R], scaled, zero for slot -1
     """Shrink through the platform kernel, returned in token order."""
     _check_platform(platform)
-    rank = a.shape[1] // n_slices
+    rank = a.shape[2] // n_slices
     if platform == "gpu":
         parts = gpu.shrink_partials(
-            x, a, slot_ranks, meta, n_slices=n_slices, tm=bs.tm, bk=bs.bk, num_splits=bs.num_splits,
+            x, a, layer, slot_ranks, meta, n_slices=n_slices, tm=bs.tm, bk=bs.bk, num_splits=bs.num_splits,
             num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
         )
         rp = gpu.rank_tile(rank)
         v_tiles = parts.sum(0).reshape(-1, n_slices, rp)[:, :, :rank].reshape(-1, n_slices * rank)
     else:
-        v_tiles = tpu.shrink(tpu.padded_rows(x, meta, bs.tm), a, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
+        v_tiles = tpu.shrink(tpu.padded_rows(x, meta, bs.tm), a, layer, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
     return gather_tile_rows(v_tiles, meta.token_row) * _token_scale(token_slots, slot_scalings)[:, None]
 
 
-def _tpu_expand_tiles(v_pad, b, base_outputs, meta, bs, interpret):
-    rank = b[0].shape[1]
+def _tpu_expand_tiles(v_pad, b, layer, base_outputs, meta, bs, interpret):
+    rank = b[0].shape[2]
     outs = []
     for i, (bi, yi) in enumerate(zip(b, base_outputs)):
-        d = tpu.expand(v_pad[:, i * rank : (i + 1) * rank], bi, meta, tm=bs.tm, bn=bs.bn, interpret=interpret)
+        d = tpu.expand(v_pad[:, i * rank : (i + 1) * rank], bi, layer, meta, tm=bs.tm, bn=bs.bn, interpret=interpret)
         outs.append((yi.astype(jnp.float32) + gather_tile_rows(d, meta.token_row)).astype(yi.dtype))
     return tuple(outs)
 
 
 def expand_on_tiles(
     v: jax.Array,  # f32[T, n*R] scaled
-    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    b: tuple[jax.Array, ...],  # n × [L, S, R, out_i]
+    layer: jax.Array,  # i32[1]
     base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
     slot_scalings: jax.Array,  # f32[S]
     slot_ranks: jax.Array,  # i32[S]
@@ -90,16 +94,18 @@ def expand_on_tiles(
     _check_platform(platform)
     if platform == "gpu":
         return gpu.expand_add(
-            v.astype(jnp.float32), b, base_outputs, slot_scalings, slot_ranks, meta, v_in_tiles=False,
+            v.astype(jnp.float32), b, layer, base_outputs, slot_scalings, slot_ranks, meta, v_in_tiles=False,
             tm=bs.tm, bn=bs.bn, num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
         )
-    return _tpu_expand_tiles(_tile_layout(v.astype(jnp.float32), meta, bs.tm), b, base_outputs, meta, bs, interpret)
+    v_pad = _tile_layout(v.astype(jnp.float32), meta, bs.tm)
+    return _tpu_expand_tiles(v_pad, b, layer, base_outputs, meta, bs, interpret)
 
 
 def lora_on_tiles(
     x: jax.Array,  # [T, in]
-    a: jax.Array,  # [S, n*R, in]
-    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    a: jax.Array,  # [L, S, n*R, in]
+    b: tuple[jax.Array, ...],  # n × [L, S, R, out_i]
+    layer: jax.Array,  # i32[1]
     base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
     slot_scalings: jax.Array,  # f32[S]
     slot_ranks: jax.Array,  # i32[S]
@@ -113,13 +119,13 @@ def lora_on_tiles(
     _check_platform(platform)
     if platform == "gpu":
         parts = gpu.shrink_partials(
-            x, a, slot_ranks, meta, n_slices=len(b), tm=bs.tm, bk=bs.bk, num_splits=bs.num_splits,
+            x, a, layer, slot_ranks, meta, n_slices=len(b), tm=bs.tm, bk=bs.bk, num_splits=bs.num_splits,
             num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
         )
         return gpu.expand_add(
-            parts, b, base_outputs, slot_scalings, slot_ranks, meta, v_in_tiles=True,
+            parts, b, layer, base_outputs, slot_scalings, slot_ranks, meta, v_in_tiles=True,
             tm=bs.tm, bn=bs.bn, num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
         )
-    v_pad = tpu.shrink(tpu.padded_rows(x, meta, bs.tm), a, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
+    v_pad = tpu.shrink(tpu.padded_rows(x, meta, bs.tm), a, layer, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
     v_pad = tpu.scale_rows(v_pad, slot_scalings, meta, bs.tm)
-    return _tpu_expand_tiles(v_pad, b, base_outputs, meta, bs, interpret)
+    return _tpu_expand_tiles(v_pad, b, layer, base_outputs, meta, bs, interpret)

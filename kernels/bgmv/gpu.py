@@ -4,7 +4,8 @@ One program per (tile, ...) where a tile is up to `tm` slot-sorted tokens of one
 (kernels.common.TileMetadata, passed as ordinary inputs and read with dynamic ref
 indexing). x rows and y rows are gathered / scattered through the sorted order inside
 the kernel, so no padded copy of x or y is made. Rows of A and B past the slot's real
-rank are masked off, so a rank-8 adapter in a rank-64 pool reads only its 8 rows.
+rank are masked off, so a rank-8 adapter in a rank-64 pool reads only its 8 rows. The
+pool is stacked over layers and the layer is an input, read in place (no slice copy).
 
 Shrink: grid (tiles, slices, splits); split-K because the output is only r wide, so the
 in dimension has to supply the parallelism. Each split writes an f32 partial in tile
@@ -38,7 +39,7 @@ def _compiler_params(num_warps: int, num_stages: int):
 
 
 def _shrink_kernel(
-    tile_slot_ref, tile_start_ref, tile_end_ref, order_ref, ranks_ref, x_ref, a_ref,
+    layer_ref, tile_slot_ref, tile_start_ref, tile_end_ref, order_ref, ranks_ref, x_ref, a_ref,
     out_ref, *, tm: int, bk: int, rp: int, max_rank: int, blocks_per_split: int, in_features: int,
 ):
     g, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -46,7 +47,7 @@ def _shrink_kernel(
 
     @pl.when(start < end)
     def _():
-        slot = tile_slot_ref[g]
+        slot, layer = tile_slot_ref[g], layer_ref[0]
         rank = jnp.minimum(ranks_ref[slot], max_rank)
         # Rows past the tile's end repeat its last token: they compute and store the
         # same values as that token, so no lane needs a mask (a masked-off lane would
@@ -65,7 +66,7 @@ def _shrink_kernel(
                 mask=jnp.broadcast_to(cmask[None, :], (tm, bk)), other=0,
             )
             ab = plgpu.load(
-                a_ref.at[slot, a_rows[:, None], cols[None, :]],
+                a_ref.at[layer, slot, a_rows[:, None], cols[None, :]],
                 mask=rmask[:, None] & cmask[None, :], other=0,
             )
             return acc + lax.dot_general(xb, ab, _NT, preferred_element_type=jnp.float32)
@@ -77,7 +78,8 @@ def _shrink_kernel(
 
 def shrink_partials(
     x: jax.Array,  # [T, in]
-    a: jax.Array,  # [S, n*R, in]
+    a: jax.Array,  # [L, S, n*R, in]
+    layer: jax.Array,  # i32[1]
     slot_ranks: jax.Array,  # i32[S]
     meta: TileMetadata,
     *,
@@ -91,7 +93,7 @@ def shrink_partials(
 ) -> jax.Array:  # f32[num_splits, G*tm, n*rp], unscaled; rows of empty tiles undefined
     """Split-K shrink into per-split partials in tile layout."""
     in_features = x.shape[1]
-    max_rank = a.shape[1] // n_slices
+    max_rank = a.shape[2] // n_slices
     rp = rank_tile(max_rank)
     blocks_per_split = cdiv(cdiv(in_features, bk), num_splits)
     grid_tiles = meta.grid_tiles
@@ -106,21 +108,21 @@ def shrink_partials(
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="lora_shrink_tiles",
-    )(meta.tile_slot, meta.tile_start, meta.tile_end, meta.order, slot_ranks, x, a)
+    )(layer, meta.tile_slot, meta.tile_start, meta.tile_end, meta.order, slot_ranks, x, a)
 
 
 def _expand_kernel(*refs, n_slices: int, tm: int, bn: int, rp: int, max_rank: int,
                    outs: tuple[int, ...], v_in_tiles: bool, num_splits: int):
-    tile_slot_ref, tile_start_ref, tile_end_ref, order_ref, ranks_ref, scal_ref, v_ref = refs[:7]
-    b_refs = refs[7 : 7 + n_slices]
-    base_refs = refs[7 + n_slices : 7 + 2 * n_slices]
-    y_refs = refs[7 + 2 * n_slices :]
+    layer_ref, tile_slot_ref, tile_start_ref, tile_end_ref, order_ref, ranks_ref, scal_ref, v_ref = refs[:8]
+    b_refs = refs[8 : 8 + n_slices]
+    base_refs = refs[8 + n_slices : 8 + 2 * n_slices]
+    y_refs = refs[8 + 2 * n_slices :]
     g, j = pl.program_id(0), pl.program_id(1)
     start, end = tile_start_ref[g], tile_end_ref[g]
 
     @pl.when(start < end)
     def _():
-        slot = tile_slot_ref[g]
+        slot, layer = tile_slot_ref[g], layer_ref[0]
         rank = jnp.minimum(ranks_ref[slot], max_rank)
         # Rows past the tile's end repeat its last token: they compute and store the
         # same values as that token, so no lane needs a mask (a masked-off lane would
@@ -150,7 +152,7 @@ def _expand_kernel(*refs, n_slices: int, tm: int, bn: int, rp: int, max_rank: in
                 cmask = cols < out_features
                 b_rows = jnp.minimum(rr, max_rank - 1)
                 bb = plgpu.load(
-                    b_refs[i].at[slot, b_rows[:, None], cols[None, :]],
+                    b_refs[i].at[layer, slot, b_rows[:, None], cols[None, :]],
                     mask=rmask[:, None] & cmask[None, :], other=0,
                 )
                 delta = lax.dot_general(v.astype(bb.dtype), bb, _NN, preferred_element_type=jnp.float32)
@@ -164,7 +166,8 @@ def _expand_kernel(*refs, n_slices: int, tm: int, bn: int, rp: int, max_rank: in
 
 def expand_add(
     v: jax.Array,  # f32[P, G*tm, n*rp] shrink partials (v_in_tiles) or f32[T, n*R] scaled v
-    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    b: tuple[jax.Array, ...],  # n × [L, S, R, out_i]
+    layer: jax.Array,  # i32[1]
     base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
     slot_scalings: jax.Array,  # f32[S]
     slot_ranks: jax.Array,  # i32[S]
@@ -179,14 +182,14 @@ def expand_add(
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """y_i = base_i + v_i @ B_i[slot], written in place into the base outputs."""
     n_slices = len(b)
-    max_rank = b[0].shape[1]
-    outs = tuple(int(bi.shape[2]) for bi in b)
+    max_rank = b[0].shape[2]
+    outs = tuple(int(bi.shape[3]) for bi in b)
     num_splits = v.shape[0] if v_in_tiles else 1
     kernel = functools.partial(
         _expand_kernel, n_slices=n_slices, tm=tm, bn=bn, rp=rank_tile(max_rank), max_rank=max_rank,
         outs=outs, v_in_tiles=v_in_tiles, num_splits=num_splits,
     )
-    first_base = 7 + n_slices
+    first_base = 8 + n_slices
     return tuple(pl.pallas_call(
         kernel,
         grid=(meta.grid_tiles, max(cdiv(o, bn) for o in outs)),
@@ -195,5 +198,5 @@ def expand_add(
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="lora_expand_tiles",
-    )(meta.tile_slot, meta.tile_start, meta.tile_end, meta.order, slot_ranks, slot_scalings, v,
+    )(layer, meta.tile_slot, meta.tile_start, meta.tile_end, meta.order, slot_ranks, slot_scalings, v,
       *b, *base_outputs))

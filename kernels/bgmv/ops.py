@@ -5,6 +5,10 @@ two halves for callers that need v in between. Platform dispatch: "gpu" Triton k
 "tpu" Mosaic kernel, "cpu" the XLA formulation measured fastest there
 (kernels.xla.cpu_formulation; Pallas runs on CPU only in
 interpret mode: pass platform="gpu"/"tpu" with interpret=True to test a kernel there).
+
+A and B are one layer's pool ([S, ...]) or the whole pool stacked over layers
+([L, S, ...]) with `layer` (an int or a traced scalar) saying which layer to apply; the
+kernels read a stacked layer in place (kernels.common.stacked_pool).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import jax
 from kernels import dispatch, xla
 from kernels.bgmv.tuned_block_sizes import BlockSizes, gpu_block_sizes, tpu_block_sizes
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
-from kernels.common import TileMetadata, default_platform, tiles_from_slots
+from kernels.common import (
+    TileMetadata, default_platform, layer_slice, per_layer_aval, stacked_pool, tiles_from_slots,
+)
 
 
 def block_sizes(platform: str, num_tokens: int, in_features: int, dtype) -> BlockSizes:
@@ -30,62 +36,70 @@ def _resolve(platform: str | None) -> str:
 
 def bgmv_shrink(
     x: jax.Array,  # [T, in]
-    a: jax.Array,  # [S, n*R, in]
+    a: jax.Array,  # [S, n*R, in] or [L, S, n*R, in] with layer
     token_slots: jax.Array,  # i32[T], -1 = no adapter
     slot_scalings: jax.Array,  # f32[S]
     slot_ranks: jax.Array,  # i32[S]
     *,
     n_slices: int,
+    layer: int | jax.Array | None = None,
     platform: str | None = None,
     interpret: bool = False,
     block: BlockSizes | None = None,
 ) -> jax.Array:  # f32[T, n*R], scaled, zero for slot -1
     """v[t] = (x[t] @ A[slot[t]]ᵀ) * scaling[slot[t]]."""
-    static_validate_shrink(x, a, n_slices, token_slots, slot_scalings, slot_ranks)
+    a, lyr = stacked_pool(a, layer)
+    static_validate_shrink(x, per_layer_aval(a), n_slices, token_slots, slot_scalings, slot_ranks)
+    num_slots = a.shape[1]
     platform = _resolve(platform)
     if platform == "cpu":
-        return xla.shrink(x, a, token_slots, slot_scalings, xla.cpu_formulation(a.shape[0]))
+        return xla.shrink(x, layer_slice(a, lyr), token_slots, slot_scalings, xla.cpu_formulation(num_slots))
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
-    meta = tiles_from_slots(token_slots, a.shape[0], bs.tm)
+    meta = tiles_from_slots(token_slots, num_slots, bs.tm)
     return dispatch.shrink_on_tiles(
-        x, a, token_slots, slot_scalings, slot_ranks, meta,
+        x, a, lyr, token_slots, slot_scalings, slot_ranks, meta,
         n_slices=n_slices, platform=platform, bs=bs, interpret=interpret,
     )
 
 
 def bgmv_expand(
     v: jax.Array,  # f32[T, n*R] scaled
-    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    b: tuple[jax.Array, ...],  # n × [S, R, out_i] or [L, S, R, out_i] with layer
     base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
     token_slots: jax.Array,  # i32[T]
     slot_scalings: jax.Array,  # f32[S]
     slot_ranks: jax.Array,  # i32[S]
     *,
+    layer: int | jax.Array | None = None,
     platform: str | None = None,
     interpret: bool = False,
     block: BlockSizes | None = None,
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """y_i[t] = base_i[t] + v[t, i*R:(i+1)*R] @ B_i[slot[t]]; unchanged for slot -1."""
-    static_validate_expand(v, b, base_outputs, token_slots, slot_scalings, slot_ranks)
+    b, lyr = stacked_pool(tuple(b), layer)
+    static_validate_expand(v, tuple(map(per_layer_aval, b)), base_outputs, token_slots, slot_scalings, slot_ranks)
+    num_slots = b[0].shape[1]
     platform = _resolve(platform)
     if platform == "cpu":
-        return xla.expand(v, b, base_outputs, token_slots, xla.cpu_formulation(b[0].shape[0]))
-    bs = block or block_sizes(platform, v.shape[0], b[0].shape[2], b[0].dtype)
-    meta = tiles_from_slots(token_slots, b[0].shape[0], bs.tm)
+        b_layer = tuple(layer_slice(bi, lyr) for bi in b)
+        return xla.expand(v, b_layer, base_outputs, token_slots, xla.cpu_formulation(num_slots))
+    bs = block or block_sizes(platform, v.shape[0], b[0].shape[3], b[0].dtype)
+    meta = tiles_from_slots(token_slots, num_slots, bs.tm)
     return dispatch.expand_on_tiles(
-        v, b, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
+        v, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
     )
 
 
 def bgmv(
     x: jax.Array,  # [T, in]
-    a: jax.Array,  # [S, n*R, in]
-    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    a: jax.Array,  # [S, n*R, in] or [L, S, n*R, in] with layer
+    b: tuple[jax.Array, ...],  # n × [S, R, out_i] or [L, S, R, out_i] with layer
     base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
     token_slots: jax.Array,  # i32[T], -1 = no adapter
     slot_scalings: jax.Array,  # f32[S]
     slot_ranks: jax.Array,  # i32[S]
     *,
+    layer: int | jax.Array | None = None,
     platform: str | None = None,
     interpret: bool = False,
     block: BlockSizes | None = None,
@@ -96,14 +110,20 @@ def bgmv(
     `tiles`: the slot-sorted tiles, `tiles_from_slots(token_slots, S, block.tm)`, for
     callers that apply many projections to one batch and sort it once (needs `block`).
     """
-    static_validate_inputs(x, a, b, base_outputs, token_slots, slot_scalings, slot_ranks)
+    (a, *b), lyr = stacked_pool((a, *b), layer)
+    b = tuple(b)
+    static_validate_inputs(
+        x, per_layer_aval(a), tuple(map(per_layer_aval, b)), base_outputs, token_slots, slot_scalings, slot_ranks
+    )
+    num_slots = a.shape[1]
     platform = _resolve(platform)
     if platform == "cpu":
-        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings, xla.cpu_formulation(a.shape[0]))
+        a_layer, b_layer = layer_slice(a, lyr), tuple(layer_slice(bi, lyr) for bi in b)
+        return xla.lora(x, a_layer, b_layer, base_outputs, token_slots, slot_scalings, xla.cpu_formulation(num_slots))
     if tiles is not None and block is None:
         raise ValueError("tiles were given without the block sizes they were cut with (block=None)")
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
-    meta = tiles if tiles is not None else tiles_from_slots(token_slots, a.shape[0], bs.tm)
+    meta = tiles if tiles is not None else tiles_from_slots(token_slots, num_slots, bs.tm)
     return dispatch.lora_on_tiles(
-        x, a, b, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
+        x, a, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
     )

@@ -6,7 +6,8 @@ map is scalar-prefetched (PrefetchScalarGridSpec) and indexes the weight BlockSp
 consecutive blocks of one slot reuse the weight block already in VMEM: each distinct
 adapter's A is read once (K is kept whole, see tuned_block_sizes) and its B once per
 output column block. Blocks past the real count map onto the last
-real block, so they cost neither a DMA nor a matmul.
+real block, so they cost neither a DMA nor a matmul. The pool is stacked over layers;
+the layer index is scalar-prefetched too, so a layer is read in place, never sliced out.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def effective_tiles(meta: TileMetadata) -> jax.Array:  # i32[G]
     return jnp.minimum(g, jnp.maximum(meta.num_tiles - 1, 0))
 
 
-def _shrink_kernel(slot_ref, eff_ref, x_ref, a_ref, o_ref):
+def _shrink_kernel(slot_ref, eff_ref, layer_ref, x_ref, a_ref, o_ref):
     g, k = pl.program_id(0), pl.program_id(1)
 
     @pl.when(eff_ref[g] == g)
@@ -67,7 +68,8 @@ def _shrink_kernel(slot_ref, eff_ref, x_ref, a_ref, o_ref):
 
 def shrink(
     x_pad: jax.Array,  # [G*tm, in] tile layout
-    a: jax.Array,  # [S, n*R, in]
+    a: jax.Array,  # [L, S, n*R, in]
+    layer: jax.Array,  # i32[1]
     meta: TileMetadata,
     *,
     tm: int,
@@ -76,17 +78,17 @@ def shrink(
 ) -> jax.Array:  # f32[G*tm, n*R] unscaled
     """Per-block x @ A[slot]ᵀ, K tiled by bk."""
     rows, in_features = x_pad.shape
-    nr = a.shape[1]
+    nr = a.shape[2]
     bk = lane_block(in_features, bk)
     grid = (meta.grid_tiles, in_features // bk)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=grid,
         in_specs=[
-            pl.BlockSpec((tm, bk), lambda g, k, slot, eff: (eff[g], k)),
-            pl.BlockSpec((None, nr, bk), lambda g, k, slot, eff: (slot[g], 0, k)),
+            pl.BlockSpec((tm, bk), lambda g, k, slot, eff, lyr: (eff[g], k)),
+            pl.BlockSpec((None, None, nr, bk), lambda g, k, slot, eff, lyr: (lyr[0], slot[g], 0, k)),
         ],
-        out_specs=pl.BlockSpec((tm, nr), lambda g, k, slot, eff: (eff[g], 0)),
+        out_specs=pl.BlockSpec((tm, nr), lambda g, k, slot, eff, lyr: (eff[g], 0)),
     )
     return pl.pallas_call(
         _shrink_kernel,
@@ -95,10 +97,10 @@ def shrink(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret_params(interpret),
         name="lora_shrink_blocks",
-    )(meta.tile_slot, effective_tiles(meta), x_pad, a)
+    )(meta.tile_slot, effective_tiles(meta), layer, x_pad, a)
 
 
-def _expand_kernel(slot_ref, eff_ref, v_ref, b_ref, o_ref):
+def _expand_kernel(slot_ref, eff_ref, layer_ref, v_ref, b_ref, o_ref):
     g = pl.program_id(1)
 
     @pl.when(eff_ref[g] == g)
@@ -111,7 +113,8 @@ def _expand_kernel(slot_ref, eff_ref, v_ref, b_ref, o_ref):
 
 def expand(
     v_pad: jax.Array,  # f32[G*tm, R] one slice, scaled, tile layout
-    b: jax.Array,  # [S, R, out]
+    b: jax.Array,  # [L, S, R, out]
+    layer: jax.Array,  # i32[1]
     meta: TileMetadata,
     *,
     tm: int,
@@ -120,16 +123,16 @@ def expand(
 ) -> jax.Array:  # f32[G*tm, out] delta in tile layout
     """Per-block v @ B[slot]; grid (out tiles, blocks) so one slot's B block is read once."""
     rows, rank = v_pad.shape
-    out_features = b.shape[2]
+    out_features = b.shape[3]
     bn = lane_block(out_features, bn)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(out_features // bn, meta.grid_tiles),
         in_specs=[
-            pl.BlockSpec((tm, rank), lambda j, g, slot, eff: (eff[g], 0)),
-            pl.BlockSpec((None, rank, bn), lambda j, g, slot, eff: (slot[g], 0, j)),
+            pl.BlockSpec((tm, rank), lambda j, g, slot, eff, lyr: (eff[g], 0)),
+            pl.BlockSpec((None, None, rank, bn), lambda j, g, slot, eff, lyr: (lyr[0], slot[g], 0, j)),
         ],
-        out_specs=pl.BlockSpec((tm, bn), lambda j, g, slot, eff: (eff[g], j)),
+        out_specs=pl.BlockSpec((tm, bn), lambda j, g, slot, eff, lyr: (eff[g], j)),
     )
     return pl.pallas_call(
         _expand_kernel,
@@ -138,7 +141,7 @@ def expand(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret_params(interpret),
         name="lora_expand_blocks",
-    )(meta.tile_slot, effective_tiles(meta), v_pad, b)
+    )(meta.tile_slot, effective_tiles(meta), layer, v_pad, b)
 
 
 def scale_rows(

@@ -6,6 +6,7 @@ Takes the host-computed segments of LoRABatchInfo (sorted_order, segment_starts,
 segment_slots). "tpu": megablox-style grouped kernels (kernels.sgmv.tpu); "gpu": the
 Triton tile kernels of kernels.bgmv.gpu on tiles cut from the segments; "cpu": the XLA
 formulation measured fastest there (kernels.xla.cpu_formulation).
+A and B may be stacked over layers with `layer` saying which (as for bgmv).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 from kernels import dispatch, xla
 from kernels.bgmv.tuned_block_sizes import BlockSizes
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
-from kernels.common import default_platform, gather_tile_rows, tiles_from_segments
+from kernels.common import (
+    default_platform, gather_tile_rows, layer_slice, per_layer_aval, stacked_pool, tiles_from_segments,
+)
 from kernels.sgmv import tpu
 from kernels.sgmv.metadata import group_metadata
 from kernels.sgmv.tuned_block_sizes import block_sizes
@@ -36,18 +39,19 @@ def _sorted_scale(token_slots, slot_scalings, meta, rows):  # f32[rows] scaling 
     return jnp.where(sorted_slots >= 0, slot_scalings[jnp.maximum(sorted_slots, 0)], 0.0)
 
 
-def _tpu_expand(v_sorted, b, base_outputs, meta, bs, interpret):
-    rank = b[0].shape[1]
+def _tpu_expand(v_sorted, b, layer, base_outputs, meta, bs, interpret):
+    rank = b[0].shape[2]
     outs = []
     for i, (bi, yi) in enumerate(zip(b, base_outputs)):
-        d = tpu.expand(v_sorted[:, i * rank : (i + 1) * rank], bi, meta, tm=bs.tm, bn=bs.bn, interpret=interpret)
+        d = tpu.expand(v_sorted[:, i * rank : (i + 1) * rank], bi, layer, meta, tm=bs.tm, bn=bs.bn,
+                       interpret=interpret)
         outs.append((yi.astype(jnp.float32) + gather_tile_rows(d, meta.token_row)).astype(yi.dtype))
     return tuple(outs)
 
 
 def sgmv_shrink(
     x: jax.Array,  # [T, in]
-    a: jax.Array,  # [S, n*R, in]
+    a: jax.Array,  # [S, n*R, in] or [L, S, n*R, in] with layer
     token_slots: jax.Array,  # i32[T], -1 = no adapter
     sorted_order: jax.Array,  # i32[T]
     segment_starts: jax.Array,  # i32[N+1]
@@ -56,32 +60,34 @@ def sgmv_shrink(
     slot_ranks: jax.Array,  # i32[S]
     *,
     n_slices: int,
+    layer: int | jax.Array | None = None,
     platform: str | None = None,
     interpret: bool = False,
     block: BlockSizes | None = None,
 ) -> jax.Array:  # f32[T, n*R], scaled, zero for slot -1
     """v[t] = (x[t] @ A[slot[t]]ᵀ) * scaling[slot[t]] over slot segments."""
-    static_validate_shrink(x, a, n_slices, token_slots, slot_scalings, slot_ranks)
+    a, lyr = stacked_pool(a, layer)
+    static_validate_shrink(x, per_layer_aval(a), n_slices, token_slots, slot_scalings, slot_ranks)
     static_validate_segments(token_slots, sorted_order, segment_starts, segment_slots)
     platform, bs = _setup(platform, x.shape, x.dtype, x.shape[1], block)
+    num_slots = a.shape[1]
     if platform == "cpu":
-        return xla.shrink(x, a, token_slots, slot_scalings, xla.cpu_formulation(a.shape[0]))
-    num_slots = a.shape[0]
+        return xla.shrink(x, layer_slice(a, lyr), token_slots, slot_scalings, xla.cpu_formulation(num_slots))
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.shrink_on_tiles(
-            x, a, token_slots, slot_scalings, slot_ranks, meta,
+            x, a, lyr, token_slots, slot_scalings, slot_ranks, meta,
             n_slices=n_slices, platform=platform, bs=bs, interpret=interpret,
         )
     meta = group_metadata(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
-    v = tpu.shrink(tpu.sorted_rows(x, meta, bs.tm), a, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
+    v = tpu.shrink(tpu.sorted_rows(x, meta, bs.tm), a, lyr, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
     v = gather_tile_rows(v, meta.token_row)
     return v * jnp.where(token_slots >= 0, slot_scalings[jnp.maximum(token_slots, 0)], 0.0)[:, None]
 
 
 def sgmv_expand(
     v: jax.Array,  # f32[T, n*R] scaled
-    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    b: tuple[jax.Array, ...],  # n × [S, R, out_i] or [L, S, R, out_i] with layer
     base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
     token_slots: jax.Array,  # i32[T]
     sorted_order: jax.Array,  # i32[T]
@@ -90,31 +96,34 @@ def sgmv_expand(
     slot_scalings: jax.Array,  # f32[S]
     slot_ranks: jax.Array,  # i32[S]
     *,
+    layer: int | jax.Array | None = None,
     platform: str | None = None,
     interpret: bool = False,
     block: BlockSizes | None = None,
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """y_i[t] = base_i[t] + v[t, i*R:(i+1)*R] @ B_i[slot[t]] over slot segments."""
-    static_validate_expand(v, b, base_outputs, token_slots, slot_scalings, slot_ranks)
+    b, lyr = stacked_pool(tuple(b), layer)
+    static_validate_expand(v, tuple(map(per_layer_aval, b)), base_outputs, token_slots, slot_scalings, slot_ranks)
     static_validate_segments(token_slots, sorted_order, segment_starts, segment_slots)
-    platform, bs = _setup(platform, v.shape, b[0].dtype, b[0].shape[2], block)
+    platform, bs = _setup(platform, v.shape, b[0].dtype, b[0].shape[3], block)
+    num_slots = b[0].shape[1]
     if platform == "cpu":
-        return xla.expand(v, b, base_outputs, token_slots, xla.cpu_formulation(b[0].shape[0]))
-    num_slots = b[0].shape[0]
+        b_layer = tuple(layer_slice(bi, lyr) for bi in b)
+        return xla.expand(v, b_layer, base_outputs, token_slots, xla.cpu_formulation(num_slots))
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.expand_on_tiles(
-            v, b, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
+            v, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
         )
     meta = group_metadata(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
     v_sorted = tpu.sorted_rows(v.astype(jnp.float32), meta, bs.tm)
-    return _tpu_expand(v_sorted, b, base_outputs, meta, bs, interpret)
+    return _tpu_expand(v_sorted, b, lyr, base_outputs, meta, bs, interpret)
 
 
 def sgmv(
     x: jax.Array,  # [T, in]
-    a: jax.Array,  # [S, n*R, in]
-    b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+    a: jax.Array,  # [S, n*R, in] or [L, S, n*R, in] with layer
+    b: tuple[jax.Array, ...],  # n × [S, R, out_i] or [L, S, R, out_i] with layer
     base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
     token_slots: jax.Array,  # i32[T], -1 = no adapter
     sorted_order: jax.Array,  # i32[T]
@@ -123,23 +132,29 @@ def sgmv(
     slot_scalings: jax.Array,  # f32[S]
     slot_ranks: jax.Array,  # i32[S]
     *,
+    layer: int | jax.Array | None = None,
     platform: str | None = None,
     interpret: bool = False,
     block: BlockSizes | None = None,
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """y_i[t] = base_i[t] + scaling[s] * (x[t] @ A_i[s]ᵀ) @ B_i[s] over slot segments (fused)."""
-    static_validate_inputs(x, a, b, base_outputs, token_slots, slot_scalings, slot_ranks)
+    (a, *b), lyr = stacked_pool((a, *b), layer)
+    b = tuple(b)
+    static_validate_inputs(
+        x, per_layer_aval(a), tuple(map(per_layer_aval, b)), base_outputs, token_slots, slot_scalings, slot_ranks
+    )
     static_validate_segments(token_slots, sorted_order, segment_starts, segment_slots)
     platform, bs = _setup(platform, x.shape, x.dtype, x.shape[1], block)
+    num_slots = a.shape[1]
     if platform == "cpu":
-        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings, xla.cpu_formulation(a.shape[0]))
-    num_slots = a.shape[0]
+        a_layer, b_layer = layer_slice(a, lyr), tuple(layer_slice(bi, lyr) for bi in b)
+        return xla.lora(x, a_layer, b_layer, base_outputs, token_slots, slot_scalings, xla.cpu_formulation(num_slots))
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.lora_on_tiles(
-            x, a, b, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
+            x, a, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
         )
     meta = group_metadata(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
-    v = tpu.shrink(tpu.sorted_rows(x, meta, bs.tm), a, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
+    v = tpu.shrink(tpu.sorted_rows(x, meta, bs.tm), a, lyr, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
     v = v * _sorted_scale(token_slots, slot_scalings, meta, v.shape[0])[:, None]
-    return _tpu_expand(v, b, base_outputs, meta, bs, interpret)
+    return _tpu_expand(v, b, lyr, base_outputs, meta, bs, interpret)

@@ -3,6 +3,7 @@
 x is sorted by slot (one copy, rounded up to whole tiles; no per-segment padding). The
 visit -> (tile, slot, row range) tables are scalar-prefetched and index the BlockSpecs.
 A tile's first visit zeroes its output block; each visit writes only its segment's rows.
+The pool is stacked over layers; the layer index is scalar-prefetched (read in place).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _first_visit(v, tile_ref):
     return (v == 0) | (tile_ref[jnp.maximum(v - 1, 0)] != tile_ref[v])
 
 
-def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, x_ref, a_ref, o_ref, acc_ref, *, tm, nk):
+def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, layer_ref, x_ref, a_ref, o_ref, acc_ref, *, tm, nk):
     v, k = pl.program_id(0), pl.program_id(1)
 
     @pl.when(k == 0)
@@ -65,7 +66,8 @@ def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, x_ref, a_ref, o_ref, acc_
 
 def shrink(
     x_sorted: jax.Array,  # [Tp, in] slot-sorted, Tp a multiple of tm
-    a: jax.Array,  # [S, n*R, in]
+    a: jax.Array,  # [L, S, n*R, in]
+    layer: jax.Array,  # i32[1]
     meta: GroupMetadata,
     *,
     tm: int,
@@ -74,17 +76,17 @@ def shrink(
 ) -> jax.Array:  # f32[Tp, n*R] unscaled, sorted rows; no-adapter rows zero
     """Grouped x @ A[slot]ᵀ over visits, K tiled by bk."""
     rows, in_features = x_sorted.shape
-    nr = a.shape[1]
+    nr = a.shape[2]
     bk = lane_block(in_features, bk)
     nk = in_features // bk
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(meta.grid_visits, nk),
         in_specs=[
-            pl.BlockSpec((tm, bk), lambda v, k, tile, slot, lo, hi: (tile[v], k)),
-            pl.BlockSpec((None, nr, bk), lambda v, k, tile, slot, lo, hi: (slot[v], 0, k)),
+            pl.BlockSpec((tm, bk), lambda v, k, tile, slot, lo, hi, lyr: (tile[v], k)),
+            pl.BlockSpec((None, None, nr, bk), lambda v, k, tile, slot, lo, hi, lyr: (lyr[0], slot[v], 0, k)),
         ],
-        out_specs=pl.BlockSpec((tm, nr), lambda v, k, tile, slot, lo, hi: (tile[v], 0)),
+        out_specs=pl.BlockSpec((tm, nr), lambda v, k, tile, slot, lo, hi, lyr: (tile[v], 0)),
         scratch_shapes=[pltpu.VMEM((tm, nr), jnp.float32)],
     )
     return pl.pallas_call(
@@ -94,10 +96,10 @@ def shrink(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret_params(interpret),
         name="lora_sgmv_shrink",
-    )(meta.visit_tile, meta.visit_slot, meta.visit_lo, meta.visit_hi, x_sorted, a)
+    )(meta.visit_tile, meta.visit_slot, meta.visit_lo, meta.visit_hi, layer, x_sorted, a)
 
 
-def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, v_ref, b_ref, o_ref, *, tm):
+def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, layer_ref, v_ref, b_ref, o_ref, *, tm):
     v = pl.program_id(1)
 
     @pl.when(_first_visit(v, tile_ref))
@@ -115,7 +117,8 @@ def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, v_ref, b_ref, o_ref, *, t
 
 def expand(
     v_sorted: jax.Array,  # f32[Tp, R] one slice, scaled, sorted rows
-    b: jax.Array,  # [S, R, out]
+    b: jax.Array,  # [L, S, R, out]
+    layer: jax.Array,  # i32[1]
     meta: GroupMetadata,
     *,
     tm: int,
@@ -124,16 +127,16 @@ def expand(
 ) -> jax.Array:  # f32[Tp, out] delta in sorted rows
     """Grouped v @ B[slot]; grid (out tiles, visits)."""
     rows, rank = v_sorted.shape
-    out_features = b.shape[2]
+    out_features = b.shape[3]
     bn = lane_block(out_features, bn)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(out_features // bn, meta.grid_visits),
         in_specs=[
-            pl.BlockSpec((tm, rank), lambda j, v, tile, slot, lo, hi: (tile[v], 0)),
-            pl.BlockSpec((None, rank, bn), lambda j, v, tile, slot, lo, hi: (slot[v], 0, j)),
+            pl.BlockSpec((tm, rank), lambda j, v, tile, slot, lo, hi, lyr: (tile[v], 0)),
+            pl.BlockSpec((None, None, rank, bn), lambda j, v, tile, slot, lo, hi, lyr: (lyr[0], slot[v], 0, j)),
         ],
-        out_specs=pl.BlockSpec((tm, bn), lambda j, v, tile, slot, lo, hi: (tile[v], j)),
+        out_specs=pl.BlockSpec((tm, bn), lambda j, v, tile, slot, lo, hi, lyr: (tile[v], j)),
     )
     return pl.pallas_call(
         functools.partial(_expand_kernel, tm=tm),
@@ -142,4 +145,4 @@ def expand(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret_params(interpret),
         name="lora_sgmv_expand",
-    )(meta.visit_tile, meta.visit_slot, meta.visit_lo, meta.visit_hi, v_sorted, b)
+    )(meta.visit_tile, meta.visit_slot, meta.visit_lo, meta.visit_hi, layer, v_sorted, b)

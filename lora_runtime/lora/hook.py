@@ -30,9 +30,11 @@ class PoolLoRAHook:
             raise ValueError(f"{group=} is not one of {list(GROUP_SLICES)}")
         if len(base_outputs) != len(GROUP_SLICES[group]):
             raise ValueError(f"group {group!r} has {len(GROUP_SLICES[group])} slices, got {len(base_outputs)} outputs")
-        a, b = self.pool.group(layer, group)
+        # The whole stacked pool and the layer: the kernels read the layer in place.
+        a, b = self.pool.stacked_group(group)
+        kw = dict(prefill=self.prefill, layer=layer)
         if group == "qkv":
-            return self.backend.run_qkv_lora(x, a, b, base_outputs, self.info, prefill=self.prefill)
+            return self.backend.run_qkv_lora(x, a, b, base_outputs, self.info, **kw)
         if group == "gate_up":
-            return self.backend.run_gate_up_lora(x, a, b, base_outputs, self.info, prefill=self.prefill)
-        return self.backend.run_lora(x, a, b, base_outputs, self.info, prefill=self.prefill, parallel="row")
+            return self.backend.run_gate_up_lora(x, a, b, base_outputs, self.info, **kw)
+        return self.backend.run_lora(x, a, b, base_outputs, self.info, parallel="row", **kw)

@@ -3,7 +3,9 @@
 Per projection group, stacked over layers:
     a[g]: [L, S, n*R, in]            b[g]: n × [L, S, R, out_i]
 so `pool.group(layer, g)` gives the backend layout `A: [S, n*R, in]`,
-`B: n × [S, R, out_i]` (lora_runtime/lora/backend/base.py). Column groups (qkv,
+`B: n × [S, R, out_i]` (lora_runtime/lora/backend/base.py), and the model's hook hands
+backends `pool.stacked_group(g)` with the layer index instead, so kernels read a layer
+in place (a slice feeding a custom call would be copied each step). Column groups (qkv,
 gate_up) keep A replicated and shard each B_i on out; row groups (o, down) shard A on
 in and keep B replicated, matching the base weights' tensor-parallel layout.
 """
@@ -63,6 +65,11 @@ class LoRAMemoryPool:
         """(A [S, n*R, in], B n × [S, R, out_i]) of one layer and group; `layer` may be traced."""
         g = GROUPS.index(group)
         return self.a[g][layer], tuple(b[layer] for b in self.b[g])
+
+    def stacked_group(self, group: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """(A [L, S, n*R, in], B n × [L, S, R, out_i]) of one group, all layers."""
+        g = GROUPS.index(group)
+        return self.a[g], self.b[g]
 
     @property
     def num_layers(self) -> int:

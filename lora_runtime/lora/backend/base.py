@@ -5,7 +5,10 @@ and kernels):
     A: [S, n_slices * R, in]          the group's shrink weights, slices stacked on rank
     B: tuple of n_slices [S, R, out_i] the expand weights of each slice
 S slots, R = max_lora_rank; an adapter of rank r < R fills rows [0, r) of each slice
-and leaves the rest zero, so padded rows contribute nothing.
+and leaves the rest zero, so padded rows contribute nothing. Every method also takes
+`layer`: when given, A and B are the whole pool stacked over layers (A [L, S, n*R, in],
+B_i [L, S, R, out_i], as LoRAMemoryPool holds them) and the method applies that layer;
+the kernels read it in place, so no layer slice is copied out of the stack.
 
 Tensor parallelism: with a mesh whose "tensor" axis has size N > 1, a column-parallel
 group (qkv, gate_up) has x and A replicated and each B_i and y_i sharded on out; a
@@ -50,11 +53,12 @@ class BaseLoRABackend(abc.ABC):
     def run_lora_a_gemm(
         self,
         x: jax.Array,  # [T, in]
-        a: jax.Array,  # [S, n*R, in]
+        a: jax.Array,  # [S, n*R, in] ([L, S, n*R, in] with layer)
         info: LoRABatchInfo,
         *,
         prefill: bool,
         parallel: str,
+        layer: int | None = None,
     ) -> jax.Array:  # f32[T, n*R], scaled by slot_scalings; zero for slot -1
         """Shrink: v[t] = (x[t] @ A[slot[t]]ᵀ) * scaling[slot[t]]."""
 
@@ -62,38 +66,45 @@ class BaseLoRABackend(abc.ABC):
     def run_lora_b_gemm(
         self,
         v: jax.Array,  # f32[T, n*R]
-        b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+        b: tuple[jax.Array, ...],  # n × [S, R, out_i] ([L, S, R, out_i] with layer)
         base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
         info: LoRABatchInfo,
         *,
         prefill: bool,
         parallel: str,
+        layer: int | None = None,
     ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
         """Expand: y_i[t] = base_i[t] + v[t, i*R:(i+1)*R] @ B_i[slot[t]]."""
 
     def run_lora(
         self,
         x: jax.Array,  # [T, in]
-        a: jax.Array,  # [S, n*R, in]
-        b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+        a: jax.Array,  # [S, n*R, in] ([L, S, n*R, in] with layer)
+        b: tuple[jax.Array, ...],  # n × [S, R, out_i] ([L, S, R, out_i] with layer)
         base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
         info: LoRABatchInfo,
         *,
         prefill: bool,
         parallel: str,
+        layer: int | None = None,
     ) -> tuple[jax.Array, ...]:
         """Shrink then expand; backends with a fused kernel override this."""
-        v = self.run_lora_a_gemm(x, a, info, prefill=prefill, parallel=parallel)
-        return self.run_lora_b_gemm(v, b, base_outputs, info, prefill=prefill, parallel=parallel)
+        v = self.run_lora_a_gemm(x, a, info, prefill=prefill, parallel=parallel, layer=layer)
+        return self.run_lora_b_gemm(v, b, base_outputs, info, prefill=prefill, parallel=parallel, layer=layer)
 
-    def run_qkv_lora(self, x, a, b, base_outputs, info, *, prefill: bool):
+    def run_qkv_lora(self, x, a, b, base_outputs, info, *, prefill: bool, layer: int | None = None):
         """Fused q/k/v: one shrink over 3 stacked slices, three expands (GQA sizes)."""
         if len(b) != 3 or len(base_outputs) != 3:
             raise ValueError(f"qkv needs 3 slices, got {len(b)} B and {len(base_outputs)} outputs")
-        return self.run_lora(x, a, b, base_outputs, info, prefill=prefill, parallel="column")
+        return self.run_lora(x, a, b, base_outputs, info, prefill=prefill, parallel="column", layer=layer)
 
-    def run_gate_up_lora(self, x, a, b, base_outputs, info, *, prefill: bool):
+    def run_gate_up_lora(self, x, a, b, base_outputs, info, *, prefill: bool, layer: int | None = None):
         """Fused gate/up: one shrink over 2 stacked slices, two expands."""
         if len(b) != 2 or len(base_outputs) != 2:
             raise ValueError(f"gate_up needs 2 slices, got {len(b)} B and {len(base_outputs)} outputs")
-        return self.run_lora(x, a, b, base_outputs, info, prefill=prefill, parallel="column")
+        return self.run_lora(x, a, b, base_outputs, info, prefill=prefill, parallel="column", layer=layer)
+
+
+def select_layer(arr: jax.Array, layer: int | None) -> jax.Array:
+    """One layer of a stacked pool array, or the array itself when no layer is given."""
+    return arr if layer is None else arr[layer]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lora_runtime.lora.backend.base import BaseLoRABackend
+from lora_runtime.lora.backend.base import BaseLoRABackend, select_layer
 from lora_runtime.lora.batch_info import LoRABatchInfo
 
 TENSOR_AXIS = "tensor"
@@ -25,13 +25,15 @@ class ReferenceLoRABackend(BaseLoRABackend):
     def run_lora_a_gemm(
         self,
         x: jax.Array,  # [T, in]
-        a: jax.Array,  # [S, n*R, in]
+        a: jax.Array,  # [S, n*R, in] ([L, S, n*R, in] with layer)
         info: LoRABatchInfo,
         *,
         prefill: bool,
         parallel: str,
+        layer: int | None = None,
     ) -> jax.Array:  # f32[T, n*R]
         _check_parallel(parallel)
+        a = select_layer(a, layer)
         slots = info.token_slots
         used = slots >= 0
         safe = jnp.where(used, slots, 0)
@@ -45,14 +47,16 @@ class ReferenceLoRABackend(BaseLoRABackend):
     def run_lora_b_gemm(
         self,
         v: jax.Array,  # f32[T, n*R]
-        b: tuple[jax.Array, ...],  # n × [S, R, out_i]
+        b: tuple[jax.Array, ...],  # n × [S, R, out_i] ([L, S, R, out_i] with layer)
         base_outputs: tuple[jax.Array, ...],  # n × [T, out_i]
         info: LoRABatchInfo,
         *,
         prefill: bool,
         parallel: str,
+        layer: int | None = None,
     ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
         _check_parallel(parallel)
+        b = tuple(select_layer(b_i, layer) for b_i in b)
         if len(b) != len(base_outputs):
             raise ValueError(f"{len(b)} B slices but {len(base_outputs)} base outputs")
         slots = info.token_slots
