@@ -1,6 +1,6 @@
 """LoRA op benchmark: the kernel against the one-hot and gather formulations, per shape.
 
-Each formulation runs a scan over `layers` stacked projections (each layer its own A and
+Each formulation runs a scan (or, with --unrolled, a Python loop) over `layers` stacked projections (each layer its own A and
 B, so the adapters are not served from cache between layers) of one square projection:
 h <- base + scale * (h @ A[slot]ᵀ) @ B[slot]. Time is per layer. "kernel" is the Pallas
 kernel on GPU/TPU and the chosen XLA formulation (kernels.xla.cpu_formulation) on
@@ -81,10 +81,18 @@ def lora_fn(name: str, platform: str, interpret: bool, shape: Shape, block: Bloc
     return (lambda slots: None), formulation
 
 
-def stack_fn(prepare, layer):
-    """A scan over layers, each with its own adapters, chaining h through the layers."""
+def stack_fn(prepare, layer, unrolled: bool = False):
+    """A scan over layers, each with its own adapters, chaining h through the layers.
+
+    unrolled: a Python loop instead (straight-line code, as the model's layer loop is),
+    so no per-layer while-loop iteration is timed."""
     def run(x, a, b, slots, scal, ranks):
         prep = prepare(slots)
+        if unrolled:
+            h = x
+            for index in range(a.shape[0]):
+                h = layer(h, a, b, index, h, slots, scal, ranks, prep)
+            return h
 
         def body(h, index):
             return layer(h, a, b, index, h, slots, scal, ranks, prep), None
@@ -121,7 +129,8 @@ def must_move_bytes(shape: Shape, distinct: int, itemsize: int) -> int:
 
 
 def run_shape(shape: Shape, *, platform: str, interpret: bool, layers: int, repeats: int, copy_bps: float,
-              dtype=jnp.bfloat16, names=("kernel", "onehot", "gather"), block: BlockSizes | None = None) -> dict:
+              dtype=jnp.bfloat16, names=("kernel", "onehot", "gather"), block: BlockSizes | None = None,
+              unrolled: bool = False) -> dict:
     """Times each formulation on one shape; returns a row with us/layer, GB/s and errors."""
     args = make_stack(shape, layers, dtype, seed=shape.num_tokens + shape.num_slots)
     distinct = int(np.unique(np.asarray(args[3])).size)
@@ -130,7 +139,7 @@ def run_shape(shape: Shape, *, platform: str, interpret: bool, layers: int, repe
     ref = None
     for name in names:
         try:
-            f = stack_fn(*lora_fn(name, platform, interpret, shape, block))
+            f = stack_fn(*lora_fn(name, platform, interpret, shape, block), unrolled=unrolled)
             t = bench(f, *args, repeats=repeats) / layers
             row[f"{name}_us"] = t * 1e6
             row[f"{name}_GBps"] = moved / t / 1e9
@@ -180,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="two shapes, few repeats")
     p.add_argument("--layers", type=int, default=None, help="stacked layers per timed call")
     p.add_argument("--with-sorted", action="store_true", help="also time sort + ragged_dot")
+    p.add_argument("--unrolled", action="store_true", help="layers as straight-line code, not a scan")
     args = p.parse_args(argv)
     platform = default_platform()
     on_cpu = platform == "cpu"
@@ -187,12 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 5 if on_cpu else (10 if args.quick else 30)
     copy_bps = copy_bandwidth((64 << 20) if on_cpu else (1 << 30), repeats=5 if on_cpu else 20)
     print(f"platform={platform} devices={jax.devices()} copy_bandwidth={copy_bps / 1e9:.1f}GB/s "
-          f"kernel={'xla (cpu_formulation)' if on_cpu else 'pallas'} layers={layers}", flush=True)
+          f"kernel={'xla (cpu_formulation)' if on_cpu else 'pallas'} layers={layers} "
+          f"{'unrolled' if args.unrolled else 'scan'}", flush=True)
     names = ("kernel", "onehot", "gather") + (("sorted",) if args.with_sorted else ())
     row = {}
     for shape in shapes(args.quick, platform):
         row = run_shape(shape, platform=platform, interpret=False, layers=layers, repeats=repeats,
-                        copy_bps=copy_bps, names=names)
+                        copy_bps=copy_bps, names=names, unrolled=args.unrolled)
         print(format_row(row), flush=True)
         for key, val in row.items():
             if key.endswith("_error"):

@@ -27,15 +27,20 @@ class BlockSizes:
 
 
 def gpu_block_sizes(num_tokens: int, in_features: int, *, prefill: bool) -> BlockSizes:
-    """Triton sizes: enough split-K programs to cover ~132 SMs a few times over."""
+    """Triton sizes: enough split-K programs to cover ~132 SMs a few times over.
+
+    Decode: the H200 sweep of benchmarks/device_check.py (T=64, S=64, H=O=4096, r=16,
+    bf16, 16 stacked layers; benchmarks/results/2026-11-29-h200.md) put bn=1024 with
+    bk=256 and 8 splits first at 22.9 us/layer, ahead of bn=256 (28.8), bn=512 (25.4-37.0)
+    and 4 splits (24.1-24.5): the expand's few wide programs each read a longer B row.
+    """
     tm = 64 if prefill and num_tokens >= 512 else 16
     bk = 256
     k_blocks = -(-in_features // bk)
     if prefill and num_tokens >= 512:
-        splits = max(1, min(4, k_blocks))
-    else:
-        splits = max(1, min(8, k_blocks // 2))
-    return BlockSizes(tm=tm, bk=bk, bn=256, num_splits=splits, num_warps=4, num_stages=2)
+        return BlockSizes(tm=tm, bk=bk, bn=256, num_splits=max(1, min(4, k_blocks)), num_warps=4, num_stages=2)
+    splits = max(1, min(8, k_blocks // 2))
+    return BlockSizes(tm=tm, bk=bk, bn=1024, num_splits=splits, num_warps=4, num_stages=2)
 
 
 # The TPU shrink keeps K whole (a rank-16 slice of in=14336 is 458 KB of VMEM): with one
