@@ -5,6 +5,8 @@ groups split out, row groups split in). Lowering runs Mosaic's block-shape and t
 checks and Triton's IR construction without a device.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -35,37 +37,41 @@ def sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def group_args(num_tokens, in_f, outs):
+def group_args(num_tokens, in_f, outs, layers=None):
+    """x, A, B, base of one group; A and B stacked over `layers` when given (the engine's pool)."""
     n = len(outs)
+    lead = () if layers is None else (layers,)
     return (
-        sds((num_tokens, in_f), bf16), sds((NUM_SLOTS, n * RANK, in_f), bf16),
-        tuple(sds((NUM_SLOTS, RANK, o), bf16) for o in outs), tuple(sds((num_tokens, o), bf16) for o in outs),
+        sds((num_tokens, in_f), bf16), sds((*lead, NUM_SLOTS, n * RANK, in_f), bf16),
+        tuple(sds((*lead, NUM_SLOTS, RANK, o), bf16) for o in outs), tuple(sds((num_tokens, o), bf16) for o in outs),
     )
 
 
-def lower_bgmv(model, tp, platform, num_tokens=64):
+def lower_bgmv(model, tp, platform, num_tokens=64, layers=None):
     gs = groups(model, tp)
     meta = (sds((num_tokens,), i32), sds((NUM_SLOTS,), f32), sds((NUM_SLOTS,), i32))
+    layer = None if layers is None else layers - 1
 
     def step(all_args, slots, scal, ranks):
-        return {g: bgmv(*args, slots, scal, ranks, platform=platform) for g, args in all_args.items()}
+        return {g: bgmv(*args, slots, scal, ranks, layer=layer, platform=platform) for g, args in all_args.items()}
 
-    all_args = {g: group_args(num_tokens, i, o) for g, (i, o) in gs.items()}
+    all_args = {g: group_args(num_tokens, i, o, layers) for g, (i, o) in gs.items()}
     if platform == "gpu":
         with gpu_lowering_target():
             return jax.jit(step).trace(all_args, *meta).lower(lowering_platforms=("cuda",)).as_text()
     return jax.jit(step).trace(all_args, *meta).lower(lowering_platforms=(platform,)).as_text()
 
 
-def lower_sgmv(model, tp, num_tokens=512):
+def lower_sgmv(model, tp, num_tokens=512, layers=None):
     gs = groups(model, tp)
+    layer = None if layers is None else layers - 1
     meta = (sds((num_tokens,), i32), sds((num_tokens,), i32), sds((NUM_SLOTS + 1,), i32), sds((NUM_SLOTS,), i32),
             sds((NUM_SLOTS,), f32), sds((NUM_SLOTS,), i32))
 
     def step(all_args, *m):
-        return {g: sgmv(*args, *m, platform="tpu") for g, args in all_args.items()}
+        return {g: sgmv(*args, *m, layer=layer, platform="tpu") for g, args in all_args.items()}
 
-    all_args = {g: group_args(num_tokens, i, o) for g, (i, o) in gs.items()}
+    all_args = {g: group_args(num_tokens, i, o, layers) for g, (i, o) in gs.items()}
     return jax.jit(step).trace(all_args, *meta).lower(lowering_platforms=("tpu",)).as_text()
 
 
@@ -83,3 +89,18 @@ def test_tpu_lowering_real_shapes(model, tp):
 def test_gpu_triton_lowering_real_shapes(model, tp):
     text = lower_bgmv(model, tp, "gpu")
     assert text.count("__gpu$xla.gpu.triton") == 8  # one shrink and one (all-slice) expand per group
+
+
+@pytest.mark.parametrize("platform,tp", [("tpu", 1), ("tpu", 8), ("gpu", 1)])
+def test_stacked_pool_lowering_real_shapes(platform, tp):
+    """The engine's pool is stacked over 32 layers; a layer is read in place (no slice copy)."""
+    text = lower_bgmv("llama3_8b", tp, platform, layers=32)
+    if platform == "tpu":
+        assert text.count("tpu_custom_call") == 4 + 7
+        assert lower_sgmv("llama3_8b", tp, layers=32).count("tpu_custom_call") == 4 + 7
+    else:
+        assert text.count("__gpu$xla.gpu.triton") == 8
+    # The pool reaches the kernels whole: no op makes a one-layer [S, rows, cols] bf16 array.
+    per_layer = re.findall(rf"-> tensor<{NUM_SLOTS}x\d+x\d+xbf16>", text)
+    assert not per_layer, per_layer[:3]
+    assert re.search(rf"tensor<32x{NUM_SLOTS}x\d+x\d+xbf16>", text)
