@@ -19,6 +19,22 @@ _INGRESS_MAX_ONGOING = 1000
 _ROUTING_STATS_PERIOD_S = 1.0
 
 
+def router_config(a: AppArgs) -> RequestRouterConfig:
+    """The model servers' request router: adapter affinity (with its knobs) or Serve's multiplex."""
+    if not a.adapter_affinity_routing:
+        return RequestRouterConfig(
+            request_router_class=MultiplexMetricsRouter, request_routing_stats_period_s=_ROUTING_STATS_PERIOD_S
+        )
+    return RequestRouterConfig(
+        request_router_class=AdapterAffinityRouter,
+        request_router_kwargs=dict(
+            eps=a.routing_load_slack, hot_rate=a.routing_hot_rate, max_homes=a.routing_max_homes,
+            half_life_s=a.routing_rate_half_life_s,
+        ),
+        request_routing_stats_period_s=_ROUTING_STATS_PERIOD_S,
+    )
+
+
 def build_app(args: dict | AppArgs) -> Application:
     """Validates ``args`` (AppArgs fields) and binds ingress -> LoRAModelServer replicas."""
     a = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
@@ -32,10 +48,7 @@ def build_app(args: dict | AppArgs) -> Application:
         health_check_period_s=_HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=_HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=a.drain_timeout_s + 5.0,
-        request_router_config=RequestRouterConfig(
-            request_router_class=AdapterAffinityRouter if a.adapter_affinity_routing else MultiplexMetricsRouter,
-            request_routing_stats_period_s=_ROUTING_STATS_PERIOD_S,
-        ),
+        request_router_config=router_config(a),
     ).bind(plain)
     ingress = serve.deployment(
         OpenAIIngress,

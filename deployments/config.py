@@ -67,10 +67,22 @@ class AppArgs(BaseModel):
         description="Send each adapter to a replica holding it, else to its rendezvous-hash "
         "home, within a load bound; False uses Serve's multiplex routing.",
     )
+    routing_load_slack: float = Field(
+        0.25,
+        description="Affinity routing: a replica takes an adapter's request while its load is "
+        "at most (1 + slack) x the mean load (+1); 0 is strict balance.",
+    )
+    routing_hot_rate: float = Field(
+        20.0, description="Affinity routing: requests/s above which an adapter gets another home replica."
+    )
+    routing_max_homes: int = Field(2, description="Affinity routing: most home replicas one hot adapter gets.")
+    routing_rate_half_life_s: float = Field(
+        10.0, description="Affinity routing: half-life of the per-adapter request rate estimate."
+    )
 
     @field_validator(
         "num_replicas", "tensor_parallel_size", "max_batch", "max_lora_rank",
-        "max_cpu_loras", "max_adapter_bytes", "max_ongoing_requests",
+        "max_cpu_loras", "max_adapter_bytes", "max_ongoing_requests", "routing_max_homes",
     )
     @classmethod
     def _positive(cls, v: int, info) -> int:
@@ -92,7 +104,14 @@ class AppArgs(BaseModel):
             raise ValueError(f"max_loras_per_batch={v} must be >= 0 (0 disables adapters)")
         return v
 
-    @field_validator("replica_num_cpus", "replica_num_gpus", "drain_timeout_s")
+    @field_validator("routing_hot_rate", "routing_rate_half_life_s")
+    @classmethod
+    def _strictly_positive(cls, v: float, info) -> float:
+        if not v > 0:
+            raise ValueError(f"{info.field_name}={v} must be > 0")
+        return v
+
+    @field_validator("replica_num_cpus", "replica_num_gpus", "drain_timeout_s", "routing_load_slack")
     @classmethod
     def _non_negative(cls, v: float, info) -> float:
         if v < 0:

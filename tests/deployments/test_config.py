@@ -25,6 +25,10 @@ def test_defaults_are_the_demo():
         ("adapter_roots", ["gs://b/", ""], "adapter_roots"),
         ("replica_num_cpus", -1.0, "replica_num_cpus=-1.0"),
         ("unknown_field", 1, "unknown_field"),
+        ("routing_load_slack", -0.1, "routing_load_slack=-0.1"),
+        ("routing_hot_rate", 0.0, "routing_hot_rate=0.0"),
+        ("routing_max_homes", 0, "routing_max_homes=0"),
+        ("routing_rate_half_life_s", -1.0, "routing_rate_half_life_s=-1.0"),
     ],
 )
 def test_bad_args_name_the_value(field, value, match):
@@ -46,3 +50,20 @@ def test_served_model_name():
 
 def test_url_registry_kept_verbatim():
     assert AppArgs(registry_url="gs://b/r.json").resolved_registry_url == "gs://b/r.json"
+
+
+def test_router_knobs_reach_the_router():
+    from cluster.serve_router import AdapterAffinityRouter, MultiplexMetricsRouter
+    from deployments.app import router_config
+
+    cfg = router_config(AppArgs(routing_load_slack=0.5, routing_hot_rate=5.0, routing_max_homes=3,
+                                routing_rate_half_life_s=2.0))
+    assert cfg.request_router_class.endswith(AdapterAffinityRouter.__name__)
+    assert cfg.request_router_kwargs == dict(eps=0.5, hot_rate=5.0, max_homes=3, half_life_s=2.0)
+    router = AdapterAffinityRouter.__new__(AdapterAffinityRouter)
+    router.initialize_state(**cfg.request_router_kwargs)
+    assert router._eps == 0.5
+    assert router._hot.homes("a", 8) == 1  # no traffic yet: one home
+    plain = router_config(AppArgs(adapter_affinity_routing=False))
+    assert plain.request_router_class.endswith(MultiplexMetricsRouter.__name__)
+    assert plain.request_router_kwargs == {}
