@@ -70,7 +70,7 @@ class AppArgs(BaseModel):
     routing_load_slack: float = Field(
         0.25,
         description="Affinity routing: a replica takes an adapter's request while its load is "
-        "at most (1 + slack) x the mean load (+1); 0 is strict balance.",
+        "under max(ceil((1 + slack) x mean load), ceil(mean) + 1), the mean counting that request.",
     )
     routing_hot_rate: float = Field(
         20.0, description="Affinity routing: requests/s above which an adapter gets another home replica."
