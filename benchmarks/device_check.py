@@ -185,6 +185,7 @@ def correctness_cases(smoke: bool):
             ("sgmv_T40", 40, 4, 8, (64, 64), hid, bf, "sgmv", {}),
             ("backend_qkv", 12, 4, 8, qkv, hid, bf, "backend", {}),
             ("no_adapter", 16, 4, 8, (64,), hid, bf, "bgmv", {"slots": [-1] * 16}),
+            ("single_launch", 12, 4, 8, qkv, hid, bf, "bgmv", {"block": BlockSizes(16, 32, 32, single_launch=True)}),
         ]
     qkv, hid, inter = (4096, 1024, 1024), 4096, 14336
     return [
@@ -204,12 +205,18 @@ def correctness_cases(smoke: bool):
         ("sgmv_T100_S4_r8_f32", 100, 4, 8, (448, 64, 64), 3584, f32, "sgmv", {}),
         ("sgmv_T1024_S4_r16_down", 1024, 4, 16, (4096,), inter, bf, "sgmv", {}),
         ("backend_qkv_decode", 24, 8, 16, qkv, hid, bf, "backend", {}),
+        ("single_launch_T64_S64_qkv", 64, 64, 16, qkv, hid, bf, "bgmv",
+         {"block": BlockSizes(16, 256, 256, single_launch=True)}),
+        ("single_launch_T37_f32_mixed", 37, 8, 16, (4096, 512, 512), 3584, f32, "bgmv",
+         {"block": BlockSizes(16, 256, 512, single_launch=True), "ranks": [16, 1, 8, 4, 2, 16, 3, 0]}),
     ]
 
 
 def run_correctness_case(run: Run, name, t, s, r, outs, in_f, dtype, op, extra) -> dict:
+    extra = dict(extra)
+    block = extra.pop("block", None)
     dev, host = make_case(t, s, r, outs, in_f, dtype, seed=t * 31 + s, **extra)
-    kw = dict(platform=run.platform, interpret=run.interpret)
+    kw = dict(platform=run.platform, interpret=run.interpret, block=block)
     v_ref, y_ref = ref_lora(host["x"], host["a"], host["b"], host["base"], host["slots"], host["scal"])
     row: dict = {"case": name, "T": t, "S": s, "R": r, "outs": list(outs), "in": in_f,
                  "dtype": jnp.dtype(dtype).name, "op": op}
@@ -312,7 +319,8 @@ def section_cuda_lowering(run: Run) -> dict:
 
 def sweep_configs(smoke: bool) -> list[BlockSizes]:
     if smoke:
-        return [BlockSizes(16, 64, 64, 2), BlockSizes(16, 128, 128, 1, num_warps=2)]
+        return [BlockSizes(16, 64, 64, 2), BlockSizes(16, 128, 128, 1, num_warps=2),
+                BlockSizes(16, 64, 64, single_launch=True)]
     configs = [
         BlockSizes(16, 256, 256, 8),
         BlockSizes(16, 256, 512, 8),
@@ -324,6 +332,13 @@ def sweep_configs(smoke: bool) -> list[BlockSizes]:
         BlockSizes(16, 256, 512, 8, num_warps=4, num_stages=3),
         BlockSizes(32, 256, 512, 8),
         BlockSizes(16, 1024, 512, 2),
+        BlockSizes(16, 256, 1024, 8, num_warps=8),
+        # One launch per projection (shrink and expand in one kernel), against the two above.
+        BlockSizes(16, 256, 256, single_launch=True),
+        BlockSizes(16, 512, 512, single_launch=True),
+        BlockSizes(16, 256, 1024, single_launch=True),
+        BlockSizes(16, 256, 128, single_launch=True),
+        BlockSizes(16, 512, 256, num_warps=8, single_launch=True),
     ]
     return configs
 

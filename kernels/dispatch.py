@@ -117,6 +117,11 @@ def lora_on_tiles(
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """Fused shrink + expand: the shrink's output stays in tile layout between kernels."""
     _check_platform(platform)
+    if platform == "gpu" and bs.single_launch:
+        return gpu.lora_single_launch(
+            x, a, b, layer, base_outputs, slot_scalings, slot_ranks, meta, tm=bs.tm, bk=bs.bk, bn=bs.bn,
+            num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=interpret,
+        )
     if platform == "gpu":
         parts = gpu.shrink_partials(
             x, a, layer, slot_ranks, meta, n_slices=len(b), tm=bs.tm, bk=bs.bk, num_splits=bs.num_splits,

@@ -24,6 +24,7 @@ class BlockSizes:
     num_splits: int = 1  # GPU split-K of the shrink
     num_warps: int = 4
     num_stages: int = 2
+    single_launch: bool = False  # GPU fused op: shrink and expand in one kernel (no split-K)
 
 
 def gpu_block_sizes(num_tokens: int, in_features: int, *, prefill: bool) -> BlockSizes:

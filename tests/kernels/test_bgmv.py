@@ -137,3 +137,21 @@ def test_jits_once_for_any_slot_assignment():
         got = step(slots)
         assert_close(got[0], naive_lora(d["x"], d["a"], d["b"], d["base"], slots, d["scalings"])[0], F32)
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("num_tokens,num_slots,rank,n,dtype", [
+    (1, 1, 4, 1, F32),
+    (7, 4, 64, 2, F32),
+    (16, 32, 8, 3, BF16),
+    (100, 4, 16, 3, BF16),
+])
+def test_gpu_single_launch_matches_naive_loop(num_tokens, num_slots, rank, n, dtype):
+    """The one-kernel GPU variant: several K blocks, column blocks, GQA slices, slot -1, mixed ranks."""
+    d = make_inputs(num_tokens, num_slots, rank, OUTS[:n], IN, dtype, seed=num_tokens * 5 + rank)
+    block = BlockSizes(tm=16, bk=64, bn=64, single_launch=True)
+    got = bgmv(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"], d["ranks"],
+               platform="gpu", interpret=True, block=block)
+    want = naive_lora(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"])
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        assert_close(g, w, dtype)

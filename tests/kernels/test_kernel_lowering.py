@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernels.bgmv import bgmv
+from kernels.bgmv.tuned_block_sizes import BlockSizes
 from kernels.common import gpu_lowering_target
 from kernels.sgmv import sgmv
 
@@ -47,13 +48,14 @@ def group_args(num_tokens, in_f, outs, layers=None):
     )
 
 
-def lower_bgmv(model, tp, platform, num_tokens=64, layers=None):
+def lower_bgmv(model, tp, platform, num_tokens=64, layers=None, block=None):
     gs = groups(model, tp)
     meta = (sds((num_tokens,), i32), sds((NUM_SLOTS,), f32), sds((NUM_SLOTS,), i32))
     layer = None if layers is None else layers - 1
 
     def step(all_args, slots, scal, ranks):
-        return {g: bgmv(*args, slots, scal, ranks, layer=layer, platform=platform) for g, args in all_args.items()}
+        return {g: bgmv(*args, slots, scal, ranks, layer=layer, platform=platform, block=block)
+                for g, args in all_args.items()}
 
     all_args = {g: group_args(num_tokens, i, o, layers) for g, (i, o) in gs.items()}
     if platform == "gpu":
@@ -104,3 +106,9 @@ def test_stacked_pool_lowering_real_shapes(platform, tp):
     per_layer = re.findall(rf"-> tensor<{NUM_SLOTS}x\d+x\d+xbf16>", text)
     assert not per_layer, per_layer[:3]
     assert re.search(rf"tensor<32x{NUM_SLOTS}x\d+x\d+xbf16>", text)
+
+
+def test_gpu_single_launch_lowering_real_shapes():
+    block = BlockSizes(tm=16, bk=256, bn=256, single_launch=True)
+    text = lower_bgmv("qwen2_5_7b", 1, "gpu", layers=28, block=block)
+    assert text.count("__gpu$xla.gpu.triton") == 4  # one kernel per projection group

@@ -88,16 +88,19 @@ def test_halves_and_sgmv_read_the_indexed_layer(platform):
         assert_close(g, w, dtype)
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
-def test_layer_index_from_a_scan(platform):
+@pytest.mark.parametrize("platform,single_launch", [("cpu", False), ("gpu", False), ("gpu", True)])
+def test_layer_index_from_a_scan(platform, single_launch):
     """A scanned layer loop passes the loop index; every layer applies its own adapters."""
     dtype = F32
     d, per_layer = stacked_inputs(16, 4, 8, 1, dtype, outs=(IN,))
+    k = kw(platform, dtype)
+    if single_launch:
+        k["block"] = BlockSizes(tm=16, bk=64, bn=64, single_launch=True)
 
     def step(x):
         def body(h, layer):
             y = bgmv(h, d["a_stack"], d["b_stack"], (h,), d["slots"], d["scalings"], d["ranks"], layer=layer,
-                     **kw(platform, dtype))[0]
+                     **k)[0]
             return y, None
         return jax.lax.scan(body, x, jnp.arange(LAYERS, dtype=jnp.int32))[0]
 
