@@ -4,6 +4,12 @@
 #   bash benchmarks/device_run.sh smoke    the same at tiny shapes in interpret mode (any machine)
 #   bash benchmarks/device_run.sh kernels  the kernel benchmark as a scan and unrolled, then the
 #                                          engine's LoRA step with the kernel and XLA backends
+#   bash benchmarks/device_run.sh profile  where a layer's time goes (benchmarks/kernel_profile.py:
+#                                          launch floor, kernel time from a profiler trace, gaps),
+#                                          with XLA's command buffers (CUDA graphs) as they are, with
+#                                          the Pallas calls captured too, and off; then the headline
+#                                          benchmark with and without that capture, and the engine
+#                                          step with no command buffers (about 4-5 minutes)
 # Wheels for packages the device image lacks (pydantic) may sit in .whl/.
 set -uo pipefail
 OUT=${OUT:-./.device_out}
@@ -15,6 +21,23 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 mode=${1:-full}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv 2>/dev/null | tee "$OUT/gpu.txt"
+echo "kernel $(uname -r)" | tee -a "$OUT/gpu.txt"  # which runtime: gVisor reports 4.4.0
+if [ "$mode" = profile ]; then
+  capture="--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+  timeout 75 python3 -m benchmarks.kernel_profile --out "$OUT/profile_default.json" 2>&1 \
+    | tee "$OUT/profile_default.log"
+  XLA_FLAGS="$capture" timeout 75 python3 -m benchmarks.kernel_profile --out "$OUT/profile_capture.json" 2>&1 \
+    | tee "$OUT/profile_capture.log"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 75 python3 -m benchmarks.kernel_profile \
+    --out "$OUT/profile_no_graphs.json" 2>&1 | tee "$OUT/profile_no_graphs.log"
+  timeout 40 python3 -m benchmarks.lora_kernels --headline --unrolled 2>&1 | tee "$OUT/headline_default.log"
+  XLA_FLAGS="$capture" timeout 40 python3 -m benchmarks.lora_kernels --headline --unrolled 2>&1 \
+    | tee "$OUT/headline_capture.log"
+  # The engine step with no command buffers at all: each Pallas call splits XLA's graphs.
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 80 python3 -m benchmarks.multi_lora --quick --large \
+    --backend pallas 2>&1 | tee "$OUT/multi_lora_pallas_no_graphs.log" | tail -9
+  exit 0
+fi
 if [ "$mode" = kernels ]; then
   timeout 55 python3 -m benchmarks.lora_kernels 2>&1 | tee "$OUT/lora_kernels_scan.log"
   timeout 55 python3 -m benchmarks.lora_kernels --unrolled 2>&1 | tee "$OUT/lora_kernels_unrolled.log"

@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="stacked layers per timed call")
     p.add_argument("--with-sorted", action="store_true", help="also time sort + ragged_dot")
     p.add_argument("--unrolled", action="store_true", help="layers as straight-line code, not a scan")
+    p.add_argument("--headline", action="store_true", help="only the headline shape (T=64, S=64, 4096, r=16)")
     args = p.parse_args(argv)
     platform = default_platform()
     on_cpu = platform == "cpu"
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'unrolled' if args.unrolled else 'scan'}", flush=True)
     names = ("kernel", "onehot", "gather") + (("sorted",) if args.with_sorted else ())
     row = {}
-    for shape in shapes(args.quick, platform):
+    measured = shapes(args.quick, platform)
+    for shape in measured[-1:] if args.headline else measured:
         row = run_shape(shape, platform=platform, interpret=False, layers=layers, repeats=repeats,
                         copy_bps=copy_bps, names=names, unrolled=args.unrolled)
         print(format_row(row), flush=True)
