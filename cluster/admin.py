@@ -70,6 +70,15 @@ def resolve_model_path(model: str, *, weights: bool = True) -> str:
     return local_checkpoint(model, weights=weights)
 
 
+def resolve_tokenizer_path(tokenizer: str | None) -> str | None:
+    """A local directory of the ``tokenizer`` app arg (a URL is copied once); None stays None."""
+    if tokenizer is None:
+        return None
+    from lora_runtime.model.fetch import local_tokenizer
+
+    return local_tokenizer(tokenizer)
+
+
 def demo_adapter_sources() -> dict[str, str]:
     """Adapter name -> directory of each shipped demo adapter."""
     from lora_runtime.demo import adapter_dir
@@ -215,6 +224,7 @@ __all__ = [
     "demo_adapter_sources",
     "get_or_create_admin",
     "resolve_model_path",
+    "resolve_tokenizer_path",
     "sync_entries",
     "unwrap_error",
 ]

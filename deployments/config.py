@@ -26,6 +26,11 @@ class AppArgs(BaseModel):
         description="Name clients use for the base model; None takes the checkpoint "
         "directory's name.",
     )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer folder or fsspec URL (tokenizer.json, tokenizer_config.json, chat "
+        "template) to use instead of the checkpoint's; None uses the checkpoint's.",
+    )
     num_replicas: int = Field(1, description="LoRAModelServer replicas, one engine each.")
     tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over.")
     max_batch: int = Field(8, description="Sequences one replica decodes together.")

@@ -12,7 +12,9 @@ import logging
 
 from ray import serve
 
-from cluster.admin import AdapterValidator, get_or_create_admin, resolve_model_path, sync_entries, unwrap_error
+from cluster.admin import (
+    AdapterValidator, get_or_create_admin, resolve_model_path, resolve_tokenizer_path, sync_entries, unwrap_error,
+)
 from cluster.metrics import ReplicaMetrics
 from cluster.serve_router import routing_stats
 from deployments.config import AppArgs
@@ -39,7 +41,8 @@ class LoRAModelServer:
         self._args = AppArgs(**args)
         a = self._args
         self._engine = Engine.from_pretrained(
-            resolve_model_path(a.model), a.engine_config(), model_name=a.served_model_name
+            resolve_model_path(a.model), a.engine_config(), model_name=a.served_model_name,
+            tokenizer_path=resolve_tokenizer_path(a.tokenizer),
         )
         self._engine.start()
         self._admin = get_or_create_admin(

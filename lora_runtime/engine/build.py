@@ -14,11 +14,17 @@ from lora_runtime.model.sharding import make_mesh
 from lora_runtime.model.tokenizer import Tokenizer
 
 
-def build_engine(model_path: str, config: EngineConfig, *, model_name: str | None = None) -> Engine:
-    """An engine serving the HF checkpoint at `model_path` (not yet started)."""
+def build_engine(
+    model_path: str, config: EngineConfig, *, model_name: str | None = None, tokenizer_path: str | None = None
+) -> Engine:
+    """An engine serving the HF checkpoint at `model_path` (not yet started).
+
+    `tokenizer_path`: a folder with tokenizer.json (and its config and chat template) to use
+    instead of the checkpoint's own; generation_config.json still comes from the checkpoint.
+    """
     mesh = make_mesh(config.tensor_parallel_size)
     model_config, model = load_model(model_path, mesh, dtype=config.dtype)
-    tokenizer = Tokenizer.from_pretrained(model_path)
+    tokenizer = Tokenizer.from_pretrained(tokenizer_path or model_path, generation_config_dir=model_path)
     name = model_name or os.path.basename(os.path.normpath(model_path))
     return assemble_engine(model, model_config, tokenizer, config, mesh, model_name=name)
 

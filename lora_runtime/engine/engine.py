@@ -66,11 +66,14 @@ class Engine:
         self.warm_traces: int | None = None
 
     @classmethod
-    def from_pretrained(cls, model_path: str, config: EngineConfig, *, model_name: str | None = None) -> "Engine":
-        """Loads the checkpoint sharded over `tensor_parallel_size` devices and builds the engine."""
+    def from_pretrained(
+        cls, model_path: str, config: EngineConfig, *, model_name: str | None = None, tokenizer_path: str | None = None
+    ) -> "Engine":
+        """Loads the checkpoint sharded over `tensor_parallel_size` devices and builds the engine
+        (with the tokenizer of `tokenizer_path` when given, else the checkpoint's)."""
         from lora_runtime.engine.build import build_engine
 
-        return build_engine(model_path, config, model_name=model_name)
+        return build_engine(model_path, config, model_name=model_name, tokenizer_path=tokenizer_path)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -168,6 +171,12 @@ class Engine:
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
+            bad = [t for t in ids if t >= self.model_config.vocab_size]
+            if bad:  # a tokenizer with more tokens than the model has embeddings
+                raise InvalidRequestError(
+                    f"the prompt encodes to token ids {bad[:5]} that the model's vocab_size="
+                    f"{self.model_config.vocab_size} does not hold (tokenizer and model do not match)"
+                )
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]

@@ -64,8 +64,12 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(eos_ids)
 
     @classmethod
-    def from_pretrained(cls, path: str) -> Tokenizer:
-        """Loads a tokenizer from a local checkpoint folder (as saved by transformers)."""
+    def from_pretrained(cls, path: str, *, generation_config_dir: str | None = None) -> Tokenizer:
+        """Loads a tokenizer from a local checkpoint folder (as saved by transformers).
+
+        `generation_config_dir`: where generation_config.json (extra EOS ids) lives when
+        the tokenizer comes from another folder than the model; default `path`.
+        """
         folder = Path(path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -83,7 +87,7 @@ class Tokenizer:
             template = config.get("chat_template")
             if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
                 template = {t["name"]: t["template"] for t in template}.get("default")
-        eos_ids = _read_json(folder / "generation_config.json").get("eos_token_id")
+        eos_ids = _read_json(Path(generation_config_dir or path) / "generation_config.json").get("eos_token_id")
         extra_eos = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
         return cls(backend, config, chat_template=template, extra_eos_token_ids=extra_eos)
 

@@ -78,3 +78,20 @@ def test_bad_checkpoint_urls_name_the_problem(tmp_path, files, url, match):
         fs.pipe_file(f"/{url.split('://')[1]}/{name}", data)
     with pytest.raises(CheckpointError, match=match):
         local_checkpoint(url, cache_dir=str(tmp_path))
+
+
+def test_tokenizer_url_copies_only_the_tokenizer_files(checkpoint, tmp_path):
+    from lora_runtime.model.fetch import local_tokenizer
+    from lora_runtime.model.tokenizer import Tokenizer
+
+    fs = fsspec.filesystem("memory")
+    _upload(fs, checkpoint, "/tokenizers/tiny")
+    local = local_tokenizer("memory://tokenizers/tiny", cache_dir=str(tmp_path))
+    names = {p.name for p in Path(local).iterdir()} - {".complete"}
+    assert names == {"tokenizer.json", "tokenizer_config.json"}
+    text = "the quick brown fox"
+    assert Tokenizer.from_pretrained(local).encode(text) == Tokenizer.from_pretrained(str(checkpoint)).encode(text)
+    assert local_tokenizer(str(checkpoint)) == str(checkpoint)
+    fs.pipe_file("/tokenizers/none/config.json", b"{}")
+    with pytest.raises(CheckpointError, match="has no tokenizer.json"):
+        local_tokenizer("memory://tokenizers/none", cache_dir=str(tmp_path))
