@@ -7,8 +7,8 @@ H=O=4096, r=16, bf16), as the model's layer loop runs them:
   shrink      the split-K shrink kernel alone (partials in tile layout)
   expand      the expand kernel alone, adding into the base output in place
   pair        shrink + expand, x and base distinct (as in the engine)
-  pair_xh     the same with x and base the same array (lora_kernels' harness; XLA must copy
-              the base before the in-place expand)
+  pair_xh     the same with x and base one array (XLA must copy the base before the in-place
+              expand; lora_kernels timed this way before 2026-11-30)
   single      the single-launch fused kernel
   gather      the XLA gather formulation; onehot: the one-hot einsum
 Wall time is the median of a call over all layers. Device time comes from a profiler trace

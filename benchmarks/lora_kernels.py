@@ -82,22 +82,29 @@ def lora_fn(name: str, platform: str, interpret: bool, shape: Shape, block: Bloc
 
 
 def stack_fn(prepare, layer, unrolled: bool = False):
-    """A scan over layers, each with its own adapters, chaining h through the layers.
+    """A scan over layers, each with its own adapters, chaining through the layers.
 
+    Layer l computes y = base + LoRA_l(x); the next layer takes x = y and base = this x.
+    So x depends on the previous layer (no layer's work can be hoisted or batched with
+    another's), and x and base are always distinct arrays, as in the model (x is the
+    normed hidden state, base the projection's output): the kernel adds into base in
+    place, which with x and base one array would cost XLA a copy per layer.
     unrolled: a Python loop instead (straight-line code, as the model's layer loop is),
     so no per-layer while-loop iteration is timed."""
     def run(x, a, b, slots, scal, ranks):
         prep = prepare(slots)
+        carry = (x, x[::-1])  # a distinct array as the first base
         if unrolled:
-            h = x
             for index in range(a.shape[0]):
-                h = layer(h, a, b, index, h, slots, scal, ranks, prep)
-            return h
+                cur, base = carry
+                carry = (layer(cur, a, b, index, base, slots, scal, ranks, prep), cur)
+            return carry[0]
 
-        def body(h, index):
-            return layer(h, a, b, index, h, slots, scal, ranks, prep), None
-        h, _ = lax.scan(body, x, jnp.arange(a.shape[0], dtype=jnp.int32))
-        return h
+        def body(carry, index):
+            cur, base = carry
+            return (layer(cur, a, b, index, base, slots, scal, ranks, prep), cur), None
+        carry, _ = lax.scan(body, carry, jnp.arange(a.shape[0], dtype=jnp.int32))
+        return carry[0]
     return jax.jit(run)
 
 
