@@ -39,8 +39,10 @@ from deployments.openai_protocol import (
     OpenAIError,
     UnloadLoRAAdapterRequest,
     chat_chunk,
+    chat_logprobs,
     chat_response,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     error_body,
     new_id,
@@ -211,12 +213,14 @@ class OpenAIIngress:
         last = items[-1]
         use = usage(last["prompt_tokens"], last["completion_tokens"])
         build = chat_response if chat else completion_response
-        return build(rid, model, text, last["finish_reason"], use)
+        logprobs = None if last.get("logprobs") is None else [e for i in items for e in i["logprobs"]]
+        return build(rid, model, text, last["finish_reason"], use, logprobs)
 
     async def _sse_stream(self, rid, model, stream, first, *, chat: bool, include_usage: bool):
         created = int(time.time())
         chunk = chat_chunk if chat else completion_chunk
         last = None
+        text_offset = 0  # of the completion's logprobs tokens
         try:
             if chat:
                 yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
@@ -228,8 +232,16 @@ class OpenAIIngress:
                     break
                 last = item
                 delta = {"content": item["text"]} if chat else item["text"]
-                if item["text"] or item["finished"]:
-                    yield _sse(chunk(rid, model, created, delta, item["finish_reason"]))
+                entries = item.get("logprobs")
+                if item["text"] or item["finished"] or entries:
+                    if entries is None:
+                        logprobs = None
+                    elif chat:
+                        logprobs = chat_logprobs(entries)
+                    else:
+                        logprobs = completion_logprobs(entries, text_offset)
+                        text_offset += sum(len(e["token"]) for e in entries)
+                    yield _sse(chunk(rid, model, created, delta, item["finish_reason"], logprobs))
                 item = await anext(stream, None)
             if include_usage and last is not None:
                 use = usage(last["prompt_tokens"], last["completion_tokens"])

@@ -132,9 +132,22 @@ class LoRAModelServer:
             fields["max_tokens"] = max(1, self._args.max_seq_len - n_prompt)
         return SamplingParams(**fields).validate()
 
+    def _logprob_entries(self, out) -> list[dict] | None:
+        """Per new token: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
+        if out.logprobs is None:
+            return None
+        tokenizer = self._engine.tokenizer
+
+        def entry(token_id: int, logprob: float) -> dict:
+            raw = tokenizer.token_bytes(token_id)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+        return [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                for t, lp in zip(out.token_ids, out.logprobs)]
+
     async def generate(self, request: dict):
         """Streams ``{"text", "token_ids", "finished", "finish_reason", "prompt_tokens",
-        "completion_tokens"}`` items, or one ``{"error": ...}`` item for a bad request."""
+        "completion_tokens", "logprobs"}`` items, or one ``{"error": ...}`` item for a bad request."""
         adapter = serve.get_multiplexed_model_id() or None
         rid = request["request_id"]
         trace = self._metrics.start(adapter)
@@ -173,6 +186,7 @@ class LoRAModelServer:
                     "finish_reason": out.finish_reason,
                     "prompt_tokens": out.prompt_tokens,
                     "completion_tokens": out.completion_tokens,
+                    "logprobs": self._logprob_entries(out),
                 }
                 if finished:
                     break

@@ -8,6 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# lora_runtime.engine.sampling.MAX_LOGPROBS (not imported: the ingress stays free of JAX).
+MAX_LOGPROBS = 20
+
 
 class OpenAIError(Exception):
     """An error the HTTP edge returns as ``{"error": {message, type, param, code}}``."""
@@ -99,7 +102,12 @@ class _Request(BaseModel):
             "stop": tuple(stop),
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs_wanted(),
         }
+
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives per token to report log-probabilities for; None: none."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -116,8 +124,20 @@ class CompletionRequest(_Request):
 
     prompt: str | list[int] | list[str] = Field(..., description="Text or token ids; one prompt.")
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(
+        None, description=f"Log-probabilities of each token and of the n likeliest (0-{MAX_LOGPROBS})."
+    )
     suffix: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs={v} must be in [0, {MAX_LOGPROBS}]")
+        return v
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -135,8 +155,6 @@ class CompletionRequest(_Request):
     def _unsupported(self):
         if self.echo:
             raise ValueError("echo=true is not supported")
-        if self.logprobs is not None:
-            raise ValueError(f"logprobs={self.logprobs} is not supported")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         return self
@@ -167,12 +185,21 @@ class ChatCompletionRequest(_Request):
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool = Field(False, description="Return each generated token's log-probability.")
+    top_logprobs: int | None = Field(
+        None, description=f"With logprobs: also the n likeliest tokens at each position (0-{MAX_LOGPROBS})."
+    )
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.logprobs:
-            raise ValueError("logprobs=true is not supported")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_LOGPROBS}]")
+            if not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs=true")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ValueError(
@@ -225,28 +252,54 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+def completion_logprobs(entries: list[dict] | None, text_offset: int = 0) -> dict | None:
+    """The legacy completions ``logprobs`` object from per-token entries (the chat format:
+    token, logprob, bytes, top_logprobs); the sampled token is always in its top dict."""
+    if entries is None:
+        return None
+    offsets, at = [], text_offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
+                         for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
+    return None if entries is None else {"content": entries}
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict,
+                        logprobs: list[dict] | None = None) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
+                     "finish_reason": finish_reason}],
         "usage": use,
     }
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+def chat_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict,
+                  logprobs: list[dict] | None = None) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -256,7 +309,7 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str | None, us
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": chat_logprobs(logprobs),
                 "finish_reason": finish_reason,
             }
         ],
@@ -264,13 +317,14 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str | None, us
     }
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 

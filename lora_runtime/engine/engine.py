@@ -21,10 +21,10 @@ from typing import AsyncIterator, Callable, Sequence as Seq
 import numpy as np
 
 from lora_runtime.engine.config import EngineConfig
-from lora_runtime.engine.runner import ModelRunner, StepInputs
+from lora_runtime.engine.runner import ModelRunner, Sampled, StepInputs
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
 from lora_runtime.engine.scheduler import Scheduler
-from lora_runtime.engine.sequence import RequestOutput, Sequence
+from lora_runtime.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 from lora_runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -356,7 +356,7 @@ class Engine:
         self.counters["prefill_steps"] += 1
         self.counters["prompt_tokens"] += total
         for i, seq in enumerate(seqs):
-            self._append(seq, int(sampled[i]))
+            self._append(seq, sampled, i)
 
     def _decode(self) -> None:
         b = self.config.max_batch
@@ -386,10 +386,15 @@ class Engine:
         distinct = len({s.adapter for s in active if s.adapter is not None})
         self.counters["max_batch_adapters"] = max(self.counters["max_batch_adapters"], distinct)
         for seq in active:
-            self._append(seq, int(sampled[seq.row]))
+            self._append(seq, sampled, seq.row)
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        seq.append_token(token, self.config.max_seq_len)
+    def _append(self, seq: Sequence, sampled: Sampled, i: int) -> None:
+        n = seq.params.logprobs
+        logprob = None
+        if n is not None:
+            top = tuple((int(t), float(lp)) for t, lp in zip(sampled.top_ids[i, :n], sampled.top_logprobs[i, :n]))
+            logprob = TokenLogprob(float(sampled.logprob[i]), top)
+        seq.append_token(int(sampled.tokens[i]), self.config.max_seq_len, logprob)
         self.counters["generated_tokens"] += 1
         if seq.finished:
             self._finish(seq)
@@ -461,4 +466,5 @@ def _merge(parts: list[RequestOutput]) -> RequestOutput:
         prompt_tokens=last.prompt_tokens,
         completion_tokens=last.completion_tokens,
         error=last.error,
+        logprobs=None if last.logprobs is None else [lp for p in parts for lp in p.logprobs or ()],
     )

@@ -10,7 +10,7 @@ from flax import nnx
 
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
-from lora_runtime.engine.sampling import SamplingBatch, sample
+from lora_runtime.engine.sampling import SamplingBatch, sample, step_logprobs
 from lora_runtime.lora.batch_info import LoRABatchInfo
 from lora_runtime.lora.backend.base import BaseLoRABackend
 from lora_runtime.model.config import ModelConfig
@@ -27,6 +27,22 @@ class StepInputs:
     sampling: SamplingBatch  # [P] rows sampled this step
     last_index: np.ndarray | None  # i32[P]: prefill only, index of each sequence's last token
     lora: LoRABatchInfo | None  # token slots of the T tokens
+
+
+@dataclasses.dataclass
+class Sampled:
+    """A step's sampled token per row, with log-probabilities (see sampling.StepLogprobs)."""
+
+    tokens: np.ndarray  # i32[P]
+    logprob: np.ndarray  # f32[P]
+    top_ids: np.ndarray  # i32[P, K]
+    top_logprobs: np.ndarray  # f32[P, K]
+
+    @classmethod
+    def from_device(cls, tokens, logprobs) -> "Sampled":
+        tokens, logprobs = jax.device_get((tokens, logprobs))
+        return cls(np.asarray(tokens), np.asarray(logprobs.chosen), np.asarray(logprobs.top_ids),
+                   np.asarray(logprobs.top))
 
 
 class ModelRunner:
@@ -67,28 +83,31 @@ class ModelRunner:
             state, kv_cache, pool, tokens, positions, rows, lora_info, "prefill"
         )
         logits = model.logits(hidden[last_index])
-        return sample(logits, sampling), kv_cache
+        tokens = sample(logits, sampling)
+        return tokens, step_logprobs(logits, tokens), kv_cache
 
     def _decode_impl(self, state, kv_cache, pool, tokens, positions, rows, sampling, lora_info):
         model, hidden, kv_cache = self._forward(
             state, kv_cache, pool, tokens, positions, rows, lora_info, "decode"
         )
-        return sample(model.logits(hidden), sampling), kv_cache
+        logits = model.logits(hidden)
+        tokens = sample(logits, sampling)
+        return tokens, step_logprobs(logits, tokens), kv_cache
 
-    def prefill(self, inputs: StepInputs, pool) -> np.ndarray:
+    def prefill(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one packed prefill step; returns the first sampled token of each row."""
         with jax.set_mesh(self.mesh):
-            tokens, self.kv_cache = self._prefill(
+            tokens, logprobs, self.kv_cache = self._prefill(
                 self.state, self.kv_cache, pool, inputs.tokens, inputs.positions,
                 inputs.rows, inputs.last_index, inputs.sampling, inputs.lora,
             )
-        return np.asarray(tokens)
+        return Sampled.from_device(tokens, logprobs)
 
-    def decode(self, inputs: StepInputs, pool) -> np.ndarray:
+    def decode(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one decode step over every cache row; returns a token per row."""
         with jax.set_mesh(self.mesh):
-            tokens, self.kv_cache = self._decode(
+            tokens, logprobs, self.kv_cache = self._decode(
                 self.state, self.kv_cache, pool, inputs.tokens, inputs.positions,
                 inputs.rows, inputs.sampling, inputs.lora,
             )
-        return np.asarray(tokens)
+        return Sampled.from_device(tokens, logprobs)

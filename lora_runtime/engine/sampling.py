@@ -11,6 +11,9 @@ import numpy as np
 
 from lora_runtime.errors import InvalidRequestError
 
+# Most alternatives a request may ask log-probabilities for (OpenAI's limit too).
+MAX_LOGPROBS = 20
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n: each token's log-probability and the n likeliest
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequestError naming the first bad field; returns self."""
@@ -37,6 +41,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed={self.seed} must be in [0, 2**63)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]")
         if any(not s for s in self.stop):
             raise InvalidRequestError(f"stop={list(self.stop)!r} contains an empty string")
         if vocab_size is not None:
@@ -115,3 +121,21 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V] -
     keys = jax.vmap(_row_key)(batch.seed, batch.step)
     drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
     return jnp.where(batch.temperature > 0, drawn, greedy)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepLogprobs:
+    """Log-probabilities of one step's rows under the model (before temperature or top-k/p)."""
+
+    chosen: jax.Array  # f32[B]: of each row's sampled token
+    top_ids: jax.Array  # i32[B, K]: the K likeliest tokens, likeliest first
+    top: jax.Array  # f32[B, K]: their log-probabilities
+
+
+def step_logprobs(logits: jax.Array, tokens: jax.Array) -> StepLogprobs:  # f32[B, V], i32[B]
+    """The sampled tokens' log-probabilities and the MAX_LOGPROBS likeliest tokens per row."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+    return StepLogprobs(chosen, top_ids.astype(jnp.int32), top)

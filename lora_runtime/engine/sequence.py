@@ -16,6 +16,14 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the client or the server
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the likeliest tokens there."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), likeliest first
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """What a request produced since its previous output (deltas), plus totals."""
@@ -28,6 +36,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: Exception | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked
 
 
 @dataclasses.dataclass(eq=False)
@@ -46,6 +55,7 @@ class Sequence:
     row: int | None = None  # KV cache row while running
     slot: int = -1  # adapter slot while running; -1 = no adapter
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     text: str = ""
     emitted_text: int = 0
     emitted_tokens: int = 0
@@ -59,9 +69,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append_token(self, token: int, max_seq_len: int) -> None:
-        """Adds a sampled token and decides whether the sequence is finished."""
+    def append_token(self, token: int, max_seq_len: int, logprob: TokenLogprob | None = None) -> None:
+        """Adds a sampled token (and its log-probability) and decides whether the sequence is finished."""
         self.output_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.finish_reason = FinishReason.STOP
@@ -104,6 +116,7 @@ class Sequence:
             finish_reason=self.finish_reason.value if self.finished else None,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
+            logprobs=None if self.params.logprobs is None else self.output_logprobs[self.emitted_tokens :],
         )
         self.emitted_text = end
         self.emitted_tokens = len(self.output_ids)

@@ -57,6 +57,7 @@ class Tokenizer:
         self._chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._decoder_type = _decoder_type(backend)
         self.bos_token_id: int | None = self._special_id("bos_token")
         self.pad_token_id: int | None = self._special_id("pad_token")
         eos = self._special_id("eos_token")
@@ -134,6 +135,27 @@ class Tokenizer:
         """The vocabulary entry of an id, or None."""
         return self._backend.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level BPE token or a byte-fallback token
+        (``<0x0A>``) may hold part of a UTF-8 character, which decoding it alone would lose."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._decoder_type == "ByteLevel" and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self._decoder_type != "ByteLevel" and piece.startswith("\u2581"):  # a metaspace word start
+            return (" " + piece[1:].replace("\u2581", " ")).encode("utf-8")
+        return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text for log-probability listings (partial UTF-8 shows as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     @property
     def has_chat_template(self) -> bool:
         """Whether chat prompts can be rendered."""
@@ -188,6 +210,33 @@ class IncrementalDetokenizer:
         self._window = self._window[self._read:]
         self._read = len(self._window)
         return delta
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _decoder_type(backend: BackendTokenizer) -> str | None:
+    """The decoder's type ("ByteLevel", "Metaspace", "Sequence", ...), or None."""
+    decoder = backend.decoder
+    if decoder is None:
+        return None
+    try:
+        return json.loads(decoder.__getstate__()).get("type")
+    except (AttributeError, TypeError, ValueError):
+        return type(decoder).__name__
 
 
 def _token_content(value: Any) -> str:

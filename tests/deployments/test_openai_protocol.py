@@ -2,10 +2,13 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.openai_protocol import (
+    MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     chat_chunk,
+    chat_response,
+    completion_logprobs,
     completion_response,
     usage,
 )
@@ -29,7 +32,8 @@ def test_single_prompt_list_is_unwrapped_and_token_ids_kept():
         ({"prompt": ["a", "b"]}, "only one prompt"),
         ({"prompt": "a", "n": 2}, "n=2"),
         ({"prompt": "a", "echo": True}, "echo"),
-        ({"prompt": "a", "logprobs": 2}, "logprobs=2"),
+        ({"prompt": "a", "logprobs": 21}, r"logprobs=21 must be in \[0, 20\]"),
+        ({"prompt": "a", "logprobs": -1}, r"logprobs=-1 must be in \[0, 20\]"),
         ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty=0.5"),
         ({"prompt": "a", "bogus": 1}, "bogus"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -69,3 +73,43 @@ def test_response_shapes():
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {"content": "x"}
     err = OpenAIError("bad model='x'", status_code=404, error_type="not_found_error", param="model")
     assert err.body() == {"error": {"message": "bad model='x'", "type": "not_found_error", "param": "model", "code": None}}
+
+
+def test_logprobs_requests_map_to_the_runtime():
+    from lora_runtime.engine.sampling import MAX_LOGPROBS as RUNTIME_MAX
+
+    assert MAX_LOGPROBS == RUNTIME_MAX
+    user = [{"role": "user", "content": "x"}]
+    assert CompletionRequest(model="m", prompt="a").sampling(16)["logprobs"] is None
+    assert CompletionRequest(model="m", prompt="a", logprobs=0).sampling(16)["logprobs"] == 0
+    assert CompletionRequest(model="m", prompt="a", logprobs=5).sampling(16)["logprobs"] == 5
+    assert ChatCompletionRequest(model="m", messages=user).sampling(None)["logprobs"] is None
+    assert ChatCompletionRequest(model="m", messages=user, logprobs=True).sampling(None)["logprobs"] == 0
+    chat = ChatCompletionRequest(model="m", messages=user, logprobs=True, top_logprobs=3)
+    assert chat.sampling(None)["logprobs"] == 3
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs=true"):
+        ChatCompletionRequest(model="m", messages=user, top_logprobs=2)
+    with pytest.raises(ValidationError, match=r"top_logprobs=21 must be in \[0, 20\]"):
+        ChatCompletionRequest(model="m", messages=user, logprobs=True, top_logprobs=21)
+
+
+def _entry(token, logprob, top=()):
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top]}
+
+
+def test_logprobs_response_formats():
+    entries = [_entry("he", -0.5, [("he", -0.5), ("ha", -1.5)]), _entry("llo", -2.0, [("p", -0.1)])]
+    legacy = completion_logprobs(entries, text_offset=4)
+    assert legacy == {
+        "tokens": ["he", "llo"],
+        "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{"he": -0.5, "ha": -1.5}, {"p": -0.1, "llo": -2.0}],
+        "text_offset": [4, 6],
+    }
+    assert completion_logprobs(None) is None
+    body = completion_response("c", "m", "hello", "length", usage(1, 2), entries)
+    assert body["choices"][0]["logprobs"]["tokens"] == ["he", "llo"]
+    chat = chat_response("c", "m", "hello", "length", usage(1, 2), entries)
+    assert chat["choices"][0]["logprobs"] == {"content": entries}
+    assert chat_response("c", "m", "x", "stop", usage(1, 1))["choices"][0]["logprobs"] is None

@@ -199,3 +199,35 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(checkpoint):
     finally:
         eng.shutdown()
     assert not eng.is_alive()
+
+
+def test_logprobs_match_transformers(engine, hf_model):
+    """Each generated token's log-probability and the 5 likeliest tokens at that step, against
+    log_softmax of transformers' logits; sampling at a temperature does not change them."""
+    import torch
+
+    prompt = PROMPTS[0]
+    ids = engine.tokenizer.encode(prompt)
+    for temperature in (0.0, 0.7):
+        params = SamplingParams(max_tokens=6, temperature=temperature, seed=3, ignore_eos=True, logprobs=5)
+        [out] = engine.generate_batch([prompt], params, [None])
+        assert len(out.logprobs) == len(out.token_ids) == 6
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids + out.token_ids])).logits[0]
+        ref = torch.log_softmax(logits.double(), dim=-1).numpy()[len(ids) - 1 : -1]
+        for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert abs(lp.logprob - ref[step, token]) < 1e-4
+            want = np.argsort(-ref[step])[:5]
+            assert [t for t, _ in lp.top] == want.tolist()
+            np.testing.assert_allclose([v for _, v in lp.top], ref[step, want], atol=1e-4)
+            if temperature == 0.0:
+                assert lp.top[0][0] == token
+
+
+def test_no_logprobs_unless_asked_and_the_limit(engine):
+    [out] = engine.generate_batch([PROMPTS[1]], GREEDY, [None])
+    assert out.logprobs is None
+    with pytest.raises(InvalidRequestError, match=r"logprobs=21 must be in \[0, 20\]"):
+        engine.submit(PROMPTS[1], SamplingParams(logprobs=21), lambda o: None)
+    [out] = engine.generate_batch([PROMPTS[1]], SamplingParams(max_tokens=3, temperature=0.0, logprobs=0), [None])
+    assert [lp.top for lp in out.logprobs] == [(), (), ()][: len(out.token_ids)]

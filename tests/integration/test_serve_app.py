@@ -186,6 +186,40 @@ def test_chat_completions_match_the_runtime(app, files, reference):
         assert "".join(c.choices[0].delta.content or "" for c in stream) == want
 
 
+def test_logprobs_over_http_match_the_runtime(app, files, reference):
+    """Completions (logprobs=N) and chat (logprobs, top_logprobs), whole and streamed."""
+    from lora_runtime.engine.sampling import SamplingParams
+
+    client = _client(app)
+    name = "reverse"  # a demo adapter
+    [want] = reference.engine.generate_batch(
+        [PROMPTS[1]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=3), [name])
+    got = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == got.usage.completion_tokens == len(want.token_ids)
+    assert "".join(lp.tokens).startswith(got.choices[0].text)
+    for mine, ref, top in zip(lp.token_logprobs, want.logprobs, lp.top_logprobs):
+        assert abs(mine - ref.logprob) < 1e-4
+        assert 3 <= len(top) <= 4 and max(top.values()) == pytest.approx(mine)  # greedy: the likeliest
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+    messages = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace").startswith(
+        whole.choices[0].message.content)
+    stream = client.chat.completions.create(model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model=name, messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_errors_use_the_openai_format(app, files):
     client = _client(app)
     with pytest.raises(openai.NotFoundError) as e:

@@ -283,3 +283,30 @@ def test_incremental_keeps_spaces_of_a_metaspace_tokenizer(tmp_path):
     deltas, rest = _stream(ours, prompt, ids)
     assert "".join(deltas) + rest == ours.decode(prompt + ids)[len(ours.decode(prompt)):]
     assert "".join(deltas).startswith(" The")
+
+
+@pytest.mark.parametrize("text", TEXTS[1:])
+def test_token_bytes_of_a_byte_level_bpe_join_to_the_text(pair, text):
+    ours, hf = pair
+    ids = ours.encode(text, add_special_tokens=False)
+    assert b"".join(ours.token_bytes(i) for i in ids) == text.encode("utf-8")
+    # A token holding part of a character has no text of its own; its bytes say what it is.
+    assert all(ours.token_text(i) == ours.token_bytes(i).decode("utf-8", errors="replace") for i in ids)
+    assert ours.token_bytes(hf.convert_tokens_to_ids("<s>")) == b"<s>"
+
+
+def test_token_bytes_of_a_metaspace_tokenizer_with_byte_fallback(tmp_path):
+    backend = BackendTokenizer(models.BPE(byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                  special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)])
+    backend.train_from_iterator(CORPUS[:2] * 3, trainer=trainer)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tok = Tokenizer.from_pretrained(str(tmp_path))
+    text = "quick 日本 fox"  # the CJK characters are not in the vocabulary: byte tokens
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.id_to_token(i).startswith("<0x") for i in ids)
+    assert b"".join(tok.token_bytes(i) for i in ids) == (" " + text).encode("utf-8")
