@@ -13,7 +13,7 @@ import importlib
 from ray.serve._private.request_router.pow_2_router import (
     PowerOfTwoChoicesRequestRouter,
 )
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.routing import HotAdapterTracker, ReplicaView, route
 
@@ -69,8 +69,14 @@ def replica_view(replica: RunningReplica, load: int) -> ReplicaView:
     )
 
 
-class AdapterAffinityRouter(ReplicaMetricsMixin, RequestRouter):
-    """Routes each adapter to a replica that holds it or to its rendezvous home, within a load bound."""
+class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, RequestRouter):
+    """Routes each adapter to a replica that holds it or to its rendezvous home, within a load bound.
+
+    A replica found for a request goes to the oldest pending request for the same adapter,
+    else the oldest pending request (FIFOMixin, as Serve's default router). The base
+    router would match only the exact request, by an internal id that the calls of one
+    HTTP request share (its n choices): the others would never be handed a replica.
+    """
 
     def initialize_state(
         self,
@@ -98,6 +104,11 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, RequestRouter):
         ]
         homes = self._hot.homes(adapter, len(views)) if adapter else 1
         order = route(adapter or None, views, homes=homes, eps=self._eps)
+        if pending_request is not None:
+            # Every replica is ranked on every attempt, so when none can take the request
+            # now Serve must back off before asking again; without this it re-asks at once,
+            # spinning the caller's event loop until its queue-length probes time out.
+            pending_request.routing_context.should_backoff = True
         # One replica per rank: Serve tries them in order, skipping full ones.
         return [[by_id[rid]] for rid in order]
 

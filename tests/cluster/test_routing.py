@@ -253,3 +253,20 @@ def test_build_app_puts_the_chosen_router_on_the_model_server(affinity, router):
     assert server.name == "LoRAModelServer"
     assert config.request_router_class == f"cluster.serve_router.{router}"
     assert config.request_routing_stats_period_s == 1.0
+
+
+def test_serve_router_routes_concurrent_calls_of_one_request():
+    """The n choices of one HTTP request share Serve's internal request id: each must still
+    be handed a replica (the base router would match only one of them)."""
+    async def run():
+        router = _router()
+        replicas = [StatsReplica(r, routing_stats(_rows(), {})) for r in ("r0", "r1")]
+        router.update_replicas(replicas)
+        pending = [_pending(a) for a in ("a1", "a1", "a2", "")]
+        assert len({p.metadata.internal_request_id for p in pending}) == 1
+        chosen = await asyncio.wait_for(
+            asyncio.gather(*(router._choose_replica_for_request(p) for p in pending)), timeout=20)
+        assert len(chosen) == 4 and all(c is not None for c in chosen)
+        assert all(p.routing_context.should_backoff for p in pending)
+
+    asyncio.run(run())
