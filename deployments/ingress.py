@@ -38,9 +38,11 @@ from deployments.openai_protocol import (
     LoadLoRAAdapterRequest,
     OpenAIError,
     UnloadLoRAAdapterRequest,
+    chat_choice,
     chat_chunk,
     chat_logprobs,
     chat_response,
+    completion_choice,
     completion_chunk,
     completion_logprobs,
     completion_response,
@@ -89,6 +91,14 @@ def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
 def _from_item(err: dict) -> OpenAIError:
     param = "model" if err["status_code"] == 404 else None
     return OpenAIError(err["message"], status_code=err["status_code"], error_type=err["type"], param=param)
+
+
+async def _collect(stream, first: dict) -> list[dict]:
+    """Every item of a replica stream, from its first."""
+    items = [first]
+    async for item in stream:
+        items.append(item)
+    return items
 
 
 def _sse(obj: dict | str) -> str:
@@ -168,69 +178,100 @@ class OpenAIIngress:
             raise _from_item(first["error"])
         return stream, first
 
+    async def _start_choices(self, body, payload: dict, samplings: list[dict]) -> list:
+        """One replica stream per choice (n of them), each with its first item; if any
+        fails to start, the others are cancelled and its error is raised."""
+        if len(samplings) == 1:
+            return [await self._start(body, {**payload, "sampling": samplings[0]})]
+        rid = payload["request_id"]
+        started = await asyncio.gather(
+            *(self._start(body, {**payload, "sampling": sp, "request_id": f"{rid}-{i}"})
+              for i, sp in enumerate(samplings)),
+            return_exceptions=True,
+        )
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            for r in started:
+                if not isinstance(r, BaseException):
+                    r[0].cancel()
+            raise failed[0]
+        return started
+
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        payload = {
-            "kind": "completion",
-            "prompt": body.prompt,
-            "sampling": body.sampling(default_max_tokens=16),
-            "request_id": new_id("cmpl"),
-        }
-        return await self._respond(body, payload, chat=False)
+        payload = {"kind": "completion", "prompt": body.prompt, "request_id": new_id("cmpl")}
+        return await self._respond(body, payload, body.choice_samplings(default_max_tokens=16), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        payload = {
-            "kind": "chat",
-            "messages": body.chat_messages(),
-            "sampling": body.sampling(default_max_tokens=None),
-            "request_id": new_id("chatcmpl"),
-        }
-        return await self._respond(body, payload, chat=True)
+        payload = {"kind": "chat", "messages": body.chat_messages(), "request_id": new_id("chatcmpl")}
+        return await self._respond(body, payload, body.choice_samplings(default_max_tokens=None), chat=True)
 
-    async def _respond(self, body, payload: dict, *, chat: bool):
+    async def _respond(self, body, payload: dict, samplings: list[dict], *, chat: bool):
         rid = payload["request_id"]
-        stream, first = await self._start(body, payload)
+        streams = await self._start_choices(body, payload, samplings)
         if not body.stream:
-            items = [first]
             try:
-                async for item in stream:
-                    items.append(item)
+                results = await asyncio.gather(*(_collect(stream, first) for stream, first in streams))
             finally:
-                # A client disconnect cancels this task: stop the replica's sequence too.
-                stream.cancel()
-            return self._full_response(rid, body.model, items, chat=chat)
+                # A client disconnect cancels this task: stop the replicas' sequences too.
+                for stream, _ in streams:
+                    stream.cancel()
+            return self._full_response(rid, body.model, results, chat=chat)
         return StreamingResponse(
-            self._sse_stream(rid, body.model, stream, first, chat=chat, include_usage=body.include_usage),
+            self._sse_stream(rid, body.model, streams, chat=chat, include_usage=body.include_usage),
             media_type="text/event-stream",
         )
 
-    def _full_response(self, rid: str, model: str, items: list[dict], *, chat: bool) -> dict:
-        errors = [i["error"] for i in items if "error" in i]
+    def _full_response(self, rid: str, model: str, results: list[list[dict]], *, chat: bool) -> dict:
+        errors = [i["error"] for items in results for i in items if "error" in i]
         if errors:
             raise _from_item(errors[0])
-        text = "".join(i["text"] for i in items)
-        last = items[-1]
-        use = usage(last["prompt_tokens"], last["completion_tokens"])
+        choice = chat_choice if chat else completion_choice
+        choices = []
+        for index, items in enumerate(results):
+            last = items[-1]
+            logprobs = None if last.get("logprobs") is None else [e for i in items for e in i["logprobs"]]
+            choices.append(choice(index, "".join(i["text"] for i in items), last["finish_reason"], logprobs))
+        use = usage(results[0][-1]["prompt_tokens"], sum(items[-1]["completion_tokens"] for items in results))
         build = chat_response if chat else completion_response
-        logprobs = None if last.get("logprobs") is None else [e for i in items for e in i["logprobs"]]
-        return build(rid, model, text, last["finish_reason"], use, logprobs)
+        return build(rid, model, choices, use)
 
-    async def _sse_stream(self, rid, model, stream, first, *, chat: bool, include_usage: bool):
+    async def _sse_stream(self, rid, model, streams, *, chat: bool, include_usage: bool):
         created = int(time.time())
         chunk = chat_chunk if chat else completion_chunk
-        last = None
-        text_offset = 0  # of the completion's logprobs tokens
+        items: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream, first) -> None:
+            item = first
+            try:
+                while item is not None:
+                    await items.put((index, item))
+                    if "error" in item or item["finished"]:
+                        break
+                    item = await anext(stream, None)
+            finally:
+                items.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, stream, first)) for i, (stream, first) in enumerate(streams)]
+        last: dict[int, dict] = {}
+        text_offset = [0] * len(streams)  # of each choice's logprobs tokens (completions)
         try:
             if chat:
-                yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
-            item = first
-            while item is not None:
+                for index in range(len(streams)):
+                    yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
+                                          index=index))
+            ended = 0
+            while ended < len(streams):
+                index, item = await items.get()
+                if item is None:
+                    ended += 1
+                    continue
                 if "error" in item:
                     # Mid-stream failure: the status is already sent, so report it in-band.
                     yield _sse(error_body(item["error"]["message"], item["error"]["type"]))
                     break
-                last = item
+                last[index] = item
                 delta = {"content": item["text"]} if chat else item["text"]
                 entries = item.get("logprobs")
                 if item["text"] or item["finished"] or entries:
@@ -239,18 +280,21 @@ class OpenAIIngress:
                     elif chat:
                         logprobs = chat_logprobs(entries)
                     else:
-                        logprobs = completion_logprobs(entries, text_offset)
-                        text_offset += sum(len(e["token"]) for e in entries)
-                    yield _sse(chunk(rid, model, created, delta, item["finish_reason"], logprobs))
-                item = await anext(stream, None)
-            if include_usage and last is not None:
-                use = usage(last["prompt_tokens"], last["completion_tokens"])
+                        logprobs = completion_logprobs(entries, text_offset[index])
+                        text_offset[index] += sum(len(e["token"]) for e in entries)
+                    yield _sse(chunk(rid, model, created, delta, item["finish_reason"], logprobs, index=index))
+            if include_usage and last:
+                use = usage(next(iter(last.values()))["prompt_tokens"],
+                            sum(i["completion_tokens"] for i in last.values()))
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 yield _sse(usage_chunk(rid, model, created, obj, use))
             yield _sse("[DONE]")
         finally:
-            # Client went away (or we are done): stop the replica's sequence.
-            stream.cancel()
+            # Client went away (or we are done): stop the replicas' sequences.
+            for task in tasks:
+                task.cancel()
+            for stream, _ in streams:
+                stream.cancel()
 
     # --- models and health ---------------------------------------------------------
 

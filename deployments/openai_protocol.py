@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # lora_runtime.engine.sampling.MAX_LOGPROBS (not imported: the ingress stays free of JAX).
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # most choices (n) one request may ask for
 
 
 class OpenAIError(Exception):
@@ -64,7 +65,7 @@ class _Request(BaseModel):
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     stream: bool = False
     stream_options: "StreamOptions | None" = None
-    n: int = Field(1, description="Only 1 is supported.")
+    n: int = Field(1, description=f"Choices to generate, 1-{MAX_CHOICES} (each its own sequence).")
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = Field(None, description="End-user id, recorded in logs only.")
@@ -72,8 +73,8 @@ class _Request(BaseModel):
     @field_validator("n")
     @classmethod
     def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n={v} is not supported; only n=1")
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n={v} must be in [1, {MAX_CHOICES}]")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -108,6 +109,14 @@ class _Request(BaseModel):
     def logprobs_wanted(self) -> int | None:
         """How many alternatives per token to report log-probabilities for; None: none."""
         return None
+
+    def choice_samplings(self, default_max_tokens: int | None) -> list[dict]:
+        """sampling() for each of the n choices; a seeded request gives choice i the seed
+        seed + i, so the choices differ and each is reproducible."""
+        base = self.sampling(default_max_tokens)
+        if base["seed"] is None:
+            return [base] * self.n
+        return [{**base, "seed": (base["seed"] + i) % 2**63} for i in range(self.n)]
 
     @property
     def include_usage(self) -> bool:
@@ -274,57 +283,60 @@ def chat_logprobs(entries: list[dict] | None) -> dict | None:
     return None if entries is None else {"content": entries}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict,
-                        logprobs: list[dict] | None = None) -> dict:
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs), "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": chat_logprobs(logprobs),
+        "finish_reason": finish_reason,
+    }
+
+
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
-                     "finish_reason": finish_reason}],
+        "choices": choices,
         "usage": use,
     }
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-    }
-
-
-def chat_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict,
-                  logprobs: list[dict] | None = None) -> dict:
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": chat_logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }
-        ],
+        "choices": choices,
         "usage": use,
     }
 
 
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None, index: int = 0) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
+
+
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 

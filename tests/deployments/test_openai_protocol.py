@@ -6,8 +6,10 @@ from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    chat_choice,
     chat_chunk,
     chat_response,
+    completion_choice,
     completion_logprobs,
     completion_response,
     usage,
@@ -30,7 +32,8 @@ def test_single_prompt_list_is_unwrapped_and_token_ids_kept():
     "extra, match",
     [
         ({"prompt": ["a", "b"]}, "only one prompt"),
-        ({"prompt": "a", "n": 2}, "n=2"),
+        ({"prompt": "a", "n": 17}, r"n=17 must be in \[1, 16\]"),
+        ({"prompt": "a", "n": 0}, r"n=0 must be in \[1, 16\]"),
         ({"prompt": "a", "echo": True}, "echo"),
         ({"prompt": "a", "logprobs": 21}, r"logprobs=21 must be in \[0, 20\]"),
         ({"prompt": "a", "logprobs": -1}, r"logprobs=-1 must be in \[0, 20\]"),
@@ -67,10 +70,12 @@ def test_chat_rejects_images_and_bad_roles():
 
 
 def test_response_shapes():
-    body = completion_response("cmpl-1", "m", "out", "stop", usage(3, 2))
+    body = completion_response("cmpl-1", "m", [completion_choice(0, "out", "stop")], usage(3, 2))
     assert body["choices"][0]["text"] == "out" and body["usage"]["total_tokens"] == 5
+    assert body["choices"][0]["logprobs"] is None
     chunk = chat_chunk("c", "m", 1, {"content": "x"}, None)
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {"content": "x"}
+    assert chat_chunk("c", "m", 1, {"content": "x"}, None, index=2)["choices"][0]["index"] == 2
     err = OpenAIError("bad model='x'", status_code=404, error_type="not_found_error", param="model")
     assert err.body() == {"error": {"message": "bad model='x'", "type": "not_found_error", "param": "model", "code": None}}
 
@@ -108,8 +113,17 @@ def test_logprobs_response_formats():
         "text_offset": [4, 6],
     }
     assert completion_logprobs(None) is None
-    body = completion_response("c", "m", "hello", "length", usage(1, 2), entries)
+    body = completion_response("c", "m", [completion_choice(0, "hello", "length", entries)], usage(1, 2))
     assert body["choices"][0]["logprobs"]["tokens"] == ["he", "llo"]
-    chat = chat_response("c", "m", "hello", "length", usage(1, 2), entries)
+    chat = chat_response("c", "m", [chat_choice(0, "hello", "length", entries)], usage(1, 2))
     assert chat["choices"][0]["logprobs"] == {"content": entries}
-    assert chat_response("c", "m", "x", "stop", usage(1, 1))["choices"][0]["logprobs"] is None
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
+    assert chat_choice(1, "x", "stop")["logprobs"] is None
+
+
+def test_n_choices_get_their_own_seeds():
+    r = CompletionRequest(model="m", prompt="a", n=3, seed=2**63 - 2, temperature=0.5)
+    assert [s["seed"] for s in r.choice_samplings(16)] == [2**63 - 2, 2**63 - 1, 0]
+    unseeded = CompletionRequest(model="m", prompt="a", n=2).choice_samplings(16)
+    assert [s["seed"] for s in unseeded] == [None, None]  # the runtime draws a fresh seed for each
+    assert len(CompletionRequest(model="m", prompt="a").choice_samplings(16)) == 1

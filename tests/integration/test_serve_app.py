@@ -220,6 +220,39 @@ def test_logprobs_over_http_match_the_runtime(app, files, reference):
     assert plain.choices[0].logprobs is None
 
 
+def test_n_choices_whole_and_streamed(app, files, reference):
+    """n seeded samples: choice i is the runtime's sample with seed + i; usage adds them up."""
+    from lora_runtime.engine.sampling import SamplingParams
+
+    client = _client(app)
+    name, n, seed = "upper", 3, 11
+    want = reference.engine.generate_batch(
+        [PROMPTS[2]] * n, [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed + i) for i in range(n)],
+        [name] * n)
+    got = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=1.0,
+                                    seed=seed, n=n)
+    assert [c.index for c in got.choices] == list(range(n))
+    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert got.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    assert got.usage.prompt_tokens == want[0].prompt_tokens
+
+    stream = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hello"}],
+                                            max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, n=2, stream=True,
+                                            stream_options={"include_usage": True})
+    texts, finished, usage = ["", ""], [None, None], None
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        c = chunk.choices[0]
+        texts[c.index] += c.delta.content or ""
+        finished[c.index] = c.finish_reason or finished[c.index]
+    whole = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hello"}],
+                                           max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, n=2)
+    assert texts == [c.message.content for c in whole.choices]
+    assert all(finished) and usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_errors_use_the_openai_format(app, files):
     client = _client(app)
     with pytest.raises(openai.NotFoundError) as e:
@@ -228,8 +261,8 @@ def test_errors_use_the_openai_format(app, files):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=BASE, prompt="hi", max_tokens=1000)
     assert "max_seq_len" in e.value.body["message"]
-    r = httpx.post(f"{app.base_url}/v1/completions", json={"model": "m", "prompt": "x", "n": 3})
-    assert r.status_code == 400 and "n=3" in r.json()["error"]["message"]
+    r = httpx.post(f"{app.base_url}/v1/completions", json={"model": "m", "prompt": "x", "n": 17})
+    assert r.status_code == 400 and "n=17" in r.json()["error"]["message"]
 
 
 def test_bad_adapter_is_refused_and_changes_nothing(app, files):
