@@ -66,8 +66,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     n: int = Field(1, description=f"Choices to generate, 1-{MAX_CHOICES} (each its own sequence).")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, description="Subtracted from each already generated token's logit (-2 to 2).")
+    frequency_penalty: float = Field(0.0, description="Subtracted per earlier occurrence of a generated token (-2 to 2).")
     user: str | None = Field(None, description="End-user id, recorded in logs only.")
 
     @field_validator("n")
@@ -80,8 +80,8 @@ class _Request(BaseModel):
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalty(cls, v: float, info) -> float:
-        if v != 0.0:
-            raise ValueError(f"{info.field_name}={v} is not supported; only 0")
+        if not -2.0 <= v <= 2.0:
+            raise ValueError(f"{info.field_name}={v} must be in [-2, 2]")
         return v
 
     @model_validator(mode="after")
@@ -104,6 +104,8 @@ class _Request(BaseModel):
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs_wanted(),
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
         }
 
     def logprobs_wanted(self) -> int | None:

@@ -334,6 +334,7 @@ class Engine:
         rows = np.full(bucket, -1, np.int32)
         slots = np.full(bucket, -1, np.int32)
         last_index = np.zeros(self.config.max_batch, np.int32)
+        seq_rows = np.full(self.config.max_batch, -1, np.int32)
         sampling_rows: list = [None] * self.config.max_batch
         offset = 0
         for i, seq in enumerate(seqs):
@@ -343,11 +344,12 @@ class Engine:
             rows[offset : offset + n] = seq.row
             slots[offset : offset + n] = seq.slot
             last_index[i] = offset + n - 1
+            seq_rows[i] = seq.row
             sampling_rows[i] = (seq.params, seq.seed, 0)
             offset += n
         inputs = StepInputs(
             tokens, positions, rows, SamplingBatch.from_rows(sampling_rows), last_index,
-            self._lora_info(slots),
+            self._lora_info(slots), seq_rows,
         )
         start = time.perf_counter()
         with self._using_pool() as pool:
@@ -444,6 +446,7 @@ class Engine:
             SamplingBatch.from_rows([None] * p),
             np.zeros(p, np.int32) if prefill else None,
             self._lora_info(rows),
+            np.full(p, -1, np.int32) if prefill else None,
         )
 
 

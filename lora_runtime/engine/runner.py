@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
-from lora_runtime.engine.sampling import SamplingBatch, sample, step_logprobs
+from lora_runtime.engine.sampling import SamplingBatch, apply_penalties, sample, step_logprobs
 from lora_runtime.lora.batch_info import LoRABatchInfo
 from lora_runtime.lora.backend.base import BaseLoRABackend
 from lora_runtime.model.config import ModelConfig
@@ -27,6 +29,7 @@ class StepInputs:
     sampling: SamplingBatch  # [P] rows sampled this step
     last_index: np.ndarray | None  # i32[P]: prefill only, index of each sequence's last token
     lora: LoRABatchInfo | None  # token slots of the T tokens
+    seq_rows: np.ndarray | None = None  # i32[P]: prefill only, each sequence's cache row (-1: none)
 
 
 @dataclasses.dataclass
@@ -62,9 +65,13 @@ class ModelRunner:
         self.backend = backend
         self.graphdef, self.state = nnx.split(model)
         self.kv_cache = KVCache.create(model_config, config.max_batch, config.max_seq_len, mesh)
+        # How often each cache row's sequence generated each token (presence/frequency penalties).
+        self.token_counts = jax.device_put(
+            jnp.zeros((config.max_batch, model_config.vocab_size), jnp.int32), NamedSharding(mesh, PartitionSpec())
+        )
         self.traces = 0  # how many times a step was traced, i.e. compiled
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
 
     def _forward(self, state, kv_cache, pool, tokens, positions, rows, lora_info, mode):
         self.traces += 1  # runs only while tracing
@@ -78,36 +85,43 @@ class ModelRunner:
         hidden, kv_cache = model(tokens, positions, kv_cache, attn, hook)
         return model, hidden, kv_cache
 
-    def _prefill_impl(self, state, kv_cache, pool, tokens, positions, rows, last_index, sampling, lora_info):
+    def _prefill_impl(self, state, kv_cache, counts, pool, tokens, positions, rows, last_index, seq_rows, sampling,
+                      lora_info):
         model, hidden, kv_cache = self._forward(
             state, kv_cache, pool, tokens, positions, rows, lora_info, "prefill"
         )
         logits = model.logits(hidden[last_index])
-        tokens = sample(logits, sampling)
-        return tokens, step_logprobs(logits, tokens), kv_cache
+        tokens = sample(logits, sampling)  # nothing generated yet: no penalty applies
+        # A new sequence in a row starts its counts afresh (-1 rows fall off the end).
+        count_rows = jnp.where(seq_rows >= 0, seq_rows, counts.shape[0])
+        counts = counts.at[count_rows].set(0, mode="drop").at[count_rows, tokens].add(1, mode="drop")
+        return tokens, step_logprobs(logits, tokens), kv_cache, counts
 
-    def _decode_impl(self, state, kv_cache, pool, tokens, positions, rows, sampling, lora_info):
+    def _decode_impl(self, state, kv_cache, counts, pool, tokens, positions, rows, sampling, lora_info):
         model, hidden, kv_cache = self._forward(
             state, kv_cache, pool, tokens, positions, rows, lora_info, "decode"
         )
-        logits = model.logits(hidden)
-        tokens = sample(logits, sampling)
-        return tokens, step_logprobs(logits, tokens), kv_cache
+        logits = model.logits(hidden)  # row b of the batch is cache row b
+        tokens = sample(apply_penalties(logits, counts, sampling), sampling)
+        count_rows = jnp.where(rows >= 0, jnp.arange(rows.shape[0]), counts.shape[0])
+        counts = counts.at[count_rows, tokens].add(1, mode="drop")
+        # Log-probabilities are the model's own, before penalties (as sampling params leave them).
+        return tokens, step_logprobs(logits, tokens), kv_cache, counts
 
     def prefill(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one packed prefill step; returns the first sampled token of each row."""
         with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.kv_cache = self._prefill(
-                self.state, self.kv_cache, pool, inputs.tokens, inputs.positions,
-                inputs.rows, inputs.last_index, inputs.sampling, inputs.lora,
+            tokens, logprobs, self.kv_cache, self.token_counts = self._prefill(
+                self.state, self.kv_cache, self.token_counts, pool, inputs.tokens, inputs.positions,
+                inputs.rows, inputs.last_index, inputs.seq_rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)
 
     def decode(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one decode step over every cache row; returns a token per row."""
         with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.kv_cache = self._decode(
-                self.state, self.kv_cache, pool, inputs.tokens, inputs.positions,
+            tokens, logprobs, self.kv_cache, self.token_counts = self._decode(
+                self.state, self.kv_cache, self.token_counts, pool, inputs.tokens, inputs.positions,
                 inputs.rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)

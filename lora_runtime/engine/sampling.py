@@ -28,6 +28,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n likeliest
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per time a token was already generated
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequestError naming the first bad field; returns self."""
@@ -43,6 +45,10 @@ class SamplingParams:
             raise InvalidRequestError(f"seed={self.seed} must be in [0, 2**63)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name}={value} must be in [-2, 2]")
         if any(not s for s in self.stop):
             raise InvalidRequestError(f"stop={list(self.stop)!r} contains an empty string")
         if vocab_size is not None:
@@ -66,6 +72,8 @@ class SamplingBatch:
     top_p: jax.Array  # f32[B]
     seed: jax.Array  # u32[B, 2]: the request seed split into two 32-bit words
     step: jax.Array  # i32[B]: tokens generated so far, so each step draws fresh noise
+    presence: jax.Array  # f32[B]
+    frequency: jax.Array  # f32[B]
 
     @classmethod
     def from_rows(cls, rows: list[tuple[SamplingParams, int, int] | None]) -> "SamplingBatch":
@@ -76,6 +84,8 @@ class SamplingBatch:
         top_p = np.ones(n, np.float32)
         seed = np.zeros((n, 2), np.uint32)
         step = np.zeros(n, np.int32)
+        presence = np.zeros(n, np.float32)
+        frequency = np.zeros(n, np.float32)
         for i, row in enumerate(rows):
             if row is None:
                 continue
@@ -85,7 +95,17 @@ class SamplingBatch:
             top_p[i] = params.top_p
             seed[i] = (s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF
             step[i] = generated
-        return cls(temperature, top_k, top_p, seed, step)
+            presence[i] = params.presence_penalty
+            frequency[i] = params.frequency_penalty
+        return cls(temperature, top_k, top_p, seed, step, presence, frequency)
+
+
+def apply_penalties(logits: jax.Array, counts: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """OpenAI's presence and frequency penalties: logit - frequency * count - presence * [count > 0],
+    count = how often the row already generated the token (f32[B, V], i32[B, V] -> f32[B, V])."""
+    counts = counts.astype(jnp.float32)
+    return (logits.astype(jnp.float32) - batch.frequency[:, None] * counts
+            - batch.presence[:, None] * (counts > 0).astype(jnp.float32))
 
 
 def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:

@@ -21,6 +21,8 @@ def test_completion_sampling_fields():
     s = r.sampling(default_max_tokens=16)
     assert s["max_tokens"] == 5 and s["temperature"] == 0 and s["stop"] == ("x",) and s["seed"] == 3
     assert CompletionRequest(model="m", prompt="hi").sampling(16)["max_tokens"] == 16
+    pen = CompletionRequest(model="m", prompt="hi", presence_penalty=0.5, frequency_penalty=-1).sampling(16)
+    assert pen["presence_penalty"] == 0.5 and pen["frequency_penalty"] == -1.0
 
 
 def test_single_prompt_list_is_unwrapped_and_token_ids_kept():
@@ -37,7 +39,8 @@ def test_single_prompt_list_is_unwrapped_and_token_ids_kept():
         ({"prompt": "a", "echo": True}, "echo"),
         ({"prompt": "a", "logprobs": 21}, r"logprobs=21 must be in \[0, 20\]"),
         ({"prompt": "a", "logprobs": -1}, r"logprobs=-1 must be in \[0, 20\]"),
-        ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty=0.5"),
+        ({"prompt": "a", "presence_penalty": 2.5}, r"presence_penalty=2.5 must be in \[-2, 2\]"),
+        ({"prompt": "a", "frequency_penalty": -3}, r"frequency_penalty=-3.0 must be in \[-2, 2\]"),
         ({"prompt": "a", "bogus": 1}, "bogus"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ],

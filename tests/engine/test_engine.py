@@ -231,3 +231,40 @@ def test_no_logprobs_unless_asked_and_the_limit(engine):
         engine.submit(PROMPTS[1], SamplingParams(logprobs=21), lambda o: None)
     [out] = engine.generate_batch([PROMPTS[1]], SamplingParams(max_tokens=3, temperature=0.0, logprobs=0), [None])
     assert [lp.top for lp in out.logprobs] == [(), (), ()][: len(out.token_ids)]
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (2.0, 0.0), (0.5, -0.7)])
+def test_presence_and_frequency_penalties_match_a_transformers_loop(engine, hf_model, presence, frequency):
+    """Greedy tokens under OpenAI's penalties: argmax of transformers' logits minus frequency x
+    count minus presence x [count > 0], counts over the tokens generated so far."""
+    import torch
+
+    ids = engine.tokenizer.encode(PROMPTS[3])
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, presence_penalty=presence,
+                            frequency_penalty=frequency)
+    # In a batch with unpenalized rows, which must stay as they are.
+    outs = engine.generate_batch([PROMPTS[3], PROMPTS[0]], [params, GREEDY], [None, None])
+    want, counts = [], np.zeros(hf_model.config.vocab_size)
+    with torch.no_grad():
+        for _ in range(params.max_tokens):
+            logits = hf_model(torch.tensor([ids + want])).logits[0, -1].double().numpy()
+            token = int(np.argmax(logits - frequency * counts - presence * (counts > 0)))
+            want.append(token)
+            counts[token] += 1
+    assert outs[0].token_ids == want
+    [plain] = engine.generate_batch([PROMPTS[0]], GREEDY, [None])
+    assert outs[1].token_ids == plain.token_ids
+
+
+def test_a_reused_row_starts_its_counts_afresh(engine):
+    """A penalized sequence gives the same tokens alone as after other sequences used its row."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=2.0)
+    [first] = engine.generate_batch([PROMPTS[5]], params, [None])
+    engine.generate_batch(PROMPTS[:4], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), None)
+    [again] = engine.generate_batch([PROMPTS[5]], params, [None])
+    assert again.token_ids == first.token_ids
+
+
+def test_penalty_out_of_range_is_refused(engine):
+    with pytest.raises(InvalidRequestError, match=r"presence_penalty=3.0 must be in \[-2, 2\]"):
+        engine.submit(PROMPTS[0], SamplingParams(presence_penalty=3.0), lambda o: None)

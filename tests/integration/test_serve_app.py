@@ -253,6 +253,17 @@ def test_n_choices_whole_and_streamed(app, files, reference):
     assert all(finished) and usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_penalties_over_http_match_the_runtime(app, reference):
+    from lora_runtime.engine.sampling import SamplingParams
+
+    penalties = dict(frequency_penalty=1.0, presence_penalty=0.5)
+    [want] = reference.engine.generate_batch(
+        [PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **penalties), ["sort"])
+    got = _client(app).completions.create(model="sort", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                          **penalties)
+    assert got.choices[0].text == want.text
+
+
 def test_errors_use_the_openai_format(app, files):
     client = _client(app)
     with pytest.raises(openai.NotFoundError) as e:
