@@ -8,6 +8,7 @@ import secrets
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from lora_runtime.errors import InvalidRequestError
 
@@ -113,17 +114,9 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, step)
 
 
-def sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V] -> i32[B]
-    """Greedy where temperature is 0; otherwise temperature, top-k, then top-p sampling.
-
-    A row's draw depends only on its own seed and step, not on the rest of the batch,
-    so a seeded request gives the same tokens however it is batched.
-    """
-    logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
+def _top_k_top_p(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V]
+    """-inf outside each row's top-k, then outside the top-p nucleus of those (one sort per row)."""
+    vocab = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
     # top-k: keep logits >= the k-th largest (k = 0 keeps all).
     k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)
@@ -136,10 +129,29 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V] -
     keep_sorted = (mass_before < batch.top_p[:, None]) & (ranks < k[:, None])
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     threshold = jnp.maximum(kth, cutoff)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
-    keys = jax.vmap(_row_key)(batch.seed, batch.step)
-    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+
+def sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V] -> i32[B]
+    """Greedy where temperature is 0; otherwise temperature, top-k, then top-p sampling.
+
+    A row's draw depends only on its own seed and step, not on the rest of the batch,
+    so a seeded request gives the same tokens however it is batched. The vocabulary sort
+    runs only when some row asks for top-k or top-p, and the draw only when some row
+    samples: a whole-vocabulary sort per step costs more than the rest of sampling.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(logits):
+        scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
+        filtering = jnp.any((batch.top_k > 0) | (batch.top_p < 1.0))
+        masked = lax.cond(filtering, lambda s: _top_k_top_p(s, batch), lambda s: s, scaled)
+        keys = jax.vmap(_row_key)(batch.seed, batch.step)
+        return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+
+    sampling = jnp.any(batch.temperature > 0)
+    drawn = lax.cond(sampling, draw, lambda logits: greedy, logits)
     return jnp.where(batch.temperature > 0, drawn, greedy)
 
 

@@ -84,3 +84,17 @@ def test_sampling_follows_the_distribution():
 def test_bad_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**kwargs).validate(vocab_size=100)
+
+
+def test_a_row_draws_the_same_whatever_its_neighbours_ask_for(logits):
+    """The sort (top-k/top-p) and the draw run only when some row needs them; a row's token
+    must not depend on whether they ran for its neighbours."""
+    plain, greedy = SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)
+    filtered = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    for seed in range(20):
+        alone = sample(logits, _batch((plain, seed, 3), (plain, 7, 0), (plain, 8, 0), (plain, 9, 0)))
+        mixed = sample(logits, _batch((plain, seed, 3), (filtered, 7, 0), (greedy, 8, 0), (plain, 9, 0)))
+        assert int(alone[0]) == int(mixed[0]) and int(alone[3]) == int(mixed[3])
+        assert int(mixed[2]) == int(jnp.argmax(logits[2]))
+    all_greedy = sample(logits, _batch(*[(greedy, s, 0) for s in range(4)]))
+    assert all_greedy.tolist() == jnp.argmax(logits, axis=-1).tolist()
