@@ -114,20 +114,51 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, step)
 
 
+# Top-k/top-p look at the likeliest this many tokens first; a whole-vocabulary sort runs only
+# for a row whose top-k reaches past them or whose nucleus is not inside them.
+TOP_CANDIDATES = 1024
+
+
 def _top_k_top_p(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V]
-    """-inf outside each row's top-k, then outside the top-p nucleus of those (one sort per row)."""
+    """-inf outside each row's top-k, then outside the top-p nucleus of those."""
     vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
-    # top-k: keep logits >= the k-th largest (k = 0 keeps all).
     k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    # top-p over the top-k survivors: keep the smallest prefix whose mass reaches p.
-    ranks = jnp.arange(vocab)[None, :]
+    if vocab <= TOP_CANDIDATES:
+        return _filter_sorted(scaled, -jnp.sort(-scaled, axis=-1), k, batch.top_p, jax.nn.logsumexp)
+    cands = jax.lax.top_k(scaled, TOP_CANDIDATES)[0]  # [B, C], likeliest first
+    ranks = jnp.arange(TOP_CANDIDATES)[None, :]
+    # The top-k survivors' normalizer: from the candidates when k fits in them, else (no
+    # top-k) over the whole row.
+    full_norm = jax.nn.logsumexp(scaled, axis=-1)
+    cand_norm = jax.nn.logsumexp(jnp.where(ranks < k[:, None], cands, -jnp.inf), axis=-1)
+    norm = jnp.where(k <= TOP_CANDIDATES, cand_norm, full_norm)
+    cand_mass = jnp.sum(jnp.where(ranks < k[:, None], jnp.exp(cands - norm[:, None]), 0.0), axis=-1)
+    fits = (k <= TOP_CANDIDATES) | ((k == vocab) & ((cand_mass >= batch.top_p) | (batch.top_p >= 1.0)))
+    fast = _filter_sorted(scaled, cands, k, batch.top_p, lambda v, axis: norm)
+    return jax.lax.cond(
+        jnp.all(fits),
+        lambda: fast,
+        lambda: _filter_sorted(scaled, -jnp.sort(-scaled, axis=-1), k, batch.top_p, jax.nn.logsumexp),
+    )
+
+
+def _filter_sorted(scaled, sorted_desc, k, top_p, normalizer):
+    """The top-k/top-p mask from a descending prefix of each row (the whole row, or its
+    likeliest candidates when the kept tokens are among them); `normalizer(values, axis)`
+    is the log of the top-k survivors' total mass."""
+    n = sorted_desc.shape[-1]
+    ranks = jnp.arange(n)[None, :]
+    kth = jnp.take_along_axis(sorted_desc, (jnp.minimum(k, n) - 1)[:, None], axis=-1)
+    kth = jnp.where((k <= n)[:, None], kth, -jnp.inf)
     sorted_kept = jnp.where(ranks < k[:, None], sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_kept, axis=-1)
+    log_norm = normalizer(sorted_kept, axis=-1)
+    probs = jnp.exp(sorted_kept - log_norm[:, None])
+    # top-p over the top-k survivors: keep the smallest prefix whose mass reaches p.
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = (mass_before < batch.top_p[:, None]) & (ranks < k[:, None])
+    keep_sorted = (mass_before < top_p[:, None]) & (ranks < k[:, None])
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    # top_p = 1 keeps every top-k survivor (rounding must not drop the far tail).
+    cutoff = jnp.where((top_p >= 1.0)[:, None], -jnp.inf, cutoff)
     threshold = jnp.maximum(kth, cutoff)
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 

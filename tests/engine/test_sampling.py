@@ -98,3 +98,22 @@ def test_a_row_draws_the_same_whatever_its_neighbours_ask_for(logits):
         assert int(mixed[2]) == int(jnp.argmax(logits[2]))
     all_greedy = sample(logits, _batch(*[(greedy, s, 0) for s in range(4)]))
     assert all_greedy.tolist() == jnp.argmax(logits, axis=-1).tolist()
+
+
+@pytest.mark.parametrize("std", [4.0, 1.0])
+def test_candidate_filter_keeps_what_a_whole_vocabulary_sort_keeps(std):
+    """Top-k/top-p look at the TOP_CANDIDATES likeliest tokens first; the kept set must be
+    the one a sort of the whole row gives, for top-k inside and past the candidates."""
+    from lora_runtime.engine.sampling import TOP_CANDIDATES, _filter_sorted, _top_k_top_p
+
+    vocab = TOP_CANDIDATES * 3
+    rows = [(0, 1.0), (0, 0.9), (0, 0.5), (5, 0.9), (TOP_CANDIDATES, 0.95), (TOP_CANDIDATES + 500, 0.9),
+            (0, 0.999), (1, 1.0), (5, 1.0)]
+    scaled = jnp.asarray(np.random.RandomState(3).randn(len(rows), vocab) * std, jnp.float32)
+    batch = _batch(*[(SamplingParams(temperature=1.0, top_k=k, top_p=p), 0, 0) for k, p in rows])
+    got = np.isfinite(np.asarray(_top_k_top_p(scaled, batch)))
+    k = jnp.where(batch.top_k > 0, batch.top_k, vocab)
+    want = np.isfinite(np.asarray(_filter_sorted(scaled, -jnp.sort(-scaled, axis=-1), k, batch.top_p,
+                                                 jax.nn.logsumexp)))
+    np.testing.assert_array_equal(got, want)
+    assert got[8].sum() == 5 and 1 <= got[3].sum() <= 5 and got[7].sum() == 1 and got[0].all()
