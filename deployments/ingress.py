@@ -93,6 +93,17 @@ def _from_item(err: dict) -> OpenAIError:
     return OpenAIError(err["message"], status_code=err["status_code"], error_type=err["type"], param=param)
 
 
+def _choice_id(rid: str, k: int, count: int) -> str:
+    """The engine's request id of choice k (the response id itself when there is one choice)."""
+    return rid if count == 1 else f"{rid}-{k}"
+
+
+def _usage(last_items: list[dict], prompt_of: list[int]) -> dict:
+    """Usage over choices: each prompt's tokens once, every choice's completion tokens."""
+    prompt_tokens = {p: item["prompt_tokens"] for item, p in zip(last_items, prompt_of)}
+    return usage(sum(prompt_tokens.values()), sum(item["completion_tokens"] for item in last_items))
+
+
 async def _collect(stream, first: dict) -> list[dict]:
     """Every item of a replica stream, from its first."""
     items = [first]
@@ -178,17 +189,12 @@ class OpenAIIngress:
             raise _from_item(first["error"])
         return stream, first
 
-    async def _start_choices(self, body, payload: dict, samplings: list[dict]) -> list:
-        """One replica stream per choice (n of them), each with its first item; if any
-        fails to start, the others are cancelled and its error is raised."""
-        if len(samplings) == 1:
-            return [await self._start(body, {**payload, "sampling": samplings[0]})]
-        rid = payload["request_id"]
-        started = await asyncio.gather(
-            *(self._start(body, {**payload, "sampling": sp, "request_id": f"{rid}-{i}"})
-              for i, sp in enumerate(samplings)),
-            return_exceptions=True,
-        )
+    async def _start_choices(self, body, payloads: list[dict]) -> list:
+        """One replica stream per choice, each with its first item; if any fails to start,
+        the others are cancelled and its error is raised."""
+        if len(payloads) == 1:
+            return [await self._start(body, payloads[0])]
+        started = await asyncio.gather(*(self._start(body, p) for p in payloads), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
             for r in started:
@@ -199,17 +205,27 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        payload = {"kind": "completion", "prompt": body.prompt, "request_id": new_id("cmpl")}
-        return await self._respond(body, payload, body.choice_samplings(default_max_tokens=16), chat=False)
+        # Choice index = prompt number * n + sample number, as in OpenAI's API.
+        rid = new_id("cmpl")
+        samplings = body.choice_samplings(default_max_tokens=16)
+        jobs = [(i, prompt, sp) for i, prompt in enumerate(body.prompts()) for sp in samplings]
+        payloads = [
+            {"kind": "completion", "prompt": prompt, "sampling": sp, "request_id": _choice_id(rid, k, len(jobs))}
+            for k, (_, prompt, sp) in enumerate(jobs)
+        ]
+        return await self._respond(body, rid, payloads, [i for i, _, _ in jobs], chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        payload = {"kind": "chat", "messages": body.chat_messages(), "request_id": new_id("chatcmpl")}
-        return await self._respond(body, payload, body.choice_samplings(default_max_tokens=None), chat=True)
+        rid = new_id("chatcmpl")
+        samplings = body.choice_samplings(default_max_tokens=None)
+        payloads = [{"kind": "chat", "messages": body.chat_messages(), "sampling": sp,
+                     "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
+        return await self._respond(body, rid, payloads, [0] * len(payloads), chat=True)
 
-    async def _respond(self, body, payload: dict, samplings: list[dict], *, chat: bool):
-        rid = payload["request_id"]
-        streams = await self._start_choices(body, payload, samplings)
+    async def _respond(self, body, rid: str, payloads: list[dict], prompt_of: list[int], *, chat: bool):
+        """`prompt_of[k]`: which prompt choice k answers (its prompt tokens count once)."""
+        streams = await self._start_choices(body, payloads)
         if not body.stream:
             try:
                 results = await asyncio.gather(*(_collect(stream, first) for stream, first in streams))
@@ -217,13 +233,14 @@ class OpenAIIngress:
                 # A client disconnect cancels this task: stop the replicas' sequences too.
                 for stream, _ in streams:
                     stream.cancel()
-            return self._full_response(rid, body.model, results, chat=chat)
+            return self._full_response(rid, body.model, results, prompt_of, chat=chat)
         return StreamingResponse(
-            self._sse_stream(rid, body.model, streams, chat=chat, include_usage=body.include_usage),
+            self._sse_stream(rid, body.model, streams, prompt_of, chat=chat, include_usage=body.include_usage),
             media_type="text/event-stream",
         )
 
-    def _full_response(self, rid: str, model: str, results: list[list[dict]], *, chat: bool) -> dict:
+    def _full_response(self, rid: str, model: str, results: list[list[dict]], prompt_of: list[int], *,
+                       chat: bool) -> dict:
         errors = [i["error"] for items in results for i in items if "error" in i]
         if errors:
             raise _from_item(errors[0])
@@ -233,11 +250,11 @@ class OpenAIIngress:
             last = items[-1]
             logprobs = None if last.get("logprobs") is None else [e for i in items for e in i["logprobs"]]
             choices.append(choice(index, "".join(i["text"] for i in items), last["finish_reason"], logprobs))
-        use = usage(results[0][-1]["prompt_tokens"], sum(items[-1]["completion_tokens"] for items in results))
+        use = _usage([items[-1] for items in results], prompt_of)
         build = chat_response if chat else completion_response
         return build(rid, model, choices, use)
 
-    async def _sse_stream(self, rid, model, streams, *, chat: bool, include_usage: bool):
+    async def _sse_stream(self, rid, model, streams, prompt_of: list[int], *, chat: bool, include_usage: bool):
         created = int(time.time())
         chunk = chat_chunk if chat else completion_chunk
         items: asyncio.Queue = asyncio.Queue()
@@ -284,8 +301,8 @@ class OpenAIIngress:
                         text_offset[index] += sum(len(e["token"]) for e in entries)
                     yield _sse(chunk(rid, model, created, delta, item["finish_reason"], logprobs, index=index))
             if include_usage and last:
-                use = usage(next(iter(last.values()))["prompt_tokens"],
-                            sum(i["completion_tokens"] for i in last.values()))
+                indices = sorted(last)
+                use = _usage([last[k] for k in indices], [prompt_of[k] for k in indices])
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 yield _sse(usage_chunk(rid, model, created, obj, use))
             yield _sse("[DONE]")

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # lora_runtime.engine.sampling.MAX_LOGPROBS (not imported: the ingress stays free of JAX).
 MAX_LOGPROBS = 20
 MAX_CHOICES = 16  # most choices (n) one request may ask for
+MAX_PROMPTS = 64  # most prompts one completions request may carry
 
 
 class OpenAIError(Exception):
@@ -66,8 +67,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     n: int = Field(1, description=f"Choices to generate, 1-{MAX_CHOICES} (each its own sequence).")
-    presence_penalty: float = Field(0.0, description="Subtracted from each already generated token's logit (-2 to 2).")
-    frequency_penalty: float = Field(0.0, description="Subtracted per earlier occurrence of a generated token (-2 to 2).")
+    presence_penalty: float = Field(0.0, description="Subtracted from each generated token's logit (-2 to 2).")
+    frequency_penalty: float = Field(0.0, description="Subtracted per earlier occurrence of a token (-2 to 2).")
     user: str | None = Field(None, description="End-user id, recorded in logs only.")
 
     @field_validator("n")
@@ -133,7 +134,9 @@ class StreamOptions(BaseModel):
 class CompletionRequest(_Request):
     """Body of POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] = Field(..., description="Text or token ids; one prompt.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description=f"A prompt (text or token ids) or a list of up to {MAX_PROMPTS} prompts."
+    )
     echo: bool = False
     logprobs: int | None = Field(
         None, description=f"Log-probabilities of each token and of the n likeliest (0-{MAX_LOGPROBS})."
@@ -156,11 +159,22 @@ class CompletionRequest(_Request):
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt=[] is empty")
-            if isinstance(v[0], str):
-                if len(v) != 1:
-                    raise ValueError(f"prompt has {len(v)} strings; only one prompt per request")
-                return v[0]
+            if isinstance(v[0], (str, list)):
+                if len(v) > MAX_PROMPTS:
+                    raise ValueError(f"prompt has {len(v)} prompts; at most {MAX_PROMPTS}")
+                empty = [i for i, p in enumerate(v) if len(p) == 0]
+                if empty:
+                    raise ValueError(f"prompt[{empty[0]}] is empty")
+                if len(v) == 1:
+                    return v[0]
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a list of them."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
     @model_validator(mode="after")
     def _unsupported(self):

@@ -28,12 +28,22 @@ def test_completion_sampling_fields():
 def test_single_prompt_list_is_unwrapped_and_token_ids_kept():
     assert CompletionRequest(model="m", prompt=["hello"]).prompt == "hello"
     assert CompletionRequest(model="m", prompt=[1, 2, 3]).prompt == [1, 2, 3]
+    assert CompletionRequest(model="m", prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert CompletionRequest(model="m", prompt=[[4, 5]]).prompts() == [[4, 5]]
+
+
+def test_several_prompts():
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    assert CompletionRequest(model="m", prompt="x").prompts() == ["x"]
 
 
 @pytest.mark.parametrize(
     "extra, match",
     [
-        ({"prompt": ["a", "b"]}, "only one prompt"),
+        ({"prompt": ["a"] * 65}, "prompt has 65 prompts; at most 64"),
+        ({"prompt": ["a", ""]}, r"prompt\[1\] is empty"),
+        ({"prompt": [[1, 2], []]}, r"prompt\[1\] is empty"),
         ({"prompt": "a", "n": 17}, r"n=17 must be in \[1, 16\]"),
         ({"prompt": "a", "n": 0}, r"n=0 must be in \[1, 16\]"),
         ({"prompt": "a", "echo": True}, "echo"),

@@ -264,6 +264,19 @@ def test_penalties_over_http_match_the_runtime(app, reference):
     assert got.choices[0].text == want.text
 
 
+def test_several_prompts_in_one_completions_request(app, reference):
+    """Choice index = prompt number * n + sample number; each prompt's tokens count once."""
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    got = _client(app).completions.create(model="caesar", prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [reference(p, "caesar") for p in prompts for _ in range(2)]
+    tokenizer = reference.engine.tokenizer
+    assert got.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    ids = tokenizer.encode(PROMPTS[1])
+    got = _client(app).completions.create(model=BASE, prompt=[ids, ids[:3]], max_tokens=2, temperature=0)
+    assert len(got.choices) == 2 and got.usage.prompt_tokens == len(ids) + 3
+
+
 def test_errors_use_the_openai_format(app, files):
     client = _client(app)
     with pytest.raises(openai.NotFoundError) as e:
