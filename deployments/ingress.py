@@ -210,7 +210,8 @@ class OpenAIIngress:
         samplings = body.choice_samplings(default_max_tokens=16)
         jobs = [(i, prompt, sp) for i, prompt in enumerate(body.prompts()) for sp in samplings]
         payloads = [
-            {"kind": "completion", "prompt": prompt, "sampling": sp, "request_id": _choice_id(rid, k, len(jobs))}
+            {"kind": "completion", "prompt": prompt, "sampling": sp, "echo": body.echo,
+             "request_id": _choice_id(rid, k, len(jobs))}
             for k, (_, prompt, sp) in enumerate(jobs)
         ]
         return await self._respond(body, rid, payloads, [i for i, _, _ in jobs], chat=False)
@@ -249,7 +250,11 @@ class OpenAIIngress:
         for index, items in enumerate(results):
             last = items[-1]
             logprobs = None if last.get("logprobs") is None else [e for i in items for e in i["logprobs"]]
-            choices.append(choice(index, "".join(i["text"] for i in items), last["finish_reason"], logprobs))
+            prompt_entries = next((i["prompt_logprobs"] for i in items if i.get("prompt_logprobs")), None)
+            if prompt_entries is not None:  # echo with logprobs: the prompt's tokens come first
+                logprobs = prompt_entries + (logprobs or [])
+            text = (items[0].get("prompt_text") or "") + "".join(i["text"] for i in items)
+            choices.append(choice(index, text, last["finish_reason"], logprobs))
         use = _usage([items[-1] for items in results], prompt_of)
         build = chat_response if chat else completion_response
         return build(rid, model, choices, use)
@@ -289,9 +294,12 @@ class OpenAIIngress:
                     yield _sse(error_body(item["error"]["message"], item["error"]["type"]))
                     break
                 last[index] = item
-                delta = {"content": item["text"]} if chat else item["text"]
+                text = (item.get("prompt_text") or "") + item["text"]  # echo: the prompt first
+                delta = {"content": text} if chat else text
                 entries = item.get("logprobs")
-                if item["text"] or item["finished"] or entries:
+                if item.get("prompt_logprobs"):
+                    entries = item["prompt_logprobs"] + (entries or [])
+                if text or item["finished"] or entries:
                     if entries is None:
                         logprobs = None
                     elif chat:

@@ -132,18 +132,23 @@ class LoRAModelServer:
             fields["max_tokens"] = max(1, self._args.max_seq_len - n_prompt)
         return SamplingParams(**fields).validate()
 
-    def _logprob_entries(self, out) -> list[dict] | None:
-        """Per new token: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
-        if out.logprobs is None:
+    def _logprob_entries(self, token_ids, logprobs) -> list[dict] | None:
+        """Per token: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}; a
+        token with no log-probability (a prompt's first) has logprob None and no top list."""
+        if logprobs is None:
             return None
         tokenizer = self._engine.tokenizer
 
-        def entry(token_id: int, logprob: float) -> dict:
+        def entry(token_id: int, logprob: float | None) -> dict:
             raw = tokenizer.token_bytes(token_id)
             return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-        return [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-                for t, lp in zip(out.token_ids, out.logprobs)]
+        return [{**entry(t, None), "top_logprobs": []} if lp is None else
+                {**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                for t, lp in zip(token_ids, logprobs)]
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self._engine.tokenizer.decode(prompt)
 
     async def generate(self, request: dict):
         """Streams ``{"text", "token_ids", "finished", "finish_reason", "prompt_tokens",
@@ -158,6 +163,7 @@ class LoRAModelServer:
                 await self._load_adapter(adapter)
             prompt = self._prompt(request)
             params = self._sampling(request, prompt)
+            echo_text = self._echo_text(prompt) if request.get("echo") else None
             stream = self._engine.generate(prompt, params, request_id=rid, adapter=adapter)
             first = await anext(stream)
         except ServingError as e:
@@ -186,7 +192,10 @@ class LoRAModelServer:
                     "finish_reason": out.finish_reason,
                     "prompt_tokens": out.prompt_tokens,
                     "completion_tokens": out.completion_tokens,
-                    "logprobs": self._logprob_entries(out),
+                    "logprobs": self._logprob_entries(out.token_ids, out.logprobs),
+                    "prompt_logprobs": self._logprob_entries(out.prompt_token_ids, out.prompt_logprobs),
+                    # Echo: the prompt's text goes ahead of the first output.
+                    "prompt_text": echo_text if out is first else None,
                 }
                 if finished:
                     break

@@ -105,12 +105,17 @@ class _Request(BaseModel):
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs_wanted(),
+            "prompt_logprobs": self.prompt_logprobs_wanted(),
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
         }
 
     def logprobs_wanted(self) -> int | None:
         """How many alternatives per token to report log-probabilities for; None: none."""
+        return None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The same for the prompt's tokens."""
         return None
 
     def choice_samplings(self, default_max_tokens: int | None) -> list[dict]:
@@ -137,7 +142,7 @@ class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description=f"A prompt (text or token ids) or a list of up to {MAX_PROMPTS} prompts."
     )
-    echo: bool = False
+    echo: bool = Field(False, description="Return the prompt ahead of the completion (with logprobs: its too).")
     logprobs: int | None = Field(
         None, description=f"Log-probabilities of each token and of the n likeliest (0-{MAX_LOGPROBS})."
     )
@@ -152,6 +157,9 @@ class CompletionRequest(_Request):
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -178,8 +186,6 @@ class CompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.echo:
-            raise ValueError("echo=true is not supported")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         return self
@@ -289,7 +295,9 @@ def completion_logprobs(entries: list[dict] | None, text_offset: int = 0) -> dic
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
+        # A prompt's first token has no log-probability, so no top list (None, as OpenAI).
+        "top_logprobs": [None if e["logprob"] is None else
+                         {**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
                          for e in entries],
         "text_offset": offsets,
     }

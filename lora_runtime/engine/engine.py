@@ -354,11 +354,29 @@ class Engine:
         start = time.perf_counter()
         with self._using_pool() as pool:
             sampled = self.runner.prefill(inputs, pool)
+        if any(seq.params.prompt_logprobs is not None for seq in seqs):
+            self._read_prompt_logprobs(seqs, tokens)
         self.counters["prefill_seconds"] += time.perf_counter() - start
         self.counters["prefill_steps"] += 1
         self.counters["prompt_tokens"] += total
         for i, seq in enumerate(seqs):
-            self._append(seq, sampled, i)
+            if seq.params.max_tokens == 0:
+                seq.finish_without_tokens()
+                self._finish(seq)
+            else:
+                self._append(seq, sampled, i)
+
+    def _read_prompt_logprobs(self, seqs: list[Sequence], tokens: np.ndarray) -> None:
+        """Each asking sequence's prompt log-probabilities, from the prefill just run."""
+        next_tokens = np.zeros_like(tokens)
+        next_tokens[:-1] = tokens[1:]  # position t predicts token t + 1 (within a sequence)
+        got = self.runner.prompt_logprobs(next_tokens)
+        offset = 0
+        for seq in seqs:
+            n, k = len(seq.prompt_ids), seq.params.prompt_logprobs
+            if k is not None:
+                seq.prompt_logprobs = [None] + [_token_logprob(got, offset + t, k) for t in range(n - 1)]
+            offset += n
 
     def _decode(self) -> None:
         b = self.config.max_batch
@@ -392,10 +410,7 @@ class Engine:
 
     def _append(self, seq: Sequence, sampled: Sampled, i: int) -> None:
         n = seq.params.logprobs
-        logprob = None
-        if n is not None:
-            top = tuple((int(t), float(lp)) for t, lp in zip(sampled.top_ids[i, :n], sampled.top_logprobs[i, :n]))
-            logprob = TokenLogprob(float(sampled.logprob[i]), top)
+        logprob = None if n is None else _token_logprob(sampled, i, n)
         seq.append_token(int(sampled.tokens[i]), self.config.max_seq_len, logprob)
         self.counters["generated_tokens"] += 1
         if seq.finished:
@@ -450,6 +465,12 @@ class Engine:
         )
 
 
+def _token_logprob(sampled: Sampled, i: int, n: int) -> TokenLogprob:
+    """Row i's token log-probability and its n likeliest alternatives."""
+    top = tuple((int(t), float(lp)) for t, lp in zip(sampled.top_ids[i, :n], sampled.top_logprobs[i, :n]))
+    return TokenLogprob(float(sampled.logprob[i]), top)
+
+
 def _deliver(seq: Sequence, out: RequestOutput) -> None:
     """Hands an output to its consumer; a consumer that has gone away never stops the loop."""
     try:
@@ -470,4 +491,6 @@ def _merge(parts: list[RequestOutput]) -> RequestOutput:
         completion_tokens=last.completion_tokens,
         error=last.error,
         logprobs=None if last.logprobs is None else [lp for p in parts for lp in p.logprobs or ()],
+        prompt_logprobs=next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None),
+        prompt_token_ids=next((p.prompt_token_ids for p in parts if p.prompt_token_ids is not None), None),
     )

@@ -72,6 +72,10 @@ class ModelRunner:
         self.traces = 0  # how many times a step was traced, i.e. compiled
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
+        # Prompt log-probabilities from the last prefill's hidden states, compiled per bucket
+        # on first use (only requests that ask pay for the [T, vocab] logits).
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
+        self._last_hidden = None
 
     def _forward(self, state, kv_cache, pool, tokens, positions, rows, lora_info, mode):
         self.traces += 1  # runs only while tracing
@@ -95,7 +99,11 @@ class ModelRunner:
         # A new sequence in a row starts its counts afresh (-1 rows fall off the end).
         count_rows = jnp.where(seq_rows >= 0, seq_rows, counts.shape[0])
         counts = counts.at[count_rows].set(0, mode="drop").at[count_rows, tokens].add(1, mode="drop")
-        return tokens, step_logprobs(logits, tokens), kv_cache, counts
+        return tokens, step_logprobs(logits, tokens), kv_cache, counts, hidden
+
+    def _prompt_logprobs_impl(self, state, hidden, next_tokens):
+        model = nnx.merge(self.graphdef, state)
+        return step_logprobs(model.logits(hidden), next_tokens)
 
     def _decode_impl(self, state, kv_cache, counts, pool, tokens, positions, rows, sampling, lora_info):
         model, hidden, kv_cache = self._forward(
@@ -111,11 +119,20 @@ class ModelRunner:
     def prefill(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one packed prefill step; returns the first sampled token of each row."""
         with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.kv_cache, self.token_counts = self._prefill(
+            tokens, logprobs, self.kv_cache, self.token_counts, self._last_hidden = self._prefill(
                 self.state, self.kv_cache, self.token_counts, pool, inputs.tokens, inputs.positions,
                 inputs.rows, inputs.last_index, inputs.seq_rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)
+
+    def prompt_logprobs(self, next_tokens: np.ndarray) -> Sampled:
+        """Log-probabilities at every position of the last prefill: of `next_tokens[t]` (the
+        prompt token after position t) and the likeliest tokens there."""
+        if self._last_hidden is None:
+            raise RuntimeError("prompt_logprobs needs a prefill first")
+        with jax.set_mesh(self.mesh):
+            logprobs = self._prompt_logprobs(self.state, self._last_hidden, next_tokens)
+        return Sampled.from_device(next_tokens, logprobs)
 
     def decode(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one decode step over every cache row; returns a token per row."""

@@ -29,13 +29,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n likeliest
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (after the first)
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted once per time a token was already generated
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequestError naming the first bad field; returns self."""
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens} must be >= 0")
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequestError(f"temperature={self.temperature} must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
@@ -44,8 +45,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed={self.seed} must be in [0, 2**63)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name}={value} must be in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

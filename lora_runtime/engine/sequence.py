@@ -37,6 +37,9 @@ class RequestOutput:
     completion_tokens: int
     error: Exception | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked
+    # One per prompt token (None for the first, which nothing predicts), in the first output only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,6 +59,8 @@ class Sequence:
     slot: int = -1  # adapter slot while running; -1 = no adapter
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # set at prefill when asked; [0] is None
+    prompt_logprobs_sent: bool = False
     text: str = ""
     emitted_text: int = 0
     emitted_tokens: int = 0
@@ -95,6 +100,10 @@ class Sequence:
         self.text = self.text[: min(hits)]
         return True
 
+    def finish_without_tokens(self) -> None:
+        """max_tokens=0: the prompt was read (its log-probabilities too), nothing is generated."""
+        self.finish_reason = FinishReason.LENGTH
+
     def abort(self) -> None:
         if not self.finished:
             self.finish_reason = FinishReason.ABORT
@@ -106,7 +115,10 @@ class Sequence:
             # Hold back a tail that could still grow into a stop string.
             end = max(self.emitted_text, end - (max(len(s) for s in self.params.stop) - 1))
         new_tokens = self.output_ids[self.emitted_tokens :]
-        if not self.finished and not new_tokens and end == self.emitted_text:
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        if not self.finished and not new_tokens and end == self.emitted_text and prompt_logprobs is None:
             return None
         out = RequestOutput(
             request_id=self.request_id,
@@ -117,6 +129,8 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
             logprobs=None if self.params.logprobs is None else self.output_logprobs[self.emitted_tokens :],
+            prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=None if prompt_logprobs is None else list(self.prompt_ids),
         )
         self.emitted_text = end
         self.emitted_tokens = len(self.output_ids)

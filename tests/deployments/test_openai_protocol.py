@@ -46,7 +46,6 @@ def test_several_prompts():
         ({"prompt": [[1, 2], []]}, r"prompt\[1\] is empty"),
         ({"prompt": "a", "n": 17}, r"n=17 must be in \[1, 16\]"),
         ({"prompt": "a", "n": 0}, r"n=0 must be in \[1, 16\]"),
-        ({"prompt": "a", "echo": True}, "echo"),
         ({"prompt": "a", "logprobs": 21}, r"logprobs=21 must be in \[0, 20\]"),
         ({"prompt": "a", "logprobs": -1}, r"logprobs=-1 must be in \[0, 20\]"),
         ({"prompt": "a", "presence_penalty": 2.5}, r"presence_penalty=2.5 must be in \[-2, 2\]"),
@@ -91,6 +90,16 @@ def test_response_shapes():
     assert chat_chunk("c", "m", 1, {"content": "x"}, None, index=2)["choices"][0]["index"] == 2
     err = OpenAIError("bad model='x'", status_code=404, error_type="not_found_error", param="model")
     assert err.body() == {"error": {"message": "bad model='x'", "type": "not_found_error", "param": "model", "code": None}}
+
+
+def test_echo_asks_for_prompt_logprobs_with_logprobs():
+    assert CompletionRequest(model="m", prompt="a", echo=True).sampling(16)["prompt_logprobs"] is None
+    assert CompletionRequest(model="m", prompt="a", echo=True, logprobs=2).sampling(16)["prompt_logprobs"] == 2
+    assert CompletionRequest(model="m", prompt="a", logprobs=2).sampling(16)["prompt_logprobs"] is None
+    legacy = completion_logprobs([{"token": "<s>", "logprob": None, "bytes": [], "top_logprobs": []},
+                                  {"token": "a", "logprob": -1.0, "bytes": [97], "top_logprobs": []}])
+    assert legacy["token_logprobs"] == [None, -1.0] and legacy["top_logprobs"] == [None, {"a": -1.0}]
+    assert legacy["text_offset"] == [0, 3]
 
 
 def test_logprobs_requests_map_to_the_runtime():

@@ -268,3 +268,25 @@ def test_a_reused_row_starts_its_counts_afresh(engine):
 def test_penalty_out_of_range_is_refused(engine):
     with pytest.raises(InvalidRequestError, match=r"presence_penalty=3.0 must be in \[-2, 2\]"):
         engine.submit(PROMPTS[0], SamplingParams(presence_penalty=3.0), lambda o: None)
+
+
+def test_prompt_logprobs_match_transformers_and_max_tokens_zero(engine, hf_model):
+    """Each prompt token's log-probability given the tokens before it (None for the first),
+    and the 3 likeliest there; with max_tokens=0 nothing is generated. Packed with another
+    prompt in one prefill, so each sequence's positions must be its own."""
+    import torch
+
+    prompts = [PROMPTS[2], PROMPTS[0]]
+    params = [SamplingParams(max_tokens=0, prompt_logprobs=3), SamplingParams(max_tokens=2, temperature=0.0)]
+    outs = engine.generate_batch(prompts, params, [None, None])
+    assert outs[0].token_ids == [] and outs[0].text == "" and outs[0].finish_reason == "length"
+    assert outs[0].completion_tokens == 0 and outs[1].prompt_logprobs is None and len(outs[1].token_ids) == 2
+    ids = engine.tokenizer.encode(prompts[0])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
+    got = outs[0].prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for t in range(1, len(ids)):
+        assert abs(got[t].logprob - ref[t - 1, ids[t]]) < 1e-4
+        want = np.argsort(-ref[t - 1])[:3]
+        assert [i for i, _ in got[t].top] == want.tolist()

@@ -73,7 +73,7 @@ def test_sampling_follows_the_distribution():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=-2), "top_k"),

@@ -277,6 +277,33 @@ def test_several_prompts_in_one_completions_request(app, reference):
     assert len(got.choices) == 2 and got.usage.prompt_tokens == len(ids) + 3
 
 
+def test_echo_and_prompt_logprobs_match_the_runtime(app, reference):
+    """echo returns the prompt ahead of the completion; with logprobs its tokens' too (the
+    first has none). max_tokens=0 with echo and logprobs scores a text, as evaluation
+    harnesses ask for a log-likelihood."""
+    from lora_runtime.engine.sampling import SamplingParams
+
+    client = _client(app)
+    name, prompt = "reverse", PROMPTS[1]
+    got = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    assert got.choices[0].text == prompt + reference(prompt, name)
+
+    [want] = reference.engine.generate_batch([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2), [name])
+    scored = client.completions.create(model=name, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == scored.usage.prompt_tokens == len(want.prompt_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for mine, ref in zip(lp.token_logprobs[1:], want.prompt_logprobs[1:]):
+        assert abs(mine - ref.logprob) < 1e-4
+    stream = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, echo=True,
+                                       logprobs=1, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == got.choices[0].text
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert len(tokens) == scored.usage.prompt_tokens + got.usage.completion_tokens
+
+
 def test_errors_use_the_openai_format(app, files):
     client = _client(app)
     with pytest.raises(openai.NotFoundError) as e:
