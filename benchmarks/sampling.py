@@ -30,7 +30,7 @@ MODES = {
 
 @jax.jit
 def _step(logits, counts, batch):
-    tokens = sample(apply_penalties(logits, counts, batch), batch)
+    tokens = sample(apply_penalties(logits, counts, counts > 0, batch), batch)
     return tokens, step_logprobs(logits, tokens)
 
 

@@ -69,6 +69,11 @@ class _Request(BaseModel):
     n: int = Field(1, description=f"Choices to generate, 1-{MAX_CHOICES} (each its own sequence).")
     presence_penalty: float = Field(0.0, description="Subtracted from each generated token's logit (-2 to 2).")
     frequency_penalty: float = Field(0.0, description="Subtracted per earlier occurrence of a token (-2 to 2).")
+    repetition_penalty: float = Field(
+        1.0, description="Extension (vLLM, HF): divides positive, multiplies negative logits of prompt and output "
+        "tokens, in (0, 2]."
+    )
+    min_tokens: int = Field(0, description="Extension (vLLM): EOS and stop_token_ids are held back until this many.")
     user: str | None = Field(None, description="End-user id, recorded in logs only.")
 
     @field_validator("n")
@@ -108,6 +113,8 @@ class _Request(BaseModel):
             "prompt_logprobs": self.prompt_logprobs_wanted(),
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
         }
 
     def logprobs_wanted(self) -> int | None:

@@ -348,7 +348,7 @@ class Engine:
             sampling_rows[i] = (seq.params, seq.seed, 0)
             offset += n
         inputs = StepInputs(
-            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows), last_index,
+            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows, self._eos), last_index,
             self._lora_info(slots), seq_rows,
         )
         start = time.perf_counter()
@@ -394,7 +394,7 @@ class Engine:
             slots[r] = seq.slot
             sampling_rows[r] = (seq.params, seq.seed, len(seq.output_ids))
         inputs = StepInputs(
-            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows), None,
+            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows, self._eos), None,
             self._lora_info(slots),
         )
         start = time.perf_counter()

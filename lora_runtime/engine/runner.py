@@ -66,12 +66,14 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.kv_cache = KVCache.create(model_config, config.max_batch, config.max_seq_len, mesh)
         # How often each cache row's sequence generated each token (presence/frequency penalties).
-        self.token_counts = jax.device_put(
-            jnp.zeros((config.max_batch, model_config.vocab_size), jnp.int32), NamedSharding(mesh, PartitionSpec())
-        )
+        replicated = NamedSharding(mesh, PartitionSpec())
+        rows_by_vocab = (config.max_batch, model_config.vocab_size)
+        self.token_counts = jax.device_put(jnp.zeros(rows_by_vocab, jnp.int32), replicated)
+        # Which tokens each row's prompt holds (the repetition penalty covers them too).
+        self.prompt_seen = jax.device_put(jnp.zeros(rows_by_vocab, bool), replicated)
         self.traces = 0  # how many times a step was traced, i.e. compiled
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2, 3))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2, 3))
         # Prompt log-probabilities from the last prefill's hidden states, compiled per bucket
         # on first use (only requests that ask pay for the [T, vocab] logits).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
@@ -89,38 +91,45 @@ class ModelRunner:
         hidden, kv_cache = model(tokens, positions, kv_cache, attn, hook)
         return model, hidden, kv_cache
 
-    def _prefill_impl(self, state, kv_cache, counts, pool, tokens, positions, rows, last_index, seq_rows, sampling,
-                      lora_info):
+    def _prefill_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, rows, last_index, seq_rows,
+                      sampling, lora_info):
         model, hidden, kv_cache = self._forward(
             state, kv_cache, pool, tokens, positions, rows, lora_info, "prefill"
         )
         logits = model.logits(hidden[last_index])
-        tokens = sample(logits, sampling)  # nothing generated yet: no penalty applies
-        # A new sequence in a row starts its counts afresh (-1 rows fall off the end).
-        count_rows = jnp.where(seq_rows >= 0, seq_rows, counts.shape[0])
-        counts = counts.at[count_rows].set(0, mode="drop").at[count_rows, tokens].add(1, mode="drop")
-        return tokens, step_logprobs(logits, tokens), kv_cache, counts, hidden
+        # A new sequence in a row starts its counts afresh and marks its prompt's tokens
+        # (-1 rows fall off the end).
+        n_rows = counts.shape[0]
+        count_rows = jnp.where(seq_rows >= 0, seq_rows, n_rows)
+        counts = counts.at[count_rows].set(0, mode="drop")
+        seen = seen.at[count_rows].set(False, mode="drop").at[jnp.where(rows >= 0, rows, n_rows), tokens].set(
+            True, mode="drop")
+        row_of = jnp.clip(seq_rows, 0, n_rows - 1)
+        penalized = apply_penalties(logits, counts[row_of], seen[row_of], sampling)
+        next_tokens = sample(penalized, sampling)
+        counts = counts.at[count_rows, next_tokens].add(1, mode="drop")
+        return next_tokens, step_logprobs(logits, next_tokens), kv_cache, counts, seen, hidden
 
     def _prompt_logprobs_impl(self, state, hidden, next_tokens):
         model = nnx.merge(self.graphdef, state)
         return step_logprobs(model.logits(hidden), next_tokens)
 
-    def _decode_impl(self, state, kv_cache, counts, pool, tokens, positions, rows, sampling, lora_info):
+    def _decode_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, rows, sampling, lora_info):
         model, hidden, kv_cache = self._forward(
             state, kv_cache, pool, tokens, positions, rows, lora_info, "decode"
         )
         logits = model.logits(hidden)  # row b of the batch is cache row b
-        tokens = sample(apply_penalties(logits, counts, sampling), sampling)
+        tokens = sample(apply_penalties(logits, counts, seen, sampling), sampling)
         count_rows = jnp.where(rows >= 0, jnp.arange(rows.shape[0]), counts.shape[0])
         counts = counts.at[count_rows, tokens].add(1, mode="drop")
         # Log-probabilities are the model's own, before penalties (as sampling params leave them).
-        return tokens, step_logprobs(logits, tokens), kv_cache, counts
+        return tokens, step_logprobs(logits, tokens), kv_cache, counts, seen
 
     def prefill(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one packed prefill step; returns the first sampled token of each row."""
         with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.kv_cache, self.token_counts, self._last_hidden = self._prefill(
-                self.state, self.kv_cache, self.token_counts, pool, inputs.tokens, inputs.positions,
+            tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen, self._last_hidden = self._prefill(
+                self.state, self.kv_cache, self.token_counts, self.prompt_seen, pool, inputs.tokens, inputs.positions,
                 inputs.rows, inputs.last_index, inputs.seq_rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)
@@ -137,8 +146,8 @@ class ModelRunner:
     def decode(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one decode step over every cache row; returns a token per row."""
         with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.kv_cache, self.token_counts = self._decode(
-                self.state, self.kv_cache, self.token_counts, pool, inputs.tokens, inputs.positions,
+            tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen = self._decode(
+                self.state, self.kv_cache, self.token_counts, self.prompt_seen, pool, inputs.tokens, inputs.positions,
                 inputs.rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)

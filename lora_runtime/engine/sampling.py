@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,8 @@ from lora_runtime.errors import InvalidRequestError
 
 # Most alternatives a request may ask log-probabilities for (OpenAI's limit too).
 MAX_LOGPROBS = 20
+# Most token ids min_tokens holds back per row (the EOS ids and the request's stop_token_ids).
+MAX_HELD_BACK_IDS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +35,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (after the first)
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted once per time a token was already generated
+    repetition_penalty: float = 1.0  # HF/vLLM: divides positive, multiplies negative logits of seen tokens
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are generated
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequestError naming the first bad field; returns self."""
@@ -53,6 +58,14 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(f"{name}={value} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequestError(f"repetition_penalty={self.repetition_penalty} must be in (0, 2]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_HELD_BACK_IDS - 4:
+            raise InvalidRequestError(
+                f"min_tokens with {len(self.stop_token_ids)} stop_token_ids: at most {MAX_HELD_BACK_IDS - 4}"
+            )
         if any(not s for s in self.stop):
             raise InvalidRequestError(f"stop={list(self.stop)!r} contains an empty string")
         if vocab_size is not None:
@@ -78,10 +91,16 @@ class SamplingBatch:
     step: jax.Array  # i32[B]: tokens generated so far, so each step draws fresh noise
     presence: jax.Array  # f32[B]
     frequency: jax.Array  # f32[B]
+    repetition: jax.Array  # f32[B]
+    held_back: jax.Array  # i32[B, MAX_HELD_BACK_IDS]: token ids banned while step < min_tokens (-1 pads)
+    min_tokens: jax.Array  # i32[B]
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[SamplingParams, int, int] | None]) -> "SamplingBatch":
-        """rows[i] = (params, seed, tokens generated so far), or None for an idle row."""
+    def from_rows(
+        cls, rows: list[tuple[SamplingParams, int, int] | None], eos_token_ids: Seq[int] = ()
+    ) -> "SamplingBatch":
+        """rows[i] = (params, seed, tokens generated so far), or None for an idle row;
+        `eos_token_ids`: what min_tokens holds back besides a request's stop_token_ids."""
         n = len(rows)
         temperature = np.zeros(n, np.float32)
         top_k = np.zeros(n, np.int32)
@@ -90,6 +109,10 @@ class SamplingBatch:
         step = np.zeros(n, np.int32)
         presence = np.zeros(n, np.float32)
         frequency = np.zeros(n, np.float32)
+        repetition = np.ones(n, np.float32)
+        held_back = np.full((n, MAX_HELD_BACK_IDS), -1, np.int32)
+        min_tokens = np.zeros(n, np.int32)
+        eos = sorted(eos_token_ids)[:4]
         for i, row in enumerate(rows):
             if row is None:
                 continue
@@ -101,15 +124,32 @@ class SamplingBatch:
             step[i] = generated
             presence[i] = params.presence_penalty
             frequency[i] = params.frequency_penalty
-        return cls(temperature, top_k, top_p, seed, step, presence, frequency)
+            repetition[i] = params.repetition_penalty
+            if params.min_tokens > generated:
+                ids = list(params.stop_token_ids) + ([] if params.ignore_eos else eos)
+                held_back[i, : len(ids)] = ids
+                min_tokens[i] = params.min_tokens
+        return cls(temperature, top_k, top_p, seed, step, presence, frequency, repetition, held_back, min_tokens)
 
 
-def apply_penalties(logits: jax.Array, counts: jax.Array, batch: SamplingBatch) -> jax.Array:
-    """OpenAI's presence and frequency penalties: logit - frequency * count - presence * [count > 0],
-    count = how often the row already generated the token (f32[B, V], i32[B, V] -> f32[B, V])."""
+def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """The row's logits after its penalties and min_tokens (f32[B, V] -> f32[B, V]).
+
+    counts: i32[B, V], how often the row already generated each token; in_prompt: bool[B, V].
+    HF's repetition penalty over prompt and output tokens: a positive logit divided by it, a
+    negative one multiplied. Then OpenAI's presence and frequency penalties: logit -
+    frequency * count - presence * [count > 0]. min_tokens: the held-back ids get -inf until then.
+    """
+    logits = logits.astype(jnp.float32)
+    seen = counts > 0
+    rep = batch.repetition[:, None]  # first, as vLLM orders them
+    logits = jnp.where(seen | in_prompt, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     counts = counts.astype(jnp.float32)
-    return (logits.astype(jnp.float32) - batch.frequency[:, None] * counts
-            - batch.presence[:, None] * (counts > 0).astype(jnp.float32))
+    logits = logits - batch.frequency[:, None] * counts - batch.presence[:, None] * seen.astype(jnp.float32)
+    hold = (batch.step < batch.min_tokens)[:, None] & (batch.held_back >= 0)
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], batch.held_back.shape)
+    cols = jnp.where(hold, batch.held_back, logits.shape[1])  # out of range: dropped
+    return logits.at[rows, cols].set(-jnp.inf, mode="drop")
 
 
 def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:

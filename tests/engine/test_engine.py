@@ -290,3 +290,52 @@ def test_prompt_logprobs_match_transformers_and_max_tokens_zero(engine, hf_model
         assert abs(got[t].logprob - ref[t - 1, ids[t]]) < 1e-4
         want = np.argsort(-ref[t - 1])[:3]
         assert [i for i, _ in got[t].top] == want.tolist()
+
+
+def _hf_greedy_loop(hf_model, ids, steps, adjust):
+    """Greedy tokens from transformers' logits, adjusted per step by adjust(logits, generated, step)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for step in range(steps):
+            logits = hf_model(torch.tensor([ids + out])).logits[0, -1].double().numpy()
+            out.append(int(np.argmax(adjust(logits.copy(), out, step))))
+    return out
+
+
+def test_repetition_penalty_matches_a_transformers_loop(engine, hf_model):
+    """HF's repetition penalty over the prompt's and the generated tokens."""
+    penalty = 1.8
+    ids = engine.tokenizer.encode(PROMPTS[0])
+
+    def adjust(logits, out, step):
+        for t in set(ids) | set(out):
+            logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
+        return logits
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=penalty)
+    [got] = engine.generate_batch([PROMPTS[0]], params, [None])
+    assert got.token_ids == _hf_greedy_loop(hf_model, ids, 8, adjust)
+    [plain] = engine.generate_batch([PROMPTS[0]], GREEDY, [None])
+    assert plain.token_ids[:8] != got.token_ids  # the penalty changes something here
+
+
+def test_min_tokens_holds_back_stop_tokens(engine, hf_model):
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    [plain] = engine.generate_batch([PROMPTS[1]], GREEDY, [None])
+    stop = plain.token_ids[0]
+    [early] = engine.generate_batch([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                  stop_token_ids=(stop,)), [None])
+    assert early.token_ids == [stop]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,), min_tokens=3)
+    [held] = engine.generate_batch([PROMPTS[1]], params, [None])
+
+    def adjust(logits, out, step):
+        if step < 3:
+            logits[stop] = -np.inf
+        return logits
+
+    want = _hf_greedy_loop(hf_model, ids, 8, adjust)
+    want = want[: want.index(stop, 3) + 1] if stop in want[3:] else want
+    assert held.token_ids == want and len(held.token_ids) >= 3 and stop not in held.token_ids[:3]

@@ -117,3 +117,31 @@ def test_candidate_filter_keeps_what_a_whole_vocabulary_sort_keeps(std):
                                                  jax.nn.logsumexp)))
     np.testing.assert_array_equal(got, want)
     assert got[8].sum() == 5 and 1 <= got[3].sum() <= 5 and got[7].sum() == 1 and got[0].all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(repetition_penalty=0.0), r"repetition_penalty=0.0 must be in \(0, 2\]"),
+        (dict(repetition_penalty=2.5), r"repetition_penalty=2.5 must be in \(0, 2\]"),
+        (dict(max_tokens=4, min_tokens=5), r"min_tokens=5 must be in \[0, max_tokens=4\]"),
+        (dict(min_tokens=1, stop_token_ids=tuple(range(29))), "min_tokens with 29 stop_token_ids: at most 28"),
+    ],
+)
+def test_penalty_and_min_tokens_limits(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs).validate()
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_until_reached():
+    from lora_runtime.engine.sampling import apply_penalties
+
+    logits = jnp.zeros((3, 10), jnp.float32)
+    none = jnp.zeros((3, 10), jnp.int32)
+    p = SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=(7,))
+    ignoring = SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=(7,), ignore_eos=True)
+    batch = SamplingBatch.from_rows([(p, 0, 1), (p, 0, 2), (ignoring, 0, 0)], eos_token_ids=(2,))
+    out = np.asarray(apply_penalties(logits, none, none > 0, batch))
+    assert np.isneginf(out[0, [2, 7]]).all() and np.isfinite(np.delete(out[0], [2, 7])).all()
+    assert np.isfinite(out[1]).all()  # two tokens generated: nothing held back
+    assert np.isneginf(out[2, 7]) and np.isfinite(out[2, 2])  # ignore_eos: EOS is no stop to hold back

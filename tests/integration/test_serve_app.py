@@ -257,11 +257,15 @@ def test_penalties_over_http_match_the_runtime(app, reference):
     from lora_runtime.engine.sampling import SamplingParams
 
     penalties = dict(frequency_penalty=1.0, presence_penalty=0.5)
+    extensions = dict(repetition_penalty=1.3, min_tokens=2)  # vLLM's
     [want] = reference.engine.generate_batch(
-        [PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **penalties), ["sort"])
+        [PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **penalties, **extensions), ["sort"])
     got = _client(app).completions.create(model="sort", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
-                                          **penalties)
-    assert got.choices[0].text == want.text
+                                          **penalties, extra_body=extensions)
+    assert got.choices[0].text == want.text and got.usage.completion_tokens >= 2
+    r = httpx.post(f"{app.base_url}/v1/completions", timeout=60,
+                   json={"model": "sort", "prompt": "x", "max_tokens": 2, "min_tokens": 3})
+    assert r.status_code == 400 and "min_tokens=3" in r.json()["error"]["message"]
 
 
 def test_several_prompts_in_one_completions_request(app, reference):
