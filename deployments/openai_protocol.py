@@ -74,6 +74,8 @@ class _Request(BaseModel):
         "tokens, in (0, 2]."
     )
     min_tokens: int = Field(0, description="Extension (vLLM): EOS and stop_token_ids are held back until this many.")
+    skip_special_tokens: bool = Field(True, description="Extension (vLLM): leave special tokens out of the text.")
+    include_stop_str_in_output: bool = Field(False, description="Extension (vLLM): keep the stop string that ended it.")
     user: str | None = Field(None, description="End-user id, recorded in logs only.")
 
     @field_validator("n")
@@ -115,6 +117,8 @@ class _Request(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
 
     def logprobs_wanted(self) -> int | None:

@@ -161,7 +161,9 @@ class Engine:
             seed=params.resolved_seed(),
             adapter=adapter,
             emit=emit,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+            ),
             eos_token_ids=self._eos,
         )
         self._inbox.put(("add", seq))

@@ -37,6 +37,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per time a token was already generated
     repetition_penalty: float = 1.0  # HF/vLLM: divides positive, multiplies negative logits of seen tokens
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are generated
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequestError naming the first bad field; returns self."""

@@ -94,10 +94,11 @@ class Sequence:
     def _cut_at_stop_string(self) -> bool:
         longest = max(len(s) for s in self.params.stop)
         start = max(0, self.emitted_text - longest)
-        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.params.stop) if i >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        at, length = min(hits)
+        self.text = self.text[: at + length if self.params.include_stop_str_in_output else at]
         return True
 
     def finish_without_tokens(self) -> None:

@@ -65,3 +65,14 @@ def test_served_answers_equal_transformers_and_peft(answers):
         if name is not None:
             model = PeftModel.from_pretrained(model, str(adapter_dir(name))).eval()
         assert generate_answers(model, tok, prompts) == [answers[name, w] for w in words], name
+
+
+def test_special_tokens_in_the_text_on_request(engine):
+    """The demo base copies the word, then ends it with EOS; past EOS, with
+    skip_special_tokens=False, the EOS token's text appears in the output."""
+    eos = engine.tokenizer.id_to_token(min(engine.tokenizer.eos_token_ids))
+    base = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    [kept] = engine.generate_batch(["hello="], SamplingParams(**base, skip_special_tokens=False), [None])
+    [plain] = engine.generate_batch(["hello="], SamplingParams(**base), [None])
+    assert kept.token_ids == plain.token_ids and eos in kept.text and eos not in plain.text
+    assert kept.text.startswith("hello" + eos)

@@ -339,3 +339,12 @@ def test_min_tokens_holds_back_stop_tokens(engine, hf_model):
     want = _hf_greedy_loop(hf_model, ids, 8, adjust)
     want = want[: want.index(stop, 3) + 1] if stop in want[3:] else want
     assert held.token_ids == want and len(held.token_ids) >= 3 and stop not in held.token_ids[:3]
+
+
+def test_stop_string_kept_on_request(engine):
+    text = engine.generate_batch([PROMPTS[0]], GREEDY)[0].text
+    stop = text[2:4]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,),
+                            include_stop_str_in_output=True)
+    out = engine.generate_batch([PROMPTS[0]], params)[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.find(stop) + len(stop)]
