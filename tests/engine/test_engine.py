@@ -348,3 +348,25 @@ def test_stop_string_kept_on_request(engine):
                             include_stop_str_in_output=True)
     out = engine.generate_batch([PROMPTS[0]], params)[0]
     assert out.finish_reason == "stop" and out.text == text[: text.find(stop) + len(stop)]
+
+
+def test_tensor_parallel_gives_the_same_tokens_and_log_probabilities(engine, checkpoint):
+    """Penalties, min_tokens, seeded top-p sampling and (prompt) log-probabilities with the
+    model sharded over 2 devices, against the 1-device engine."""
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.5,
+                       min_tokens=2, logprobs=2, prompt_logprobs=2),
+        SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    sharded = Engine.from_pretrained(
+        str(checkpoint), EngineConfig(max_batch=4, max_seq_len=96, max_loras_per_batch=0, tensor_parallel_size=2)
+    ).start()
+    try:
+        got = sharded.generate_batch(prompts, params, [None, None])
+    finally:
+        sharded.shutdown()
+    want = engine.generate_batch(prompts, params, [None, None])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got[0].logprobs + got[0].prompt_logprobs[1:], want[0].logprobs + want[0].prompt_logprobs[1:]):
+        assert abs(g.logprob - w.logprob) < 1e-4 and [t for t, _ in g.top] == [t for t, _ in w.top]
