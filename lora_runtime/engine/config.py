@@ -15,8 +15,18 @@ class EngineConfig(BaseModel):
     max_prefill_tokens: int | None = Field(
         None,
         ge=16,
-        description="Most prompt tokens packed into one prefill step; None means max_seq_len. "
-        "Prefill lengths are bucketed to powers of two from 16 up to this.",
+        description="Most prompt tokens computed in one engine step (so the longest pause a "
+        "prefill puts between two decode steps); None means max_seq_len. Longer prompts are "
+        "computed in chunks of up to this many tokens, between decode steps. Prefill lengths "
+        "are bucketed to powers of two from 16 up to this.",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Start a request from a KV cache row that already holds the start of its "
+        "prompt (for the same adapter): a finished request's row, or a running one's, copied.",
+    )
+    prefix_cache_min_tokens: int = Field(
+        16, ge=1, description="Shortest cached prefix worth using (shorter ones are recomputed)."
     )
     max_loras_per_batch: int = Field(
         4, ge=0, description="Device adapter slots, so distinct adapters in one batch; 0 disables LoRA."
@@ -46,11 +56,6 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or None")
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.max_seq_len:
-            raise ValueError(
-                f"max_prefill_tokens={self.max_prefill_tokens} must be >= "
-                f"max_seq_len={self.max_seq_len} so any prompt fits one prefill step"
-            )
         return self
 
     @property

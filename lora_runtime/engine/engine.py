@@ -62,6 +62,7 @@ class Engine:
             "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
             "prefill_seconds": 0.0, "decode_seconds": 0.0, "decode_row_steps": 0,
             "max_batch_adapters": 0,  # most distinct adapters seen in one decode step
+            "extend_steps": 0,  # chunks of prompts computed over a cached prefix or earlier chunks
         }
         self.warm_traces: int | None = None
 
@@ -87,9 +88,12 @@ class Engine:
 
     def warmup(self) -> None:
         """Compiles each prefill bucket and the decode step once, with every row idle."""
+        idle_prompt = np.full(self.config.max_seq_len, -1, np.int32)
         for bucket in self.config.prefill_buckets():
             with self._using_pool() as pool:
                 self.runner.prefill(self._idle_inputs(bucket, prefill=True), pool)
+                self.runner.extend(self._idle_inputs(bucket, prefill=True, sequences=1), idle_prompt, pool)
+        self.runner.copy_row(0, 0)
         with self._using_pool() as pool:
             self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False), pool)
         self.warm_traces = self.runner.traces
@@ -273,6 +277,8 @@ class Engine:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             compiles_after_warmup=self.compiles_after_warmup,
+            prefix_cache_query_tokens=self.scheduler.prefix_query_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
         )
         return s
 
@@ -315,15 +321,25 @@ class Engine:
                     self._finish(seq)
 
     def _step(self) -> None:
-        admitted, failed = self.scheduler.admit()
+        """One engine step: prompts (packed fresh ones, then chunks of the rest) up to the
+        prefill budget, then one decode step of every running sequence."""
+        budget = self.config.prefill_budget
+        scheduler = self.scheduler
+        # Prompts being chunked keep at least half the budget (so a stream of short prompts
+        # cannot starve them) and take whatever the fresh prompts leave.
+        reserved = min(budget // 2, sum(len(s.prompt_ids) - s.computed for s in scheduler.extending))
+        admitted, failed = scheduler.admit(budget - reserved)
         for seq, err in failed:
             self._fail(seq, err)
+        for src, dst in scheduler.take_copies():
+            self.runner.copy_row(src, dst)
         if admitted:
             self._prefill(admitted)
-        decoding = [s for s in self.scheduler.running.values() if s.output_ids]
+        extended = self._extend_chunks(budget - sum(len(s.prompt_ids) for s in admitted))
+        decoding = [s for s in scheduler.running.values() if s.output_ids]
         if decoding:
             self._decode()
-        elif not admitted:
+        elif not admitted and not extended:
             # Waiting on adapter fetches only: yield the CPU instead of spinning.
             self._wake.wait(timeout=0.005)
             self._wake.clear()
@@ -362,11 +378,67 @@ class Engine:
         self.counters["prefill_steps"] += 1
         self.counters["prompt_tokens"] += total
         for i, seq in enumerate(seqs):
-            if seq.params.max_tokens == 0:
-                seq.finish_without_tokens()
-                self._finish(seq)
-            else:
-                self._append(seq, sampled, i)
+            self.scheduler.computed(seq, len(seq.prompt_ids))
+            self._first_token(seq, sampled, i)
+
+    def _first_token(self, seq: Sequence, sampled: Sampled, i: int) -> None:
+        if seq.params.max_tokens == 0:
+            seq.finish_without_tokens()
+            self._finish(seq)
+        else:
+            self._append(seq, sampled, i)
+
+    def _extend_chunks(self, budget: int) -> bool:
+        """Computes chunks of extending sequences (oldest first) up to `budget` tokens."""
+        ran = False
+        for seq in list(self.scheduler.extending):
+            n = min(len(seq.prompt_ids) - seq.computed, budget)
+            if n <= 0:
+                break
+            self._extend(seq, n)
+            budget -= n
+            ran = True
+        return ran
+
+    def _extend(self, seq: Sequence, n: int) -> None:
+        """Computes prompt tokens [computed, computed + n) of one sequence over its row;
+        the last chunk samples its first token."""
+        start, prompt = seq.computed, seq.prompt_ids
+        final = start + n == len(prompt)
+        bucket = next(b for b in self.config.prefill_buckets() if b >= n)
+        tokens = np.zeros(bucket, np.int32)
+        tokens[:n] = prompt[start : start + n]
+        positions = np.zeros(bucket, np.int32)
+        positions[:n] = np.arange(start, start + n)
+        rows = np.full(bucket, -1, np.int32)
+        rows[:n] = seq.row
+        slots = np.full(bucket, -1, np.int32)
+        slots[:n] = seq.slot
+        whole_prompt = np.full(self.config.max_seq_len, -1, np.int32)
+        whole_prompt[: len(prompt)] = prompt
+        inputs = StepInputs(
+            tokens, positions, rows, SamplingBatch.from_rows([(seq.params, seq.seed, 0)], self._eos),
+            np.array([n - 1], np.int32), self._lora_info(slots), np.array([seq.row if final else -1], np.int32),
+        )
+        t0 = time.perf_counter()
+        with self._using_pool() as pool:
+            sampled = self.runner.extend(inputs, whole_prompt, pool)
+        k = seq.params.prompt_logprobs
+        if k is not None:
+            next_tokens = np.zeros(bucket, np.int32)
+            ahead = prompt[start + 1 : start + n + 1]  # position t predicts token t + 1
+            next_tokens[: len(ahead)] = ahead
+            got = self.runner.prompt_logprobs(next_tokens)
+            parts = ([None] if start == 0 else []) + [_token_logprob(got, i, k) for i in range(len(ahead))]
+            seq.prompt_logprob_parts.extend(parts)
+            if final:
+                seq.prompt_logprobs = seq.prompt_logprob_parts
+        self.counters["prefill_seconds"] += time.perf_counter() - t0
+        self.counters["extend_steps"] += 1
+        self.counters["prompt_tokens"] += n
+        self.scheduler.computed(seq, n)
+        if final:
+            self._first_token(seq, sampled, 0)
 
     def _read_prompt_logprobs(self, seqs: list[Sequence], tokens: np.ndarray) -> None:
         """Each asking sequence's prompt log-probabilities, from the prefill just run."""
@@ -431,7 +503,7 @@ class Engine:
 
     def _fail(self, seq: Sequence, err: Exception) -> None:
         seq.abort()
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, keep_content=False)
         self.counters["failed"] += 1
         if not isinstance(err, ServingError):
             err = RuntimeError(f"request {seq.request_id} failed in the engine: {err}")
@@ -455,9 +527,9 @@ class Engine:
             return None
         return self.lora_manager.prepare_lora_batch(slots)
 
-    def _idle_inputs(self, n: int, *, prefill: bool) -> StepInputs:
+    def _idle_inputs(self, n: int, *, prefill: bool, sequences: int | None = None) -> StepInputs:
         rows = np.full(n, -1, np.int32)
-        p = self.config.max_batch
+        p = sequences or self.config.max_batch
         return StepInputs(
             np.zeros(n, np.int32), np.zeros(n, np.int32), rows,
             SamplingBatch.from_rows([None] * p),
@@ -495,4 +567,5 @@ def _merge(parts: list[RequestOutput]) -> RequestOutput:
         logprobs=None if last.logprobs is None else [lp for p in parts for lp in p.logprobs or ()],
         prompt_logprobs=next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None),
         prompt_token_ids=next((p.prompt_token_ids for p in parts if p.prompt_token_ids is not None), None),
+        cached_tokens=last.cached_tokens,
     )

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.sharding import DEFAULT_RULES
 
-MODES: tuple[str, ...] = ("prefill", "decode")
+MODES: tuple[str, ...] = ("prefill", "extend", "decode")
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
@@ -68,10 +68,13 @@ class KVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Which cache row each token of a step belongs to, and whether the step is prefill or decode.
+    """Which cache row each token of a step belongs to, and whether the step is prefill, extend or decode.
 
     prefill: tokens are whole fresh sequences packed back to back, positions from 0;
     each attends to earlier tokens of its own row in the same batch.
+    extend: a chunk of one sequence whose earlier tokens are already in its row (a cached
+    prefix, or earlier chunks of a long prompt), positions from where the row's content ends;
+    each token attends to its row of the cache up to its own position.
     decode: token t belongs to row t and attends to cache[t, :positions[t] + 1].
     rows[t] == -1 marks padding (prefill) or an idle row (decode): nothing is written
     and its output is garbage-free but meaningless.

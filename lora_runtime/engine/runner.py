@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,9 @@ class ModelRunner:
         # Which tokens each row's prompt holds (the repetition penalty covers them too).
         self.prompt_seen = jax.device_put(jnp.zeros(rows_by_vocab, bool), replicated)
         self.traces = 0  # how many times a step was traced, i.e. compiled
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2, 3))
+        self._prefill = jax.jit(functools.partial(self._prefill_impl, mode="prefill"), donate_argnums=(1, 2, 3))
+        self._extend = jax.jit(functools.partial(self._prefill_impl, mode="extend"), donate_argnums=(1, 2, 3))
+        self._copy_row = jax.jit(self._copy_row_impl, donate_argnums=(0,))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2, 3))
         # Prompt log-probabilities from the last prefill's hidden states, compiled per bucket
         # on first use (only requests that ask pay for the [T, vocab] logits).
@@ -86,29 +89,37 @@ class ModelRunner:
         if pool is not None:
             from lora_runtime.lora.hook import PoolLoRAHook
 
-            hook = PoolLoRAHook(self.backend, pool, lora_info, prefill=mode == "prefill")
+            hook = PoolLoRAHook(self.backend, pool, lora_info, prefill=mode != "decode")
         attn = AttentionMetadata(rows=rows, mode=mode)
         hidden, kv_cache = model(tokens, positions, kv_cache, attn, hook)
         return model, hidden, kv_cache
 
     def _prefill_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, rows, last_index, seq_rows,
-                      sampling, lora_info):
+                      seen_tokens, seen_rows, sampling, lora_info, *, mode):
         model, hidden, kv_cache = self._forward(
-            state, kv_cache, pool, tokens, positions, rows, lora_info, "prefill"
+            state, kv_cache, pool, tokens, positions, rows, lora_info, mode
         )
         logits = model.logits(hidden[last_index])
-        # A new sequence in a row starts its counts afresh and marks its prompt's tokens
-        # (-1 rows fall off the end).
+        # A sequence whose prompt is complete starts its counts afresh and marks its prompt's
+        # tokens (seen_tokens of seen_rows); -1 rows fall off the end.
         n_rows = counts.shape[0]
         count_rows = jnp.where(seq_rows >= 0, seq_rows, n_rows)
         counts = counts.at[count_rows].set(0, mode="drop")
-        seen = seen.at[count_rows].set(False, mode="drop").at[jnp.where(rows >= 0, rows, n_rows), tokens].set(
-            True, mode="drop")
+        seen = seen.at[count_rows].set(False, mode="drop").at[
+            jnp.where(seen_rows >= 0, seen_rows, n_rows), seen_tokens].set(True, mode="drop")
         row_of = jnp.clip(seq_rows, 0, n_rows - 1)
         penalized = apply_penalties(logits, counts[row_of], seen[row_of], sampling)
         next_tokens = sample(penalized, sampling)
         counts = counts.at[count_rows, next_tokens].add(1, mode="drop")
         return next_tokens, step_logprobs(logits, next_tokens), kv_cache, counts, seen, hidden
+
+    @staticmethod
+    def _copy_row_impl(kv_cache: KVCache, src, dst) -> KVCache:
+        def copy(layer):
+            row = jax.lax.dynamic_index_in_dim(layer, src, axis=0, keepdims=True)
+            return jax.lax.dynamic_update_index_in_dim(layer, row, dst, axis=0)
+
+        return KVCache(k=tuple(map(copy, kv_cache.k)), v=tuple(map(copy, kv_cache.v)))
 
     def _prompt_logprobs_impl(self, state, hidden, next_tokens):
         model = nnx.merge(self.graphdef, state)
@@ -127,12 +138,29 @@ class ModelRunner:
 
     def prefill(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one packed prefill step; returns the first sampled token of each row."""
+        return self._run_prefill(self._prefill, inputs, pool, inputs.tokens, inputs.rows)
+
+    def extend(self, inputs: StepInputs, prompt: np.ndarray, pool) -> Sampled:
+        """Runs one chunk of one sequence over what its cache row already holds.
+
+        `prompt` (i32[max_seq_len], -1 padded) is the sequence's whole prompt, marked as seen
+        when ``inputs.seq_rows`` names the row (the last chunk, which samples the first token).
+        """
+        seen_rows = np.where(prompt >= 0, inputs.seq_rows[0], -1).astype(np.int32)
+        return self._run_prefill(self._extend, inputs, pool, np.maximum(prompt, 0), seen_rows)
+
+    def _run_prefill(self, step, inputs: StepInputs, pool, seen_tokens, seen_rows) -> Sampled:
         with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen, self._last_hidden = self._prefill(
+            tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen, self._last_hidden = step(
                 self.state, self.kv_cache, self.token_counts, self.prompt_seen, pool, inputs.tokens, inputs.positions,
-                inputs.rows, inputs.last_index, inputs.seq_rows, inputs.sampling, inputs.lora,
+                inputs.rows, inputs.last_index, inputs.seq_rows, seen_tokens, seen_rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Copies cache row `src` into row `dst` (a cached prefix for a new sequence)."""
+        with jax.set_mesh(self.mesh):
+            self.kv_cache = self._copy_row(self.kv_cache, np.int32(src), np.int32(dst))
 
     def prompt_logprobs(self, next_tokens: np.ndarray) -> Sampled:
         """Log-probabilities at every position of the last prefill: of `next_tokens[t]` (the

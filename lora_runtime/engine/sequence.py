@@ -40,6 +40,7 @@ class RequestOutput:
     # One per prompt token (None for the first, which nothing predicts), in the first output only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,10 +58,13 @@ class Sequence:
     arrival: int = 0  # engine step at arrival
     row: int | None = None  # KV cache row while running
     slot: int = -1  # adapter slot while running; -1 = no adapter
+    computed: int = 0  # prompt tokens whose K/V are in the row
+    cached_tokens: int = 0  # of those, found there at admission (a cached prefix)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set at prefill when asked; [0] is None
     prompt_logprobs_sent: bool = False
+    prompt_logprob_parts: list[TokenLogprob | None] = dataclasses.field(default_factory=list)  # chunk by chunk
     text: str = ""
     emitted_text: int = 0
     emitted_tokens: int = 0
@@ -132,6 +136,7 @@ class Sequence:
             logprobs=None if self.params.logprobs is None else self.output_logprobs[self.emitted_tokens :],
             prompt_logprobs=prompt_logprobs,
             prompt_token_ids=None if prompt_logprobs is None else list(self.prompt_ids),
+            cached_tokens=self.cached_tokens,
         )
         self.emitted_text = end
         self.emitted_tokens = len(self.output_ids)

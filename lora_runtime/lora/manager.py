@@ -118,6 +118,17 @@ class LoRAManager:
             entry = self._registry.get(name)
             return None if entry is None else self._slot_of.get((name, entry.version))
 
+    def version_of(self, name: str) -> int | None:
+        """The registered version of `name`, or None if it is not registered."""
+        with self._lock:
+            entry = self._registry.get(name)
+            return None if entry is None else entry.version
+
+    def slot_key(self, slot: int) -> Key | None:
+        """(name, version) of the adapter in `slot`, or None if the slot is empty."""
+        with self._lock:
+            return self._slots[slot].key
+
     def is_resident(self, name: str) -> bool:
         return self.slot_of(name) is not None
 

@@ -122,6 +122,61 @@ def decode_attention(
     return jnp.einsum("rkgs,rskd->rkgd", probs.astype(v_cache.dtype), v_cache)
 
 
+def extend_attention(
+    q: jax.Array,  # [T, Hkv, G, D]
+    k_cache: jax.Array,  # [R, S, Hkv, D], this step's K/V already written
+    v_cache: jax.Array,  # [R, S, Hkv, D]
+    positions: jax.Array,  # i32[T]
+    rows: jax.Array,  # i32[T]: one cache row, -1 = padding
+    window: int | None,
+    block: int = 512,
+) -> jax.Array:  # [T, Hkv, G, D]
+    """One sequence's chunk of tokens attends to its row of the cache up to each token's position.
+
+    The row holds the sequence's earlier tokens (a prefix computed before, or earlier chunks
+    of a long prompt) and this chunk's own K/V. Keys are read in blocks with an online
+    softmax, only as far as the chunk reaches, so memory is [T, block] per head however long
+    the row is.
+    """
+    seq_len = k_cache.shape[1]
+    block = min(block, seq_len)
+    row = jnp.clip(jnp.max(rows), 0, k_cache.shape[0] - 1)
+    k_row = jax.lax.dynamic_index_in_dim(k_cache, row, axis=0, keepdims=False)  # [S, Hkv, D]
+    v_row = jax.lax.dynamic_index_in_dim(v_cache, row, axis=0, keepdims=False)
+    qpos = jnp.where(rows >= 0, positions, 0)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    t, hkv, g, d = q.shape
+    neg = jnp.finfo(jnp.float32).min
+
+    def body(i, carry):
+        m, l, acc = carry
+        start = i * block
+        # The last block is clamped to the row's end; keys before `start` were counted already.
+        first = jnp.minimum(start, seq_len - block)
+        k = jax.lax.dynamic_slice_in_dim(k_row, first, block, axis=0)
+        v = jax.lax.dynamic_slice_in_dim(v_row, first, block, axis=0)
+        kpos = first + jnp.arange(block)
+        delta = qpos[:, None] - kpos[None, :]  # [T, block]
+        mask = (kpos[None, :] >= start) & (delta >= 0) & _window_ok(delta, window)
+        s = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(mask, s, neg)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum(
+            "kgts,skd->kgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
+        return m_new, l, acc
+
+    blocks = (jnp.max(qpos) + block) // block
+    init = (jnp.full((hkv, g, t), neg, jnp.float32), jnp.zeros((hkv, g, t), jnp.float32),
+            jnp.zeros((hkv, g, t, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, blocks, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # every token sees at least key 0 (itself or earlier)
+    return jnp.transpose(out, (2, 0, 1, 3)).astype(v_cache.dtype)
+
+
 def write_kv(
     k_cache: jax.Array,  # [R, S, Hkv, D]
     v_cache: jax.Array,  # [R, S, Hkv, D]
@@ -131,7 +186,7 @@ def write_kv(
     attn: AttentionMetadata,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes each token's K/V at [its row, its position]; padding and idle rows write nothing."""
-    if attn.mode == "prefill":
+    if attn.mode != "decode":
         rows = attn.rows
     else:
         rows = jnp.arange(k.shape[0], dtype=attn.rows.dtype)
@@ -184,6 +239,8 @@ class Attention(nnx.Module):
         window = c.layer_window(i)
         if attn.mode == "prefill":
             out = prefill_attention(q, k, v, positions, attn.rows, window)
+        elif attn.mode == "extend":
+            out = extend_attention(q, k_cache, v_cache, positions, attn.rows, window)
         else:
             out = decode_attention(q, k_cache, v_cache, positions, window)
         out = out.reshape(t, c.num_heads * c.head_dim)

@@ -1,0 +1,176 @@
+"""Prefix caching and chunked prefill: a request that starts from a cached prefix, or whose
+prompt is computed in chunks between decode steps, generates what a fresh prefill does."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.engine import Engine
+from lora_runtime.engine.sampling import SamplingParams
+from tests.engine.test_engine import _hf_greedy
+from tests.helpers.checkpoints import save_tiny_llama
+
+SYSTEM = "you are a helpful assistant that answers in one short sentence. "
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype="float32").eval()
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    cfg = EngineConfig(max_batch=4, max_seq_len=128, max_loras_per_batch=0)
+    eng = Engine.from_pretrained(str(checkpoint), cfg).start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chunked(checkpoint):
+    """Prompts longer than 16 tokens are computed 16 at a time; no prefix caching, so every
+    token of every prompt goes through the chunks."""
+    cfg = EngineConfig(max_batch=4, max_seq_len=128, max_prefill_tokens=16, max_loras_per_batch=0,
+                       enable_prefix_caching=False)
+    eng = Engine.from_pretrained(str(checkpoint), cfg).start()
+    yield eng
+    eng.shutdown()
+
+
+def _ids(engine, text):
+    return engine.tokenizer.encode(text)
+
+
+def test_a_shared_system_prompt_is_computed_once(engine, hf_model):
+    first = engine.generate_batch([SYSTEM + "what is a fox?"], GREEDY)[0]
+    assert first.cached_tokens == 0
+    before = engine.stats()
+    prompt = SYSTEM + "and the dog?"
+    second = engine.generate_batch([prompt], GREEDY)[0]
+    ids = _ids(engine, prompt)
+    shared = len(_ids(engine, SYSTEM))  # the question starts a new token after the space
+    assert shared - 1 <= second.cached_tokens < len(ids)
+    assert second.token_ids == _hf_greedy(hf_model, ids, GREEDY.max_tokens)
+    after = engine.stats()
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == second.cached_tokens
+    assert after["prefix_cache_query_tokens"] - before["prefix_cache_query_tokens"] == len(ids)
+    assert after["extend_steps"] == before["extend_steps"] + 1
+    assert engine.compiles_after_warmup == 0
+
+
+def test_the_next_turn_reuses_the_previous_answer(engine, hf_model):
+    """A chat's next request repeats the conversation so far: all of it is in the row except
+    the last generated token, which was never fed back."""
+    prompt = _ids(engine, SYSTEM + "name three colours.")
+    answer = engine.generate_batch([prompt], GREEDY)[0]
+    follow = prompt + answer.token_ids + _ids(engine, " and three more?")
+    out = engine.generate_batch([follow], GREEDY)[0]
+    assert out.cached_tokens == len(prompt) + len(answer.token_ids) - 1
+    assert out.token_ids == _hf_greedy(hf_model, follow, GREEDY.max_tokens)
+
+
+def test_a_running_requests_prefix_is_copied_to_a_new_row(engine, hf_model):
+    """While a long request runs, a request sharing its prompt's start copies that row."""
+    long_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompt = SYSTEM + "tell a long story about the sea"
+    started, done = threading.Event(), threading.Event()
+    got = []
+
+    def emit(out):
+        got.append(out)
+        started.set()
+        if out.finished:
+            done.set()
+
+    engine.submit(prompt, long_params, emit)
+    assert started.wait(60)
+    other = SYSTEM + "tell a long story about the sky"
+    out = engine.generate_batch([other], GREEDY)[0]
+    assert done.wait(60)
+    assert not got[0].finished  # the first request was still running when the other came
+    ids = _ids(engine, other)
+    common = len(_ids(engine, SYSTEM + "tell a long story about the s")) - 1
+    assert out.cached_tokens >= common
+    assert out.token_ids == _hf_greedy(hf_model, ids, GREEDY.max_tokens)
+    assert [t for o in got for t in o.token_ids] == _hf_greedy(hf_model, _ids(engine, prompt), 40)
+
+
+def test_short_or_disabled_prefixes_are_recomputed(engine, checkpoint):
+    engine.generate_batch(["a short one"], GREEDY)
+    assert engine.generate_batch(["a short two"], GREEDY)[0].cached_tokens == 0  # under 16 tokens
+    engine.generate_batch([SYSTEM + "x"], GREEDY)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    out = engine.generate_batch([SYSTEM + "y"], params)[0]
+    assert out.cached_tokens == 0  # prompt log-probabilities need every position computed
+    assert len(out.prompt_logprobs) == len(_ids(engine, SYSTEM + "y"))
+
+
+def test_long_prompts_are_chunked_and_match_transformers(chunked, hf_model):
+    prompts = [SYSTEM + "what is the tallest mountain on earth?", "short", SYSTEM * 2]
+    outs = chunked.generate_batch(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        ids = _ids(chunked, prompt)
+        assert out.token_ids == _hf_greedy(hf_model, ids, GREEDY.max_tokens)
+        assert out.prompt_tokens == len(ids)
+    long_tokens = sum(len(_ids(chunked, p)) for p in prompts if len(_ids(chunked, p)) > 16)
+    assert chunked.stats()["extend_steps"] >= long_tokens // 16
+    assert chunked.compiles_after_warmup == 0
+
+
+def test_decoding_goes_on_between_chunks(chunked):
+    """A short request admitted with a long one finishes before the long prompt is read:
+    each engine step computes at most 16 prompt tokens, then decodes."""
+    order = []
+    done = threading.Event()
+
+    def emitter(name):
+        def emit(out):
+            if out.finished:
+                order.append(name)
+                if len(order) == 2:
+                    done.set()
+        return emit
+
+    chunked.submit(SYSTEM * 2, SamplingParams(max_tokens=1, temperature=0.0), emitter("long"))
+    chunked.submit("hi", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), emitter("short"))
+    assert done.wait(60)
+    assert order == ["short", "long"]
+
+
+def test_chunked_prompt_logprobs_and_penalties_equal_one_pass(engine, chunked):
+    prompt = SYSTEM + "count: one two three four five"
+    params = SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=3, logprobs=2,
+                            repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3)
+    whole = engine.generate_batch([prompt], params)[0]
+    parts = chunked.generate_batch([prompt], params)[0]
+    assert parts.token_ids == whole.token_ids
+    assert len(parts.prompt_logprobs) == len(whole.prompt_logprobs) == len(_ids(engine, prompt))
+    assert parts.prompt_logprobs[0] is None
+    for a, b in zip(parts.prompt_logprobs[1:], whole.prompt_logprobs[1:]):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    for a, b in zip(parts.logprobs, whole.logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_seeded_sampling_is_the_same_from_a_cached_prefix(engine):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    prompt = SYSTEM + "pick random words"
+    engine.generate_batch([prompt], GREEDY)  # leaves the prompt in a row
+    cached = engine.generate_batch([prompt], params)[0]
+    assert cached.cached_tokens == len(_ids(engine, prompt)) - 1
+    fresh = engine.generate_batch([prompt], dataclasses.replace(params, prompt_logprobs=0))[0]
+    assert fresh.cached_tokens == 0
+    assert cached.token_ids == fresh.token_ids

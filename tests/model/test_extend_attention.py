@@ -1,0 +1,51 @@
+"""Attention of a chunk over its cache row (extend) against attention over the whole sequence."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lora_runtime.model.llama import extend_attention, prefill_attention
+
+
+def _random(shape, key):
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("seq_len", "block"), [(24, 512), (24, 7), (24, 8)])
+@pytest.mark.parametrize("start", [0, 9, 17])
+def test_chunk_over_its_row_equals_the_whole_sequence(window, seq_len, block, start):
+    """Tokens [start, start + n) of a sequence, attending to the row that holds tokens
+    0..start-1 and themselves, get what the same tokens get in one pass over the sequence;
+    block sizes that do and do not divide the row cover the clamped last block."""
+    hkv, g, d, rows, row = 2, 3, 8, 3, 1
+    total = min(start + 6, seq_len)
+    q = _random((total, hkv, g, d), 0)
+    k = _random((total, hkv, d), 1)
+    v = _random((total, hkv, d), 2)
+    positions = jnp.arange(total, dtype=jnp.int32)
+    whole = prefill_attention(q, k, v, positions, jnp.zeros(total, jnp.int32), window)
+
+    # The row holds the whole sequence (the chunk's K/V are written before attention);
+    # the other rows and the row's tail hold noise that must not be read.
+    k_cache = _random((rows, seq_len, hkv, d), 3).at[row, :total].set(k)
+    v_cache = _random((rows, seq_len, hkv, d), 4).at[row, :total].set(v)
+    n, pad = total - start, 3
+    chunk_rows = jnp.concatenate([jnp.full(n, row, jnp.int32), jnp.full(pad, -1, jnp.int32)])
+    chunk_pos = jnp.concatenate([positions[start:], jnp.zeros(pad, jnp.int32)])
+    chunk_q = jnp.concatenate([q[start:], _random((pad, hkv, g, d), 5)])
+    got = extend_attention(chunk_q, k_cache, v_cache, chunk_pos, chunk_rows, window, block=block)
+    np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(whole[start:]), rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(got)).all()  # padding tokens stay finite
+
+
+def test_jits_with_the_row_and_positions_as_traced_inputs():
+    q, k_cache, v_cache = _random((4, 1, 2, 8), 0), _random((2, 16, 1, 8), 1), _random((2, 16, 1, 8), 2)
+    fn = jax.jit(lambda q, pos, rows: extend_attention(q, k_cache, v_cache, pos, rows, None, block=4))
+    pos = jnp.array([5, 6, 7, 8], jnp.int32)
+    a = fn(q, pos, jnp.array([0, 0, 0, 0], jnp.int32))
+    b = fn(q, pos, jnp.array([1, 1, 1, 1], jnp.int32))
+    assert not np.allclose(np.asarray(a), np.asarray(b))  # reads the row it is given
