@@ -22,6 +22,8 @@ def build_engine(
     `tokenizer_path`: a folder with tokenizer.json (and its config and chat template) to use
     instead of the checkpoint's own; generation_config.json still comes from the checkpoint.
     """
+    # Refused before any weight is read.
+    ModelConfig.from_pretrained(model_path, dtype=config.dtype).check_max_seq_len(config.max_seq_len)
     mesh = make_mesh(config.tensor_parallel_size)
     model_config, model = load_model(model_path, mesh, dtype=config.dtype)
     tokenizer = Tokenizer.from_pretrained(tokenizer_path or model_path, generation_config_dir=model_path)
@@ -39,6 +41,7 @@ def assemble_engine(
     model_name: str = "base",
 ) -> Engine:
     """An engine around an already-built model (tests and benchmarks use random weights)."""
+    model_config.check_max_seq_len(config.max_seq_len)
     backend = manager = None
     if config.max_loras_per_batch > 0:
         from lora_runtime.lora.backend.select import select_backend

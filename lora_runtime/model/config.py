@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -20,42 +21,132 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 # long residual streams.
 _HF_DTYPES: dict[str, str] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: "llama3" (Llama 3.1 long context) or "linear" (factor only)."""
+    """RoPE frequency scaling of a checkpoint, resolved as transformers resolves it.
 
-    rope_type: str  # "llama3" | "linear"
+    "linear": positions divided by ``factor``. "llama3": Llama 3.1 long context. "yarn":
+    frequencies blended between extrapolated and interpolated by a ramp from ``beta_fast``
+    to ``beta_slow`` rotations over ``original_max_position_embeddings``, with cos and sin
+    multiplied by ``attention_factor``. "dynamic" (dynamic NTK): plain RoPE, which is what
+    transformers computes for sequences up to ``original_max_position_embeddings``; past it
+    transformers recomputes the frequencies for the whole sequence, which a KV cache cannot
+    reproduce, so an engine may not run longer sequences (``ModelConfig.check_max_seq_len``).
+    """
+
+    rope_type: str  # "linear" | "llama3" | "yarn" | "dynamic"
     factor: float
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    # llama3, yarn: the pretraining context; dynamic: the longest sequence with plain RoPE
     original_max_position_embeddings: int | None = None
+    attention_factor: float = 1.0  # yarn: multiplies cos and sin
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None  # yarn
+    truncate: bool | None = None  # yarn: round the ramp's ends to whole dimensions
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any] | None) -> RopeScaling | None:
-        """Parses HF ``rope_scaling`` / ``rope_parameters``; None for plain RoPE."""
+    def from_hf_dict(
+        cls,
+        d: dict[str, Any] | None,
+        *,
+        max_position_embeddings: int,
+        original_max_position_embeddings: int | None = None,
+    ) -> RopeScaling | None:
+        """Parses HF ``rope_scaling`` / ``rope_parameters``; None for plain RoPE.
+
+        ``max_position_embeddings`` and ``original_max_position_embeddings`` are config.json's
+        top-level fields: yarn falls back on them as transformers does (a top-level
+        ``original_max_position_embeddings`` wins over the one in ``d``).
+        """
         if d is None:
             return None
         rope_type = d.get("rope_type", d.get("type", "default"))
         if rope_type in (None, "default"):
             return None
-        if rope_type not in ("llama3", "linear"):
-            raise CheckpointError(f"unsupported rope_scaling {rope_type=}; supported: default, linear, llama3")
+        if rope_type not in ROPE_TYPES:
+            raise CheckpointError(f"unsupported rope_scaling {rope_type=}; supported: {', '.join(ROPE_TYPES)}")
         if "factor" not in d:
             raise CheckpointError(f"rope_scaling of {rope_type=} is missing field 'factor'")
+        if rope_type == "yarn":
+            return cls._yarn(d, max_position_embeddings, original_max_position_embeddings)
+        factor = _positive(d["factor"], "factor", rope_type)
         if rope_type == "linear":
-            return cls(rope_type="linear", factor=float(d["factor"]))
+            return cls(rope_type="linear", factor=factor)
+        if rope_type == "dynamic":
+            # transformers' dynamic NTK keeps plain RoPE up to max_position_embeddings and
+            # ignores any original_max_position_embeddings in the dict.
+            return cls(
+                rope_type="dynamic", factor=factor, original_max_position_embeddings=max_position_embeddings
+            )
         missing = [f for f in _LLAMA3_FIELDS if d.get(f) is None]
         if missing:
             raise CheckpointError(f"rope_scaling of {rope_type=} is missing field {missing[0]!r}")
         return cls(
             rope_type="llama3",
-            factor=float(d["factor"]),
+            factor=factor,
             low_freq_factor=float(d["low_freq_factor"]),
             high_freq_factor=float(d["high_freq_factor"]),
             original_max_position_embeddings=int(d["original_max_position_embeddings"]),
         )
+
+    @classmethod
+    def _yarn(cls, d: dict[str, Any], max_position_embeddings: int, top_level_original: int | None) -> RopeScaling:
+        """transformers' ``_compute_yarn_parameters``, down to its fallbacks and truthiness tests."""
+        key = "original_max_position_embeddings"
+        original = top_level_original if top_level_original is not None else d.get(key)
+        if original is None:
+            original = max_position_embeddings
+        elif not _positive(original, key, "yarn").is_integer():
+            raise CheckpointError(f"rope_scaling of rope_type='yarn' needs an integer {key}, got {original!r}")
+        original = int(original)
+        # DeepSeek-V3 style: a null factor is the ratio of the extended to the original context.
+        if d["factor"] is None:
+            factor = max_position_embeddings / original
+        else:
+            factor = _positive(d["factor"], "factor", "yarn")
+        if d.get("attention_factor") is not None:
+            attention_factor = _positive(d["attention_factor"], "attention_factor", "yarn")
+        else:
+            mscale = _number(d.get("mscale"), "mscale", "yarn")
+            mscale_all_dim = _number(d.get("mscale_all_dim"), "mscale_all_dim", "yarn")
+            if mscale and mscale_all_dim:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = _yarn_mscale(factor, 1.0)
+        return cls(
+            rope_type="yarn",
+            factor=factor,
+            original_max_position_embeddings=original,
+            attention_factor=attention_factor,
+            # A 0 or null beta takes the default, as transformers' `or` does.
+            beta_fast=_number(d.get("beta_fast"), "beta_fast", "yarn") or 32.0,
+            beta_slow=_number(d.get("beta_slow"), "beta_slow", "yarn") or 1.0,
+            truncate=bool(d.get("truncate", True)),
+        )
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _number(value: Any, key: str, rope_type: str) -> float | None:
+    """A rope_scaling field as a float, None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"rope_scaling of {rope_type=} needs a number for {key}, got {value!r}")
+    return float(value)
+
+
+def _positive(value: Any, key: str, rope_type: str) -> float:
+    number = _number(value, key, rope_type)
+    if number is None or not number > 0:
+        raise CheckpointError(f"rope_scaling of {rope_type=} needs a positive number for {key}, got {value!r}")
+    return number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +189,19 @@ class ModelConfig:
                 f"layer_types has {len(self.sliding_layers)} entries, expected num_hidden_layers={self.num_layers}"
             )
 
+    def check_max_seq_len(self, max_seq_len: int) -> None:
+        """Refuses sequences longer than this model's RoPE can be computed for ahead of time."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.rope_type != "dynamic":
+            return
+        limit = scaling.original_max_position_embeddings
+        if max_seq_len > limit:
+            raise CheckpointError(
+                f"rope_scaling of rope_type='dynamic' recomputes RoPE for the whole sequence once it grows past "
+                f"max_position_embeddings={limit}, which a KV cache cannot reproduce; "
+                f"{max_seq_len=} must be at most {limit}"
+            )
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer, or None for full attention."""
         if self.sliding_layers is not None and not self.sliding_layers[layer]:
@@ -117,6 +221,7 @@ class ModelConfig:
         hidden_size = int(req("hidden_size"))
         num_heads = int(req("num_attention_heads"))
         num_layers = int(req("num_hidden_layers"))
+        max_position_embeddings = int(req("max_position_embeddings"))
         rope = d.get("rope_parameters")
         if rope is None:
             rope = d.get("rope_scaling")
@@ -138,8 +243,12 @@ class ModelConfig:
             head_dim=int(d.get("head_dim") or hidden_size // num_heads),
             rms_norm_eps=float(req("rms_norm_eps")),
             rope_theta=rope_theta,
-            rope_scaling=RopeScaling.from_hf_dict(rope),
-            max_position_embeddings=int(req("max_position_embeddings")),
+            rope_scaling=RopeScaling.from_hf_dict(
+                rope,
+                max_position_embeddings=max_position_embeddings,
+                original_max_position_embeddings=d.get("original_max_position_embeddings"),
+            ),
+            max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=architecture == "qwen2" or attention_bias,
             qk_norm=architecture == "qwen3",

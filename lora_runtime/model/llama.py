@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
-from lora_runtime.model.config import ModelConfig
+from lora_runtime.model.config import ModelConfig, RopeScaling
 from lora_runtime.model.lora_hook import LoRAHook
 
 _INIT_STD = 0.02
@@ -48,14 +48,20 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:  # f32[head_dim // 2]
-    """RoPE inverse frequencies, with the config's llama3 or linear scaling applied."""
+    """RoPE inverse frequencies, with the config's linear, llama3 or yarn scaling applied.
+
+    "dynamic" scaling gets plain RoPE: transformers' frequencies for sequences up to
+    max_position_embeddings, the longest an engine may run for such a model.
+    """
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     scaling = config.rope_scaling
-    if scaling is None:
+    if scaling is None or scaling.rope_type == "dynamic":
         return inv_freq.astype(np.float32)
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(config.rope_theta, dim, scaling)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -68,14 +74,46 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:  # f32[head_dim // 2]
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(base: float, dim: int, scaling: RopeScaling) -> np.ndarray:  # f32[dim // 2]
+    """YaRN, as transformers' ``_compute_yarn_parameters``: frequencies that turn fewer than
+    ``beta_slow`` times over the original context are divided by the factor, those turning
+    more than ``beta_fast`` times kept, with a linear ramp between."""
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        """The (fractional) dimension index that turns ``rotations`` times over ``original``."""
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # weight of the unscaled frequency
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (scaling.factor * pos_freqs)
+    return (interpolated * (1 - keep) + extrapolated * keep).astype(np.float32)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: yarn's attention factor, else 1."""
+    scaling = config.rope_scaling
+    return 1.0 if scaling is None else scaling.attention_factor
+
+
 def apply_rope(
     x: jax.Array,  # [T, N, D]
     positions: jax.Array,  # i32[T]
     inv_freq: np.ndarray,  # f32[D // 2]
+    attention_factor: float,
 ) -> jax.Array:  # [T, N, D]
-    """Rotates the two halves of each head (Hugging Face's rotate_half layout)."""
+    """Rotates the two halves of each head (Hugging Face's rotate_half layout), scaled by
+    ``attention_factor`` as transformers scales cos and sin."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos = (jnp.cos(angles) * attention_factor)[:, None, :]
+    sin = (jnp.sin(angles) * attention_factor)[:, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -230,8 +268,8 @@ class Attention(nnx.Module):
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(c)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        inv_freq, rope_scale = rope_inv_freq(c), rope_attention_factor(c)
+        q, k = apply_rope(q, positions, inv_freq, rope_scale), apply_rope(k, positions, inv_freq, rope_scale)
 
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions, attn)
         groups = c.num_heads // c.num_kv_heads

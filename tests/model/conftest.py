@@ -48,13 +48,14 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 TP_FAMILIES = [name for name, (_, _, o) in FAMILIES.items() if o["num_key_value_heads"] == 4]
 
 
-def build_hf_model(family: str, seed: int = 0):
-    """A random f32 transformers model of ``family`` with weights large enough to vary outputs."""
+def build_hf_model(family: str, seed: int = 0, **overrides):
+    """A random f32 transformers model of ``family`` (``overrides`` on top of its config) with
+    weights large enough to vary outputs."""
     import torch
     import transformers
 
-    config_cls, model_cls, overrides = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+    config_cls, model_cls, family_overrides = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**BASE, **family_overrides, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -48,6 +49,75 @@ def test_transformers4_style_rope_fields():
     assert c.rope_theta == 123.0 and c.rope_scaling == RopeScaling("linear", 2.0)
     assert c.head_dim == 16
     assert ModelConfig.from_hf_dict(llama_dict(rope_scaling=dict(rope_type="default"))).rope_scaling is None
+
+
+def yarn(**fields) -> RopeScaling:
+    d = llama_dict(rope_scaling=dict(rope_type="yarn", **fields))
+    return ModelConfig.from_hf_dict(d).rope_scaling
+
+
+def test_yarn_rope_scaling_with_transformers_defaults():
+    s = yarn(factor=4.0, original_max_position_embeddings=32)
+    assert (s.rope_type, s.factor, s.original_max_position_embeddings) == ("yarn", 4.0, 32)
+    assert (s.beta_fast, s.beta_slow, s.truncate) == (32.0, 1.0, True)
+    assert s.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+    # transformers' `or`: a 0 or null beta is the default; a factor <= 1 scales no attention
+    s = yarn(factor=1.0, original_max_position_embeddings=32, beta_fast=0, beta_slow=None, truncate=False)
+    assert (s.beta_fast, s.beta_slow, s.truncate, s.attention_factor) == (32.0, 1.0, False, 1.0)
+
+
+def test_yarn_attention_factor_from_mscale_or_given():
+    s = yarn(factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.5)
+    assert s.attention_factor == pytest.approx((0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1))
+    # both mscales are needed; one alone falls back to the plain formula
+    assert yarn(factor=4.0, mscale=0.707).attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+    given = yarn(factor=4.0, attention_factor=0.5, mscale=1.0, mscale_all_dim=0.5, beta_fast=16, beta_slow=2)
+    assert (given.attention_factor, given.beta_fast, given.beta_slow) == (0.5, 16.0, 2.0)
+
+
+def test_yarn_original_length_and_factor_fallbacks():
+    # No original length in the dict: config.json's max_position_embeddings (128)
+    assert yarn(factor=4.0).original_max_position_embeddings == 128
+    # A top-level original_max_position_embeddings wins over the dict's, as in transformers
+    d = llama_dict(
+        original_max_position_embeddings=16,
+        rope_scaling=dict(type="yarn", factor=2.0, original_max_position_embeddings=32),
+    )
+    assert ModelConfig.from_hf_dict(d).rope_scaling.original_max_position_embeddings == 16
+    # A null factor is max_position_embeddings / original (DeepSeek-V3 style)
+    s = yarn(factor=None, original_max_position_embeddings=32)
+    assert s.factor == 4.0 and s.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+
+
+def test_dynamic_rope_scaling_limits_max_seq_len():
+    c = ModelConfig.from_hf_dict(llama_dict(rope_scaling=dict(type="dynamic", factor=2.0)))
+    assert c.rope_scaling == RopeScaling("dynamic", 2.0, original_max_position_embeddings=128)
+    c.check_max_seq_len(128)
+    with pytest.raises(CheckpointError, match=r"'dynamic'.*max_position_embeddings=128.*max_seq_len=129"):
+        c.check_max_seq_len(129)
+    # other scalings, and none, set no limit of their own
+    for rope in (None, dict(type="linear", factor=2.0), dict(type="yarn", factor=4.0)):
+        ModelConfig.from_hf_dict(llama_dict(rope_scaling=rope)).check_max_seq_len(1 << 20)
+
+
+@pytest.mark.parametrize(
+    "rope, culprit",
+    [
+        (dict(type="yarn"), "missing field 'factor'"),
+        (dict(type="dynamic"), "missing field 'factor'"),
+        (dict(type="dynamic", factor="2"), "factor, got '2'"),
+        (dict(type="linear", factor=0), "factor, got 0"),
+        (dict(type="yarn", factor=-2.0), "factor, got -2.0"),
+        (dict(type="yarn", factor=4.0, original_max_position_embeddings=0), "embeddings, got 0"),
+        (dict(type="yarn", factor=4.0, original_max_position_embeddings=31.5), "integer original_max"),
+        (dict(type="yarn", factor=4.0, attention_factor=0.0), "attention_factor, got 0.0"),
+        (dict(type="yarn", factor=4.0, mscale="1"), "mscale, got '1'"),
+        (dict(type="yarn", factor=4.0, beta_fast=[32]), "beta_fast"),
+    ],
+)
+def test_bad_rope_scaling_names_the_field(rope, culprit):
+    with pytest.raises(CheckpointError, match=culprit):
+        ModelConfig.from_hf_dict(llama_dict(rope_scaling=rope))
 
 
 def test_mistral_sliding_window(hf_dicts):
@@ -107,7 +177,8 @@ def test_dtype_from_config_and_override():
         (dict(num_hidden_layers=None), "num_hidden_layers"),
         (dict(rms_norm_eps=None), "rms_norm_eps"),
         (dict(torch_dtype="int8"), "int8"),
-        (dict(rope_scaling=dict(rope_type="yarn", factor=2.0)), "yarn"),
+        (dict(rope_scaling=dict(rope_type="longrope", factor=2.0)), "longrope.*linear, llama3, yarn, dynamic"),
+        (dict(rope_scaling=dict(type="su", factor=2.0)), "'su'"),
         (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "low_freq_factor"),
         (dict(num_key_value_heads=3), "num_key_value_heads=3"),
     ],

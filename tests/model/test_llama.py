@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
 from lora_runtime.model.config import ModelConfig, RopeScaling
 from lora_runtime.model.lora_hook import GROUP_SLICES
-from lora_runtime.model.llama import LlamaModel, rope_inv_freq
+from lora_runtime.model.llama import LlamaModel, apply_rope, rope_attention_factor, rope_inv_freq
 from lora_runtime.model.sharding import make_mesh
 
 # Qwen3-like: q/k norm and a head_dim that is not hidden / heads, plus qkv bias, so the
@@ -94,6 +96,11 @@ def test_hook_delta_equals_a_kernel_change():
     assert np.abs(with_hook - base).max() > 1e-2  # the deltas matter
 
 
+def with_rope(config: ModelConfig, rope: dict) -> ModelConfig:
+    scaling = RopeScaling.from_hf_dict(rope, max_position_embeddings=config.max_position_embeddings)
+    return dataclasses.replace(config, rope_scaling=scaling)
+
+
 def test_rope_llama3_scaling_by_hand():
     """Long wavelengths are divided by the factor, short ones kept, the middle blended."""
     scaling = dict(
@@ -103,7 +110,7 @@ def test_rope_llama3_scaling_by_hand():
         high_freq_factor=4.0,
         original_max_position_embeddings=64,
     )
-    config = dataclasses.replace(CONFIG, rope_scaling=RopeScaling.from_hf_dict(scaling))
+    config = with_rope(CONFIG, scaling)
     plain = rope_inv_freq(CONFIG)
     scaled = rope_inv_freq(config)
     wavelen = 2 * np.pi / plain
@@ -113,8 +120,57 @@ def test_rope_llama3_scaling_by_hand():
     np.testing.assert_allclose(scaled[long], plain[long] / 8)
     middle = ~short & ~long
     assert ((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8)).all()
-    linear = dataclasses.replace(CONFIG, rope_scaling=RopeScaling.from_hf_dict(dict(type="linear", factor=2.0)))
+    linear = with_rope(CONFIG, dict(type="linear", factor=2.0))
     np.testing.assert_allclose(rope_inv_freq(linear), plain / 2)
+
+
+def test_rope_yarn_scaling_by_hand():
+    """Over a 64-token original context (head_dim 16, theta 1e4) dimension 0 turns more than
+    beta_fast=32 times and is kept, dimensions from 3 on turn less than beta_slow=1 times and
+    are divided by the factor; 1 and 2 are blended. cos and sin carry the attention factor."""
+    rope = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    config = with_rope(CONFIG, rope)
+    plain, yarn = rope_inv_freq(CONFIG), rope_inv_freq(config)
+    np.testing.assert_allclose(yarn[0], plain[0], rtol=1e-6)
+    np.testing.assert_allclose(yarn[3:], plain[3:] / 4, rtol=1e-6)
+    assert ((yarn[1:3] < plain[1:3]) & (yarn[1:3] > plain[1:3] / 4)).all()
+    # Untruncated, the ramp runs over dimensions 0 to 2.02 instead of 0 to 3: 1 and 2 are scaled more.
+    untruncated = rope_inv_freq(with_rope(CONFIG, dict(rope, truncate=False)))
+    assert (untruncated[1:3] < yarn[1:3]).all()
+    np.testing.assert_array_equal(untruncated[[0, *range(3, 8)]], yarn[[0, *range(3, 8)]])
+    assert rope_attention_factor(config) == pytest.approx(1 + 0.1 * math.log(4))
+    assert rope_attention_factor(CONFIG) == 1.0
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 2, 16)), jnp.float32)
+    positions = jnp.arange(3, dtype=jnp.int32)
+    np.testing.assert_allclose(
+        np.asarray(apply_rope(x, positions, plain, 1.5)), 1.5 * np.asarray(apply_rope(x, positions, plain, 1.0)),
+        rtol=1e-6, atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize(
+    "head_dim, theta, rope",
+    [
+        (16, 500.0, dict(factor=4.0, original_max_position_embeddings=32)),
+        (32, 1e4, dict(factor=8.0, original_max_position_embeddings=32, truncate=False, beta_slow=2.5)),
+        (64, 1e6, dict(factor=4.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=0.707)),
+        (128, 1e6, dict(factor=None, original_max_position_embeddings=32, attention_factor=0.9)),
+    ],
+)
+def test_rope_yarn_matches_transformers(head_dim, theta, rope):
+    """Frequencies and attention factor against transformers' own computation."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = transformers.LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, max_position_embeddings=128,
+        rope_theta=theta, rope_scaling=dict(rope_type="yarn", **rope),
+    )
+    hf_inv_freq, hf_attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    config = dataclasses.replace(CONFIG, head_dim=head_dim, rope_theta=theta, max_position_embeddings=128)
+    config = with_rope(config, dict(rope_type="yarn", **rope))
+    np.testing.assert_allclose(rope_inv_freq(config), hf_inv_freq.numpy(), rtol=1e-6)
+    assert rope_attention_factor(config) == pytest.approx(hf_attention_factor, rel=1e-12)
 
 
 def test_sliding_window_limits_what_decode_sees():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,9 +13,11 @@ import torch
 from flax import nnx
 
 from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
+from lora_runtime.model.config import ModelConfig
+from lora_runtime.model.llama import rope_attention_factor, rope_inv_freq
 from lora_runtime.model.loader import load_model
 from lora_runtime.model.sharding import make_mesh
-from tests.model.conftest import FAMILIES, TP_FAMILIES
+from tests.model.conftest import FAMILIES, TP_FAMILIES, build_hf_model, save_checkpoint
 
 # Lengths > the mistral window (4), packed in one prefill with trailing padding.
 PROMPT_LENS = (7, 3, 10)
@@ -29,9 +32,9 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
-def prompts(vocab: int) -> list[list[int]]:
+def prompts(vocab: int, lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
     rng = np.random.default_rng(7)
-    return [rng.integers(3, vocab, n).tolist() for n in PROMPT_LENS]
+    return [rng.integers(3, vocab, n).tolist() for n in lens]
 
 
 def hf_logits(hf_model, ids: list[int]) -> np.ndarray:  # f32[L, V]
@@ -75,19 +78,19 @@ def decode_batch(next_tokens: dict[int, int], lengths: dict[int, int]):
     return jnp.asarray(tokens), jnp.asarray(positions), AttentionMetadata(rows=jnp.asarray(rows), mode="decode")
 
 
-def check_prefill_and_decode(hf_model, path, mesh):
+def check_prefill_and_decode(hf_model, path, mesh, prompt_lens=PROMPT_LENS, max_seq=MAX_SEQ):
     """Packed prefill then step-by-step decode; every step's logits against HF's full forward."""
     config, model = load_model(str(path), mesh)
     step = make_step(model)
-    seqs = prompts(config.vocab_size)
+    seqs = prompts(config.vocab_size, prompt_lens)
     rng = np.random.default_rng(11)
     continuations = [rng.integers(3, config.vocab_size, DECODE_STEPS).tolist() for _ in seqs]
     refs = [hf_logits(hf_model, s + c) for s, c in zip(seqs, continuations)]
 
-    cache = KVCache.create(config, NUM_ROWS, MAX_SEQ, mesh)
+    cache = KVCache.create(config, NUM_ROWS, max_seq, mesh)
     logits, cache = step(*prefill_batch(seqs), cache)
     logits = np.asarray(logits)
-    assert logits.shape == (sum(PROMPT_LENS) + PAD, config.vocab_size) and logits.dtype == np.float32
+    assert logits.shape == (sum(prompt_lens) + PAD, config.vocab_size) and logits.dtype == np.float32
     assert np.isfinite(logits).all()
     start = 0
     for seq, ref in zip(seqs, refs):
@@ -164,3 +167,36 @@ def test_tensor_parallel_matches_transformers(hf_checkpoints, family):
     assert len(q.sharding.device_set) == 4 and q.addressable_shards[0].data.shape[1] == q.shape[1] // 4
     seqs = prompts(config.vocab_size)
     assert greedy(config, model, mesh, seqs, 4) == [hf_greedy(hf_model, s, 4) for s in seqs]
+
+
+# Past a 32-token original context (max_position_embeddings 128), so yarn's scaling shows.
+LONG_PROMPT_LENS = (40, 9, 50)
+LONG_MAX_SEQ = 64
+ROPE_SCALED = {
+    "qwen2_yarn": ("qwen2", dict(rope_theta=500.0, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32))),
+    # head_dim 32: more frequencies in the ramp; untruncated ramp; attention factor from the mscales
+    "llama_yarn_mscale": ("llama", dict(head_dim=32, rope_scaling=dict(
+        type="yarn", factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.5,
+        beta_fast=16, truncate=False))),
+    # transformers keeps plain RoPE up to max_position_embeddings
+    "llama_dynamic": ("llama", dict(max_position_embeddings=64, rope_scaling=dict(type="dynamic", factor=2.0))),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_SCALED))
+def test_rope_scaling_matches_transformers_past_the_original_context(tmp_path, name):
+    family, overrides = ROPE_SCALED[name]
+    hf_model = build_hf_model(family, **overrides)
+    path = save_checkpoint(hf_model, tmp_path)
+    config = ModelConfig.from_pretrained(str(path))
+    scaling = config.rope_scaling
+    assert scaling.rope_type == overrides["rope_scaling"].get("rope_type", overrides["rope_scaling"].get("type"))
+    if scaling.rope_type == "yarn":
+        plain = dataclasses.replace(config, rope_scaling=None)
+        assert not np.allclose(rope_inv_freq(config), rope_inv_freq(plain))
+        assert rope_attention_factor(config) > 1.01
+        assert max(LONG_PROMPT_LENS) > scaling.original_max_position_embeddings
+    else:
+        config.check_max_seq_len(LONG_MAX_SEQ)
+    check_prefill_and_decode(hf_model, path, make_mesh(1), LONG_PROMPT_LENS, LONG_MAX_SEQ)
