@@ -178,3 +178,37 @@ def test_waiting_request_prefetches_its_adapter_off_the_step_loop(checkpoint, ad
         assert after.host_hits - before.host_hits == 1
     finally:
         engine.shutdown()
+
+
+def _peft_tokens(checkpoint, adapter_dir, ids, n):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    gen = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return gen[0, len(ids):].tolist()
+
+
+def test_cached_prefixes_are_per_adapter_version(checkpoint, adapters):
+    """K/V depend on the adapter: a prefix cached for the base model or for another version of
+    an adapter is not reused. Chunked prompts, the model over 2 devices, PEFT's tokens."""
+    engine = _engine(checkpoint, adapters, lora_backend="xla", tensor_parallel_size=2, max_prefill_tokens=16)
+    try:
+        shared = "a long shared preamble for every request here: "
+        first, second = shared + "one", shared + "two"
+        ids = engine.tokenizer.encode(second)
+        engine.generate_batch([first], GREEDY, [None])
+        out = engine.generate_batch([first], GREEDY, ["r4"])[0]
+        assert out.cached_tokens == 0  # the base model's K/V of the same tokens differ
+        out = engine.generate_batch([second], GREEDY, ["r4"])[0]
+        assert out.cached_tokens >= len(engine.tokenizer.encode(shared)) - 1
+        assert out.token_ids == _peft_tokens(checkpoint, adapters["r4"], ids, GREEDY.max_tokens)
+        engine.lora_manager.register("r4", str(adapters["r16"]))  # a new version, other weights
+        out = engine.generate_batch([second], GREEDY, ["r4"])[0]
+        assert out.cached_tokens == 0
+        assert out.token_ids == _peft_tokens(checkpoint, adapters["r16"], ids, GREEDY.max_tokens)
+        assert engine.stats()["extend_steps"] > 0 and engine.compiles_after_warmup == 0
+    finally:
+        engine.shutdown()

@@ -1,0 +1,114 @@
+"""Prefix caching and chunked prefill, each on and off, on the real engine.
+
+    python -m benchmarks.prefix_cache [--quick]
+
+1. Shared system prompt: requests that share a long system prompt and differ in a short
+   question arrive one after another (a chat service's traffic). Prints, with prefix
+   caching off and on: prompt tokens computed, mean time to first token (wall clock of a
+   max_tokens=1 request through the engine), cache hit rate.
+2. A long prompt arrives while another request streams tokens: prints the longest gap
+   between two of the streaming request's tokens with the whole prompt in one step and
+   with it computed in chunks between decode steps.
+
+Random-weight Llama (see benchmarks/common.py), CPU or accelerator. Last line:
+`ttft_speedup=<f> hit_rate=<f> max_gap_ms_whole=<f> max_gap_ms_chunked=<f>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+from benchmarks.common import demo_tokenizer, print_table, synthetic_config, synthetic_engine
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.sampling import SamplingParams
+
+
+def _shared_prompt(engine, system: list[int], questions: list[list[int]]) -> tuple[float, int, float]:
+    """(mean seconds to first token, prompt tokens computed, hit rate) over the questions."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.generate_batch([system + [5]], params)  # the first request fills the cache
+    before = engine.stats()
+    times = []
+    for q in questions:
+        start = time.perf_counter()
+        engine.generate_batch([system + q], params)
+        times.append(time.perf_counter() - start)
+    after = engine.stats()
+    queried = after["prefix_cache_query_tokens"] - before["prefix_cache_query_tokens"]
+    hits = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+    computed = after["prompt_tokens"] - before["prompt_tokens"]
+    return sum(times) / len(times), computed, hits / queried if queried else 0.0
+
+
+def _longest_gap(engine, long_prompt: list[int], stream_tokens: int) -> tuple[float, float]:
+    """Longest gap (s) between tokens of a streaming request while a long prompt arrives,
+    and the long prompt's time to first token (s)."""
+    stamps, done = [], threading.Event()
+
+    def emit(out):
+        stamps.extend([time.perf_counter()] * len(out.token_ids))
+        if out.finished:
+            done.set()
+
+    started = threading.Event()
+    engine.submit([7] * 8, SamplingParams(max_tokens=stream_tokens, temperature=0.0, ignore_eos=True),
+                  lambda out: (emit(out), started.set()))
+    started.wait(60)
+    time.sleep(0.05)
+    start = time.perf_counter()
+    engine.generate_batch([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    ttft = time.perf_counter() - start
+    done.wait(600)
+    return max(b - a for a, b in zip(stamps, stamps[1:])), ttft
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model and prompts")
+    args = parser.parse_args(argv)
+    if args.quick:
+        shape = dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704)
+        system_len, long_len, seq_len, chunk = 384, 768, 1024, 128
+    else:
+        shape = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816)
+        system_len, long_len, seq_len, chunk = 1024, 3072, 4096, 256
+    tokenizer = demo_tokenizer()
+    model_config = synthetic_config(vocab=tokenizer.vocab_size, **shape)
+    system = [3 + (i * 7) % 60 for i in range(system_len)]
+    questions = [[10 + i, 20 + i, 30 + i, 40 + i, 11, 12, 13, 14] for i in range(8)]
+
+    rows = []
+    for caching in (False, True):
+        config = EngineConfig(max_batch=4, max_seq_len=seq_len, max_loras_per_batch=0,
+                              enable_prefix_caching=caching)
+        engine = synthetic_engine(model_config, config, tokenizer).start()
+        try:
+            ttft, computed, hit_rate = _shared_prompt(engine, system, questions)
+        finally:
+            engine.shutdown()
+        rows.append(("on" if caching else "off", len(questions), computed, round(ttft * 1e3, 2), round(hit_rate, 3)))
+    print(f"model: {shape}; system prompt {system_len} tokens + 8-token questions, one after another")
+    print_table(["prefix_caching", "requests", "prompt_tokens_computed", "mean_ttft_ms", "hit_rate"], rows)
+
+    gaps = []
+    long_prompt = [3 + (i * 11) % 60 for i in range(long_len)]
+    for budget in (None, chunk):
+        config = EngineConfig(max_batch=4, max_seq_len=seq_len, max_prefill_tokens=budget, max_loras_per_batch=0,
+                              enable_prefix_caching=False)
+        engine = synthetic_engine(model_config, config, tokenizer).start()
+        try:
+            gap, ttft = _longest_gap(engine, long_prompt, stream_tokens=48)
+        finally:
+            engine.shutdown()
+        gaps.append(("whole" if budget is None else f"chunks of {budget}", round(gap * 1e3, 2), round(ttft * 1e3, 1)))
+    print(f"a {long_len}-token prompt arrives while a request streams")
+    print_table(["prefill", "longest_token_gap_ms", "long_prompt_ttft_ms"], gaps)
+    speedup = rows[0][3] / rows[1][3]
+    print(f"ttft_speedup={speedup:.2f} hit_rate={rows[1][4]} max_gap_ms_whole={gaps[0][1]} "
+          f"max_gap_ms_chunked={gaps[1][1]}")
+
+
+if __name__ == "__main__":
+    main()
