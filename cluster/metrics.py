@@ -30,6 +30,12 @@ INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 LORA_COUNTERS = ("loads", "evictions", "host_hits", "host_misses", "host_evictions", "fetches", "fetch_errors")
+# Engine.stats() counters exported as they are, each with its help text.
+ENGINE_COUNTERS = {
+    "prefix_cache_query_tokens": "Prompt tokens of requests that looked up the prefix cache",
+    "prefix_cache_hit_tokens": "Prompt tokens found in the prefix cache (not recomputed)",
+    "extend_steps": "Engine steps that computed a prompt chunk over a cached prefix or earlier chunks",
+}
 
 
 class AdapterLabels:
@@ -140,6 +146,7 @@ class ReplicaMetrics:
             "e2e": self.e2e.snapshot(),
             "running": engine_stats.get("running", 0),
             "waiting": engine_stats.get("waiting", 0),
+            "engine": {k: engine_stats.get(k, 0) for k in ENGINE_COUNTERS},
             "lora": {} if lora_stats is None else {k: dataclasses.asdict(lora_stats)[k] for k in LORA_COUNTERS},
             "slots_used": slots_used,
             "slots_total": slots_total,
@@ -182,6 +189,9 @@ class ClusterCollector:
             k: CounterMetricFamily(f"{PREFIX}_adapter_{k}", f"Adapter {k.replace('_', ' ')}", labels=["replica"])
             for k in LORA_COUNTERS
         }
+        engine = {
+            k: CounterMetricFamily(f"{PREFIX}_{k}", doc, labels=["replica"]) for k, doc in ENGINE_COUNTERS.items()
+        }
         for replica, s in snaps.items():
             for adapter, status, n in s["requests"]:
                 req.add_metric([replica, adapter, status], n)
@@ -195,7 +205,9 @@ class ClusterCollector:
             total.add_metric([replica], s["slots_total"])
             for k, v in s["lora"].items():
                 lora[k].add_metric([replica], v)
-        yield from (req, p_tok, g_tok, running, waiting, used, total, *lora.values())
+            for k, v in s["engine"].items():
+                engine[k].add_metric([replica], v)
+        yield from (req, p_tok, g_tok, running, waiting, used, total, *lora.values(), *engine.values())
         yield _histogram("time_to_first_token_seconds", "Time to first token", snaps, "ttft")
         yield _histogram("inter_token_seconds", "Time between output tokens", snaps, "inter_token")
         yield _histogram("request_seconds", "End-to-end request time", snaps, "e2e")

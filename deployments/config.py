@@ -35,6 +35,19 @@ class AppArgs(BaseModel):
     tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over.")
     max_batch: int = Field(8, description="Sequences one replica decodes together.")
     max_seq_len: int = Field(64, description="Longest prompt plus completion, in tokens (the demo model holds 64).")
+    max_prefill_tokens: int | None = Field(
+        None,
+        description="Most prompt tokens one engine step computes (at least 16), so the longest pause a "
+        "prefill puts between decode steps; longer prompts are computed in chunks. None: max_seq_len.",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Start a request from a KV cache row already holding the start of its prompt "
+        "(same adapter): its prompt tokens there are not recomputed (usage's cached_tokens).",
+    )
+    prefix_cache_min_tokens: int = Field(
+        16, description="Shortest cached prompt prefix worth using; shorter ones are recomputed."
+    )
     max_loras_per_batch: int = Field(4, description="Device adapter slots per replica.")
     max_lora_rank: int = Field(
         64, description="Largest adapter rank accepted; each slot is this wide (smaller ranks zero-padded)."
@@ -88,6 +101,7 @@ class AppArgs(BaseModel):
     @field_validator(
         "num_replicas", "tensor_parallel_size", "max_batch", "max_lora_rank",
         "max_cpu_loras", "max_adapter_bytes", "max_ongoing_requests", "routing_max_homes",
+        "prefix_cache_min_tokens",
     )
     @classmethod
     def _positive(cls, v: int, info) -> int:
@@ -100,6 +114,13 @@ class AppArgs(BaseModel):
     def _seq_len(cls, v: int) -> int:
         if v < 8:
             raise ValueError(f"max_seq_len={v} must be >= 8")
+        return v
+
+    @field_validator("max_prefill_tokens")
+    @classmethod
+    def _prefill_tokens(cls, v: int | None) -> int | None:
+        if v is not None and v < 16:
+            raise ValueError(f"max_prefill_tokens={v} must be >= 16 (the smallest prefill bucket) or null")
         return v
 
     @field_validator("max_loras_per_batch")
@@ -185,6 +206,9 @@ class AppArgs(BaseModel):
         return EngineConfig(
             max_batch=self.max_batch,
             max_seq_len=self.max_seq_len,
+            max_prefill_tokens=self.max_prefill_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_cache_min_tokens=self.prefix_cache_min_tokens,
             max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,

@@ -99,9 +99,23 @@ def _choice_id(rid: str, k: int, count: int) -> str:
 
 
 def _usage(last_items: list[dict], prompt_of: list[int]) -> dict:
-    """Usage over choices: each prompt's tokens once, every choice's completion tokens."""
-    prompt_tokens = {p: item["prompt_tokens"] for item, p in zip(last_items, prompt_of)}
-    return usage(sum(prompt_tokens.values()), sum(item["completion_tokens"] for item in last_items))
+    """Usage over choices: each prompt's tokens once, every choice's completion tokens.
+
+    A prompt's cached tokens are the fewest any of its choices found cached: the prompt is
+    counted once, so tokens one choice computed are not cached for it even when another
+    choice then reused them.
+    """
+    prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
+    for item, p in zip(last_items, prompt_of):
+        prompt_tokens[p] = item["prompt_tokens"]
+        cached = item["cached_tokens"]
+        cached_tokens[p] = min(cached_tokens.get(p, cached), cached)
+    return usage(
+        sum(prompt_tokens.values()),
+        sum(item["completion_tokens"] for item in last_items),
+        sum(cached_tokens.values()),
+    )
 
 
 async def _collect(stream, first: dict) -> list[dict]:

@@ -152,7 +152,8 @@ class LoRAModelServer:
 
     async def generate(self, request: dict):
         """Streams ``{"text", "token_ids", "finished", "finish_reason", "prompt_tokens",
-        "completion_tokens", "logprobs"}`` items, or one ``{"error": ...}`` item for a bad request."""
+        "completion_tokens", "cached_tokens", "logprobs", "prompt_logprobs", "prompt_text"}``
+        items, or one ``{"error": ...}`` item for a bad request."""
         adapter = serve.get_multiplexed_model_id() or None
         rid = request["request_id"]
         trace = self._metrics.start(adapter)
@@ -192,6 +193,7 @@ class LoRAModelServer:
                     "finish_reason": out.finish_reason,
                     "prompt_tokens": out.prompt_tokens,
                     "completion_tokens": out.completion_tokens,
+                    "cached_tokens": out.cached_tokens,  # prompt tokens found in the prefix cache
                     "logprobs": self._logprob_entries(out.token_ids, out.logprobs),
                     "prompt_logprobs": self._logprob_entries(out.prompt_token_ids, out.prompt_logprobs),
                     # Echo: the prompt's text goes ahead of the first output.

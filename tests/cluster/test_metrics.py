@@ -81,7 +81,9 @@ def test_render_aggregates_replicas_in_prometheus_text():
             t.tokens(1)
             t.finish("ok", prompt_tokens=4, completion_tokens=1)
         stats = LoRAStats(loads=3 + i, evictions=1, host_hits=2, host_misses=1)
-        snaps[rid] = m.snapshot({"running": i, "waiting": 2}, stats, slots_used=i + 1, slots_total=4)
+        engine = {"running": i, "waiting": 2, "prefix_cache_query_tokens": 40 + i, "prefix_cache_hit_tokens": 16 * i,
+                  "extend_steps": 3 * i, "decode_steps": 7}
+        snaps[rid] = m.snapshot(engine, stats, slots_used=i + 1, slots_total=4)
     got = samples(render(lambda: snaps))
     assert got[("multilora_requests_total", (("adapter", "a1"), ("replica", "r1"), ("status", "ok")))] == 2
     assert got[("multilora_prompt_tokens_total", (("adapter", "a1"), ("replica", "r0")))] == 4
@@ -90,6 +92,11 @@ def test_render_aggregates_replicas_in_prometheus_text():
     assert got[("multilora_adapter_slots_used", (("replica", "r1"),))] == 2
     assert got[("multilora_adapter_slots", (("replica", "r0"),))] == 4
     assert got[("multilora_running_requests", (("replica", "r1"),))] == 1
+    assert got[("multilora_prefix_cache_query_tokens_total", (("replica", "r1"),))] == 41
+    assert got[("multilora_prefix_cache_hit_tokens_total", (("replica", "r0"),))] == 0
+    assert got[("multilora_prefix_cache_hit_tokens_total", (("replica", "r1"),))] == 16
+    assert got[("multilora_extend_steps_total", (("replica", "r1"),))] == 3
+    assert not any(name.startswith("multilora_decode_steps") for name, _ in got)  # only the listed counters
     assert got[("multilora_time_to_first_token_seconds_count", (("replica", "r1"),))] == 2
     # 0.2 s falls in le=0.25, not in le=0.1.
     assert got[("multilora_time_to_first_token_seconds_bucket", (("le", "0.25"), ("replica", "r1")))] == 2
@@ -101,6 +108,7 @@ def test_render_with_no_replicas_is_valid_text():
     text = render(dict)
     assert samples(text) == {}
     assert b"# TYPE multilora_requests_total counter" in text
+    assert b"# TYPE multilora_prefix_cache_hit_tokens_total counter" in text
 
 
 def test_dashboard_queries_only_metrics_that_are_exported():
@@ -116,3 +124,7 @@ def test_dashboard_queries_only_metrics_that_are_exported():
     m.start("a").finish("ok", 1, 1)
     exported = {name for name, _ in samples(render(lambda: {"r": m.snapshot({}, LoRAStats(), 0, 1)}))}
     assert used and used <= exported, used - exported
+    hit_rate = next(p for p in dash["panels"] if p["title"].startswith("Prefix cache hit rate"))
+    assert all("multilora_prefix_cache_hit_tokens_total" in t["expr"] and
+               "multilora_prefix_cache_query_tokens_total" in t["expr"] for t in hit_rate["targets"])
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])

@@ -29,6 +29,8 @@ def test_defaults_are_the_demo():
         ("routing_hot_rate", 0.0, "routing_hot_rate=0.0"),
         ("routing_max_homes", 0, "routing_max_homes=0"),
         ("routing_rate_half_life_s", -1.0, "routing_rate_half_life_s=-1.0"),
+        ("max_prefill_tokens", 8, "max_prefill_tokens=8"),
+        ("prefix_cache_min_tokens", 0, "prefix_cache_min_tokens=0"),
     ],
 )
 def test_bad_args_name_the_value(field, value, match):
@@ -39,6 +41,15 @@ def test_bad_args_name_the_value(field, value, match):
 def test_more_slots_than_batch_rows_rejected():
     with pytest.raises(ValidationError, match="max_loras_per_batch=8 exceeds max_batch=4"):
         AppArgs(max_batch=4, max_loras_per_batch=8)
+
+
+def test_prefill_and_prefix_cache_args_reach_the_engine_config():
+    default = AppArgs().engine_config()
+    assert default.max_prefill_tokens is None and default.enable_prefix_caching
+    assert default.prefix_cache_min_tokens == 16
+    cfg = AppArgs(max_prefill_tokens=32, enable_prefix_caching=False, prefix_cache_min_tokens=24).engine_config()
+    assert cfg.max_prefill_tokens == 32 and cfg.prefill_budget == 32
+    assert not cfg.enable_prefix_caching and cfg.prefix_cache_min_tokens == 24
 
 
 def test_served_model_name():

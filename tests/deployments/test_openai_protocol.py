@@ -82,7 +82,7 @@ def test_chat_rejects_images_and_bad_roles():
 
 
 def test_response_shapes():
-    body = completion_response("cmpl-1", "m", [completion_choice(0, "out", "stop")], usage(3, 2))
+    body = completion_response("cmpl-1", "m", [completion_choice(0, "out", "stop")], usage(3, 2, 0))
     assert body["choices"][0]["text"] == "out" and body["usage"]["total_tokens"] == 5
     assert body["choices"][0]["logprobs"] is None
     chunk = chat_chunk("c", "m", 1, {"content": "x"}, None)
@@ -90,6 +90,16 @@ def test_response_shapes():
     assert chat_chunk("c", "m", 1, {"content": "x"}, None, index=2)["choices"][0]["index"] == 2
     err = OpenAIError("bad model='x'", status_code=404, error_type="not_found_error", param="model")
     assert err.body() == {"error": {"message": "bad model='x'", "type": "not_found_error", "param": "model", "code": None}}
+
+
+def test_usage_reports_cached_prompt_tokens():
+    assert usage(20, 4, 16) == {
+        "prompt_tokens": 20,
+        "completion_tokens": 4,
+        "total_tokens": 24,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    assert usage(3, 2, 0)["prompt_tokens_details"] == {"cached_tokens": 0}  # present, as OpenAI's
 
 
 def test_echo_asks_for_prompt_logprobs_with_logprobs():
@@ -135,9 +145,9 @@ def test_logprobs_response_formats():
         "text_offset": [4, 6],
     }
     assert completion_logprobs(None) is None
-    body = completion_response("c", "m", [completion_choice(0, "hello", "length", entries)], usage(1, 2))
+    body = completion_response("c", "m", [completion_choice(0, "hello", "length", entries)], usage(1, 2, 0))
     assert body["choices"][0]["logprobs"]["tokens"] == ["he", "llo"]
-    chat = chat_response("c", "m", [chat_choice(0, "hello", "length", entries)], usage(1, 2))
+    chat = chat_response("c", "m", [chat_choice(0, "hello", "length", entries)], usage(1, 2, 0))
     assert chat["choices"][0]["logprobs"] == {"content": entries}
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
     assert chat_choice(1, "x", "stop")["logprobs"] is None

@@ -143,3 +143,49 @@ def test_affinity_routing_and_prometheus_scrape(two_replicas, prometheus):
     _wait_for(prometheus, "sum(multilora_time_to_first_token_seconds_count)", n)
     [tokens] = _query(prometheus, "sum(multilora_generation_tokens_total)")
     assert n <= float(tokens["value"][1]) <= 4 * n  # max_tokens=4; a request may stop early
+
+
+def test_prefix_cache_counters_reach_prometheus(two_replicas, prometheus):
+    """Two requests sharing a 32-token prefix: the second's cached tokens (as usage reports
+    them) are the hit tokens Prometheus sees, every finished prompt token was looked up,
+    and the dashboard's hit-rate query gives a rate in (0, 1]."""
+    import json
+
+    base = two_replicas.base_url
+    adapter = "caesar"  # no other test here sends it: its two requests are the only hits
+    shared = "the quick brown fox jumps over "  # 32 tokens with BOS (the demo tokenizer reads characters)
+    cached = []
+    for word in ("hello=", "serving="):
+        r = httpx.post(f"{base}/v1/completions", timeout=120,
+                       json={"model": adapter, "prompt": shared + word, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and 16 <= cached[1] <= 32, cached
+
+    [series] = _wait_for(prometheus, f'multilora_requests_total{{adapter="{adapter}",status="ok"}}', 2)
+    replica = series["metric"]["replica"]
+    # The first test's prompts ("word0=", ...) share under 16 tokens: no hits of their own.
+    _wait_for(prometheus, "sum(multilora_prefix_cache_hit_tokens_total)", sum(cached))
+
+    def by_replica(expr: str) -> dict[str, float]:
+        return {s["metric"]["replica"]: float(s["value"][1]) for s in _query(prometheus, expr)}
+
+    # Every request here could use the cache (none asked for prompt log-probabilities) and
+    # all finished: the tokens looked up are the prompt tokens served.
+    query = by_replica("sum by (replica) (multilora_prefix_cache_query_tokens_total)")
+    assert query == by_replica("sum by (replica) (multilora_prompt_tokens_total)")
+    hits = by_replica("multilora_prefix_cache_hit_tokens_total")
+    assert hits[replica] == sum(cached) and all(hits[r] <= query[r] for r in hits)
+    # The second request computed the rest of its prompt over the cached prefix.
+    assert by_replica("multilora_extend_steps_total")[replica] >= 1
+
+    dash = json.loads((REPO / "cluster" / "grafana" / "multilora.json").read_text())
+    panel = next(p for p in dash["panels"] if p["title"].startswith("Prefix cache hit rate"))
+    deadline = time.monotonic() + 30
+    while True:
+        rate = [float(s["value"][1]) for s in _query(prometheus, panel["targets"][0]["expr"])]
+        if rate and rate[0] > 0:
+            break
+        assert time.monotonic() < deadline, f"{panel['targets'][0]['expr']} gave {rate}"
+        time.sleep(0.5)
+    assert 0 < rate[0] <= 1

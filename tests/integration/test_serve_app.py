@@ -26,6 +26,8 @@ BASE = "demo"
 # Demo-style prompts: a word and the separator (see lora_runtime.demo.tasks).
 PROMPTS = ["hello=", "serving=", "adapter=", "batch="]
 MAX_TOKENS = 8
+# With BOS, 32 tokens (the demo tokenizer reads characters): a prefix worth caching.
+SHARED_PREFIX = "the quick brown fox jumps over "
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 N_ADAPTERS = 8
 
@@ -251,6 +253,49 @@ def test_n_choices_whole_and_streamed(app, files, reference):
                                            max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, n=2)
     assert texts == [c.message.content for c in whole.choices]
     assert all(finished) and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(app, reference):
+    """A request whose prompt starts like a finished one's reuses that row's K/V: usage's
+    prompt_tokens_details.cached_tokens says how many prompt tokens, whole and streamed."""
+    from deployments.config import AppArgs
+    from lora_runtime.engine.sampling import SamplingParams
+
+    client = _client(app)
+    tokenizer = reference.engine.tokenizer
+    shared = len(tokenizer.encode(SHARED_PREFIX))
+    min_tokens = AppArgs(**ARGS).prefix_cache_min_tokens
+    assert shared >= min_tokens
+
+    first = client.completions.create(model=BASE, prompt=SHARED_PREFIX + PROMPTS[0], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # nothing held this prompt yet
+
+    prompt = SHARED_PREFIX + PROMPTS[1]
+    got = client.completions.create(model=BASE, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    cached = got.usage.prompt_tokens_details.cached_tokens
+    assert min_tokens <= cached <= shared < got.usage.prompt_tokens
+    [want] = reference.engine.generate_batch([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert got.choices[0].text == want.text  # the cached prefix changes nothing in the output
+
+    stream = client.completions.create(
+        model=BASE, prompt=SHARED_PREFIX + PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert not chunks[-1].choices
+    assert min_tokens <= chunks[-1].usage.prompt_tokens_details.cached_tokens <= shared
+
+    # n=2 chat, streamed: the template starts with BOS and the message, so the prefix is
+    # shared again; the prompt counts once, cached as far as both choices found it.
+    messages = [{"role": "user", "content": SHARED_PREFIX + "batch"}]
+    stream = client.chat.completions.create(
+        model=BASE, messages=messages, max_tokens=4, temperature=1.0, seed=5, n=2, stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [c.usage for c in stream if not c.choices][-1]
+    template = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert usage.prompt_tokens == len(tokenizer.encode(template, add_special_tokens=False))
+    assert min_tokens <= usage.prompt_tokens_details.cached_tokens <= shared
 
 
 def test_penalties_over_http_match_the_runtime(app, reference):
