@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model, few batch sizes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="KV cache length per row (default: prompt + new tokens + 8); decode should not "
+                        "slow down when it grows past what the sequences use")
     args = parser.parse_args(argv)
     if args.quick:
         shape = dict(hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1408)
@@ -32,10 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = demo_tokenizer()
     model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=args.dtype, **shape)
     max_batch = max(batches)
+    seq_len = args.max_seq_len or prompt_len + new_tokens + 8
     config = EngineConfig(
-        max_batch=max_batch, max_seq_len=prompt_len + new_tokens + 8,
-        max_prefill_tokens=max(prompt_len * max_batch, prompt_len + new_tokens + 8),
-        max_loras_per_batch=0,
+        max_batch=max_batch, max_seq_len=seq_len, max_prefill_tokens=max(prompt_len * max_batch, seq_len),
+        max_loras_per_batch=0, enable_prefix_caching=False,  # every prompt token is computed
     )
     engine = synthetic_engine(model_config, config, tokenizer).start()
     prompt = [3 + (i % 50) for i in range(prompt_len)]
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         compiles = engine.compiles_after_warmup
     finally:
         engine.shutdown()
-    print(f"model: {shape} dtype={args.dtype} prompt={prompt_len} new_tokens={new_tokens}")
+    print(f"model: {shape} dtype={args.dtype} prompt={prompt_len} new_tokens={new_tokens} max_seq_len={seq_len}")
     print_table(["batch", "prefill_steps", "prefill_tok/s", "decode_steps", "decode_tok/s"], rows)
     last = rows[-1]
     print(f"decode_tokens_per_s={last[4]} prefill_tokens_per_s={last[2]} compiles_after_warmup={compiles}")

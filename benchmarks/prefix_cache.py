@@ -42,26 +42,29 @@ def _shared_prompt(engine, system: list[int], questions: list[list[int]]) -> tup
     return sum(times) / len(times), computed, hits / queried if queried else 0.0
 
 
-def _longest_gap(engine, long_prompt: list[int], stream_tokens: int) -> tuple[float, float]:
-    """Longest gap (s) between tokens of a streaming request while a long prompt arrives,
+def _longest_gap(engine, long_prompt: list[int]) -> tuple[float, float]:
+    """Longest gap (s) between tokens of a streaming request while a long prompt is read,
     and the long prompt's time to first token (s)."""
-    stamps, done = [], threading.Event()
+    stamps: list[float] = []
+    streaming = threading.Event()
 
     def emit(out):
         stamps.extend([time.perf_counter()] * len(out.token_ids))
-        if out.finished:
-            done.set()
+        if len(stamps) >= 8:
+            streaming.set()
 
-    started = threading.Event()
-    engine.submit([7] * 8, SamplingParams(max_tokens=stream_tokens, temperature=0.0, ignore_eos=True),
-                  lambda out: (emit(out), started.set()))
-    started.wait(60)
-    time.sleep(0.05)
+    stream_id = engine.submit([7] * 8, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True),
+                              emit)
+    streaming.wait(60)
     start = time.perf_counter()
     engine.generate_batch([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
-    ttft = time.perf_counter() - start
-    done.wait(600)
-    return max(b - a for a, b in zip(stamps, stamps[1:])), ttft
+    end = time.perf_counter()
+    time.sleep(0.05)  # a few more tokens of the stream after the long prompt
+    engine.abort(stream_id)
+    during = [t for t in stamps if t >= start]
+    if not during or during[-1] <= end:
+        raise RuntimeError("the streaming request stopped before the long prompt was read")
+    return max(b - a for a, b in zip([start] + during, during)), end - start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                               enable_prefix_caching=False)
         engine = synthetic_engine(model_config, config, tokenizer).start()
         try:
-            gap, ttft = _longest_gap(engine, long_prompt, stream_tokens=48)
+            gap, ttft = _longest_gap(engine, long_prompt)
         finally:
             engine.shutdown()
         gaps.append(("whole" if budget is None else f"chunks of {budget}", round(gap * 1e3, 2), round(ttft * 1e3, 1)))

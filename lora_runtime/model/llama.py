@@ -148,16 +148,14 @@ def decode_attention(
     v_cache: jax.Array,  # [R, S, Hkv, D]
     positions: jax.Array,  # i32[R]
     window: int | None,
+    block: int = 128,
 ) -> jax.Array:  # [R, Hkv, G, D]
-    """Each row's one new token attends to its cached tokens 0..position."""
+    """Each row's one new token attends to its cached tokens 0..position; keys are read only as
+    far as the longest row reaches."""
     # Clipping keeps idle rows (any position) attending at least one key, so no NaN.
     pos = jnp.clip(positions, 0, k_cache.shape[1] - 1)
-    delta = pos[:, None] - jnp.arange(k_cache.shape[1])[None, :]  # [R, S]
-    mask = (delta >= 0) & _window_ok(delta, window)
-    scores = jnp.einsum("rkgd,rskd->rkgs", q, k_cache, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    probs = jax.nn.softmax(jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min), axis=-1)
-    return jnp.einsum("rkgs,rskd->rkgd", probs.astype(v_cache.dtype), v_cache)
+    out = cached_attention(q[:, None], k_cache, v_cache, pos[:, None], window, block)
+    return out[:, 0]
 
 
 def extend_attention(
@@ -172,47 +170,64 @@ def extend_attention(
     """One sequence's chunk of tokens attends to its row of the cache up to each token's position.
 
     The row holds the sequence's earlier tokens (a prefix computed before, or earlier chunks
-    of a long prompt) and this chunk's own K/V. Keys are read in blocks with an online
-    softmax, only as far as the chunk reaches, so memory is [T, block] per head however long
-    the row is.
+    of a long prompt) and this chunk's own K/V.
     """
-    seq_len = k_cache.shape[1]
-    block = min(block, seq_len)
     row = jnp.clip(jnp.max(rows), 0, k_cache.shape[0] - 1)
-    k_row = jax.lax.dynamic_index_in_dim(k_cache, row, axis=0, keepdims=False)  # [S, Hkv, D]
-    v_row = jax.lax.dynamic_index_in_dim(v_cache, row, axis=0, keepdims=False)
+    k_row = jax.lax.dynamic_index_in_dim(k_cache, row, axis=0)  # [1, S, Hkv, D]
+    v_row = jax.lax.dynamic_index_in_dim(v_cache, row, axis=0)
     qpos = jnp.where(rows >= 0, positions, 0)
+    return cached_attention(q[None], k_row, v_row, qpos[None], window, block)[0]
+
+
+def cached_attention(
+    q: jax.Array,  # [R, T, Hkv, G, D]: T queries per row
+    k: jax.Array,  # [R, S, Hkv, D]
+    v: jax.Array,  # [R, S, Hkv, D]
+    qpos: jax.Array,  # i32[R, T], each >= 0
+    window: int | None,
+    block: int,
+) -> jax.Array:  # [R, T, Hkv, G, D]
+    """Row r's queries attend to keys 0..their position of k[r], v[r].
+
+    Keys are read in blocks with an online softmax, and only as many blocks as the furthest
+    query reaches, so neither the memory ([T, block] scores per head) nor the reads grow
+    with the cache's length beyond what the rows use.
+    """
+    seq_len = k.shape[1]
+    block = min(block, seq_len)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    t, hkv, g, d = q.shape
+    r, t, hkv, g, d = q.shape
     neg = jnp.finfo(jnp.float32).min
 
     def body(i, carry):
         m, l, acc = carry
         start = i * block
-        # The last block is clamped to the row's end; keys before `start` were counted already.
+        # The last block is clamped to the cache's end; keys before `start` were counted already.
         first = jnp.minimum(start, seq_len - block)
-        k = jax.lax.dynamic_slice_in_dim(k_row, first, block, axis=0)
-        v = jax.lax.dynamic_slice_in_dim(v_row, first, block, axis=0)
+        kb = jax.lax.dynamic_slice_in_dim(k, first, block, axis=1)
+        vb = jax.lax.dynamic_slice_in_dim(v, first, block, axis=1)
         kpos = first + jnp.arange(block)
-        delta = qpos[:, None] - kpos[None, :]  # [T, block]
-        mask = (kpos[None, :] >= start) & (delta >= 0) & _window_ok(delta, window)
-        s = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) * scale
+        delta = qpos[:, :, None] - kpos[None, None, :]  # [R, T, block]
+        mask = ((kpos >= start)[None, None, :] & (delta >= 0) & _window_ok(delta, window))[:, None, None]
+        s = jnp.einsum("rtkgd,rskd->rkgts", q, kb, preferred_element_type=jnp.float32) * scale
         s = jnp.where(mask, s, neg)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         correction = jnp.exp(m - m_new)
         l = l * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum(
-            "kgts,skd->kgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
+            "rkgts,rskd->rkgtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32
         )
         return m_new, l, acc
 
-    blocks = (jnp.max(qpos) + block) // block
-    init = (jnp.full((hkv, g, t), neg, jnp.float32), jnp.zeros((hkv, g, t), jnp.float32),
-            jnp.zeros((hkv, g, t, d), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, blocks, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]  # every token sees at least key 0 (itself or earlier)
-    return jnp.transpose(out, (2, 0, 1, 3)).astype(v_cache.dtype)
+    init = (jnp.full((r, hkv, g, t), neg, jnp.float32), jnp.zeros((r, hkv, g, t), jnp.float32),
+            jnp.zeros((r, hkv, g, t, d), jnp.float32))
+    if block == seq_len:  # one block: no loop, so XLA fuses the step as it likes
+        _, l, acc = body(0, init)
+    else:
+        _, l, acc = jax.lax.fori_loop(0, (jnp.max(qpos) + block) // block, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # every query sees at least key 0
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(v.dtype)
 
 
 def write_kv(

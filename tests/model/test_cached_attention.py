@@ -1,4 +1,4 @@
-"""Attention of a chunk over its cache row (extend) against attention over the whole sequence."""
+"""Attention over the KV cache (a chunk over its row, and decode) against direct computation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lora_runtime.model.llama import extend_attention, prefill_attention
+from lora_runtime.model.llama import decode_attention, extend_attention, prefill_attention
 
 
 def _random(shape, key):
@@ -49,3 +49,39 @@ def test_jits_with_the_row_and_positions_as_traced_inputs():
     a = fn(q, pos, jnp.array([0, 0, 0, 0], jnp.int32))
     b = fn(q, pos, jnp.array([1, 1, 1, 1], jnp.int32))
     assert not np.allclose(np.asarray(a), np.asarray(b))  # reads the row it is given
+
+
+def _naive_decode(q, k_cache, v_cache, positions, window):
+    """Per row, a softmax over keys 0..position (within the window), in numpy."""
+    q, k_cache, v_cache = map(np.asarray, (q, k_cache, v_cache))
+    out = np.zeros_like(q)
+    groups = q.shape[2]
+    for r, p in enumerate(np.asarray(positions)):
+        lo = 0 if window is None else max(0, p - window + 1)
+        k = np.repeat(k_cache[r, lo : p + 1], groups, axis=1).reshape(p + 1 - lo, -1, groups, q.shape[-1])
+        v = np.repeat(v_cache[r, lo : p + 1], groups, axis=1).reshape(p + 1 - lo, -1, groups, q.shape[-1])
+        s = np.einsum("kgd,skgd->kgs", q[r], k) / np.sqrt(q.shape[-1])
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out[r] = np.einsum("kgs,skgd->kgd", w / w.sum(-1, keepdims=True), v)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block", [512, 7, 8])
+def test_decode_reads_each_row_up_to_its_position(window, block):
+    rows, seq_len, hkv, g, d = 4, 24, 2, 3, 8
+    q = _random((rows, hkv, g, d), 0)
+    k_cache, v_cache = _random((rows, seq_len, hkv, d), 1), _random((rows, seq_len, hkv, d), 2)
+    positions = jnp.array([0, 5, 23, 11], jnp.int32)
+    got = decode_attention(q, k_cache, v_cache, positions, window, block=block)
+    want = _naive_decode(q, k_cache, v_cache, positions, window)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_reads_no_block_past_the_longest_row():
+    """Keys past every row's position are never read: NaNs there leave the output finite."""
+    q = _random((2, 1, 2, 8), 0)
+    k_cache = _random((2, 32, 1, 8), 1).at[:, 16:].set(jnp.nan)
+    v_cache = _random((2, 32, 1, 8), 2).at[:, 16:].set(jnp.nan)
+    got = decode_attention(q, k_cache, v_cache, jnp.array([3, 15], jnp.int32), None, block=8)
+    assert np.isfinite(np.asarray(got)).all()
