@@ -38,7 +38,7 @@ class AppArgs(BaseModel):
     max_prefill_tokens: int | None = Field(
         None,
         description="Most prompt tokens one engine step computes (at least 16), so the longest pause a "
-        "prefill puts between decode steps; longer prompts are computed in chunks. None: max_seq_len.",
+        "prefill puts between decode steps; longer prompts are computed in chunks. None: max_seq_len, at most 2048.",
     )
     enable_prefix_caching: bool = Field(
         True,

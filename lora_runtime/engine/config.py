@@ -5,6 +5,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+# The default step budget: prefill attention scores grow with its square, so a long
+# max_seq_len does not make one step compute a whole long prompt at once.
+DEFAULT_PREFILL_TOKENS = 2048
+
+
 class EngineConfig(BaseModel):
     """Static limits of one replica's engine; each one bounds a compiled shape or a cache."""
 
@@ -16,7 +21,8 @@ class EngineConfig(BaseModel):
         None,
         ge=16,
         description="Most prompt tokens computed in one engine step (so the longest pause a "
-        "prefill puts between two decode steps); None means max_seq_len. Longer prompts are "
+        "prefill puts between two decode steps); None means max_seq_len, at most "
+        f"{DEFAULT_PREFILL_TOKENS}. Longer prompts are "
         "computed in chunks of up to this many tokens, between decode steps. Prefill lengths "
         "are bucketed to powers of two from 16 up to this.",
     )
@@ -60,7 +66,7 @@ class EngineConfig(BaseModel):
 
     @property
     def prefill_budget(self) -> int:
-        return self.max_prefill_tokens or self.max_seq_len
+        return self.max_prefill_tokens or min(self.max_seq_len, DEFAULT_PREFILL_TOKENS)
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Token counts a prefill step is padded to: powers of two from 16, capped."""

@@ -300,6 +300,9 @@ class Engine:
                 logger.exception("engine step failed")
                 for seq in list(self.scheduler.running.values()):
                     self._fail(seq, err)
+                if self.runner.reset_if_lost():  # the step had consumed the cache it was given
+                    logger.warning("the KV cache was lost with the failed step; it starts empty")
+                    self.scheduler.contents.clear_all()
             self.scheduler.step += 1
         for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
             seq.abort()

@@ -47,6 +47,9 @@ class RowContents:
     def clear(self, row: int) -> None:
         self._content[row] = None
 
+    def clear_all(self) -> None:
+        self._content = [None] * len(self._content)
+
     def get(self, row: int) -> tuple[AdapterKey, np.ndarray] | None:
         return self._content[row]
 

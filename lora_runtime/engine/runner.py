@@ -65,13 +65,7 @@ class ModelRunner:
         self.mesh = mesh
         self.backend = backend
         self.graphdef, self.state = nnx.split(model)
-        self.kv_cache = KVCache.create(model_config, config.max_batch, config.max_seq_len, mesh)
-        # How often each cache row's sequence generated each token (presence/frequency penalties).
-        replicated = NamedSharding(mesh, PartitionSpec())
-        rows_by_vocab = (config.max_batch, model_config.vocab_size)
-        self.token_counts = jax.device_put(jnp.zeros(rows_by_vocab, jnp.int32), replicated)
-        # Which tokens each row's prompt holds (the repetition penalty covers them too).
-        self.prompt_seen = jax.device_put(jnp.zeros(rows_by_vocab, bool), replicated)
+        self._create_state()
         self.traces = 0  # how many times a step was traced, i.e. compiled
         self._prefill = jax.jit(functools.partial(self._prefill_impl, mode="prefill"), donate_argnums=(1, 2, 3))
         self._extend = jax.jit(functools.partial(self._prefill_impl, mode="extend"), donate_argnums=(1, 2, 3))
@@ -81,6 +75,29 @@ class ModelRunner:
         # on first use (only requests that ask pay for the [T, vocab] logits).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
         self._last_hidden = None
+
+    def _create_state(self) -> None:
+        """The KV cache and the per-row token state the steps donate and return."""
+        config, mesh = self.config, self.mesh
+        self.kv_cache = KVCache.create(self.model_config, config.max_batch, config.max_seq_len, mesh)
+        # How often each cache row's sequence generated each token (presence/frequency penalties).
+        replicated = NamedSharding(mesh, PartitionSpec())
+        rows_by_vocab = (config.max_batch, self.model_config.vocab_size)
+        self.token_counts = jax.device_put(jnp.zeros(rows_by_vocab, jnp.int32), replicated)
+        # Which tokens each row's prompt holds (the repetition penalty covers them too).
+        self.prompt_seen = jax.device_put(jnp.zeros(rows_by_vocab, bool), replicated)
+
+    def reset_if_lost(self) -> bool:
+        """After a failed step: recreates the cache and row state if the step had consumed
+        (donated) them, so the next step runs; True if it did."""
+        arrays = (*self.kv_cache.k, *self.kv_cache.v, self.token_counts, self.prompt_seen)
+        if not any(a.is_deleted() for a in arrays):
+            return False
+        for a in arrays:
+            if not a.is_deleted():
+                a.delete()  # free the survivors before allocating afresh
+        self._create_state()
+        return True
 
     def _forward(self, state, kv_cache, pool, tokens, positions, rows, lora_info, mode):
         self.traces += 1  # runs only while tracing

@@ -174,3 +174,37 @@ def test_seeded_sampling_is_the_same_from_a_cached_prefix(engine):
     fresh = engine.generate_batch([prompt], dataclasses.replace(params, prompt_logprobs=0))[0]
     assert fresh.cached_tokens == 0
     assert cached.token_ids == fresh.token_ids
+
+
+def test_the_default_step_budget_is_capped():
+    """A long max_seq_len does not make one step compute a whole long prompt (prefill
+    attention scores grow with the square of the step's tokens)."""
+    assert EngineConfig(max_seq_len=512).prefill_budget == 512
+    assert EngineConfig(max_seq_len=32768).prefill_budget == 2048
+    assert EngineConfig(max_seq_len=32768, max_prefill_tokens=8192).prefill_budget == 8192
+    assert EngineConfig(max_seq_len=32768).prefill_buckets()[-1] == 2048
+
+
+def test_a_step_that_loses_the_cache_fails_its_requests_and_the_next_ones_run(engine, hf_model):
+    """A step that fails after consuming (donating) the KV cache fails the requests in it;
+    the engine starts over with an empty cache and no stale prefixes, and serves on."""
+    runner = engine.runner
+    decode = runner._decode
+
+    def failing(state, kv_cache, counts, seen, *args):
+        for a in (*kv_cache.k, *kv_cache.v, counts, seen):
+            a.delete()
+        raise RuntimeError("device fault")
+
+    prompt = SYSTEM + "after a fault"
+    engine.generate_batch([prompt], GREEDY)  # leaves the prompt in a row
+    runner._decode = failing
+    try:
+        with pytest.raises(RuntimeError, match="device fault"):
+            engine.generate_batch([prompt], GREEDY)
+    finally:
+        runner._decode = decode
+    out = engine.generate_batch([prompt], GREEDY)[0]
+    assert out.cached_tokens == 0  # what the rows held went with the cache
+    assert out.token_ids == _hf_greedy(hf_model, _ids(engine, prompt), GREEDY.max_tokens)
+    assert len(engine.scheduler.free_rows) == engine.config.max_batch
