@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from lora_runtime.engine.config import EngineConfig
-from lora_runtime.engine.prefix_cache import BASE, AdapterKey, RowContents
+from lora_runtime.engine.prefix_cache import BASE, AdapterKey, RowContents, common_prefix
 from lora_runtime.engine.sequence import Sequence
 
 
@@ -80,7 +80,8 @@ class Scheduler:
         budget = self.config.prefill_budget
         packed_budget = budget if packed_budget is None else packed_budget
         oldest = self.waiting[0]
-        if self.step - oldest.arrival > self.config.max_wait_steps:
+        starving = self.step - oldest.arrival > self.config.max_wait_steps
+        if starving:
             candidates = [oldest]  # starving: nothing else joins until it does
         else:
             candidates = sorted(self.waiting, key=lambda s: (not self._is_warm(s), s.arrival))
@@ -89,7 +90,10 @@ class Scheduler:
             if not self.free_rows:
                 break
             n = len(seq.prompt_ids)
-            hit = self._find_prefix(seq, self._predicted_key(seq))
+            key = self._predicted_key(seq)
+            hit = self._find_prefix(seq, key)
+            if not starving and self._sharer_computing(seq, key, 0 if hit is None else hit[2]):
+                continue  # a running request is computing this prompt's start: take it from its row next
             packed = hit is None and n <= budget
             if packed and used + n > packed_budget:
                 continue  # waits for the next packed step rather than computing alone
@@ -144,6 +148,21 @@ class Scheduler:
         if hit is None or hit.length < self.config.prefix_cache_min_tokens:
             return None
         return key, hit.row, hit.length
+
+    def _sharer_computing(self, seq: Sequence, key: AdapterKey | None, cached: int) -> bool:
+        """Whether a running request whose prompt is not computed yet shares at least
+        prefix_cache_min_tokens more of this prompt than is cached now (requests arriving
+        together with one system prompt, or the n choices of one request): then this one
+        waits until those tokens are in that request's row, and copies them."""
+        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None or key is None:
+            return False
+        prompt, limit = np.asarray(seq.prompt_ids), len(seq.prompt_ids) - 1
+        for other in self.running.values():
+            if other.computed < len(other.prompt_ids) and self._key(other) == key:
+                shared = min(common_prefix(np.asarray(other.prompt_ids), prompt), limit)
+                if shared - cached >= self.config.prefix_cache_min_tokens:
+                    return True
+        return False
 
     def _place(self, seq: Sequence, hit: tuple[AdapterKey, int, int] | None) -> None:
         """Gives the sequence a row: the free row holding its prefix, else the least valuable

@@ -208,3 +208,18 @@ def test_a_step_that_loses_the_cache_fails_its_requests_and_the_next_ones_run(en
     assert out.cached_tokens == 0  # what the rows held went with the cache
     assert out.token_ids == _hf_greedy(hf_model, _ids(engine, prompt), GREEDY.max_tokens)
     assert len(engine.scheduler.free_rows) == engine.config.max_batch
+
+
+def test_requests_arriving_together_compute_their_shared_prompt_once(engine):
+    """The n choices of a request (or requests with one system prompt arriving together):
+    the first computes the prompt, the others wait one step and copy its row."""
+    prompt = "sampling four times from one prompt that is long enough to be shared"
+    n = len(_ids(engine, prompt))
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s) for s in range(4)]
+    before = engine.stats()
+    outs = engine.generate_batch([prompt] * 4, params)
+    computed = engine.stats()["prompt_tokens"] - before["prompt_tokens"]
+    assert computed == n + 3  # each copy computes the prompt's last token only
+    assert sorted(o.cached_tokens for o in outs) == [0, n - 1, n - 1, n - 1]
+    fresh = [engine.generate_batch([prompt], [dataclasses.replace(p, prompt_logprobs=0)])[0] for p in params]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
