@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 
 
+# The longest rest of a prompt computed in a several-sequence step (C tokens per row).
+ROWS_CHUNK_MAX = 64
+
+
 class Engine:
     """Serves many concurrent sequences of one base model and its adapters."""
 
@@ -88,11 +92,14 @@ class Engine:
 
     def warmup(self) -> None:
         """Compiles each prefill bucket and the decode step once, with every row idle."""
-        idle_prompt = np.full(self.config.max_seq_len, -1, np.int32)
-        for bucket in self.config.prefill_buckets():
-            with self._using_pool() as pool:
+        b, s = self.config.max_batch, self.config.max_seq_len
+        with self._using_pool() as pool:
+            for bucket in self.config.prefill_buckets():
                 self.runner.prefill(self._idle_inputs(bucket, prefill=True), pool)
-                self.runner.extend(self._idle_inputs(bucket, prefill=True, sequences=1), idle_prompt, pool)
+                self.runner.extend(self._idle_inputs(bucket, prefill=True, sequences=1),
+                                   np.full((1, s), -1, np.int32), pool)
+            for c in self._rows_buckets():
+                self.runner.extend_rows(self._idle_inputs(b * c, prefill=True), np.full((b, s), -1, np.int32), pool)
         self.runner.copy_row(0, 0)
         with self._using_pool() as pool:
             self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False), pool)
@@ -392,8 +399,19 @@ class Engine:
             self._append(seq, sampled, i)
 
     def _extend_chunks(self, budget: int) -> bool:
-        """Computes chunks of extending sequences (oldest first) up to `budget` tokens."""
+        """Computes chunks of extending sequences up to `budget` tokens: the short rests of
+        several prompts (after a cached prefix) in one step, then chunks oldest first."""
         ran = False
+        short, used = [], 0
+        for seq in self.scheduler.extending:
+            n = len(seq.prompt_ids) - seq.computed
+            if n <= self._rows_chunk and seq.params.prompt_logprobs is None and used + n <= budget:
+                short.append(seq)
+                used += n
+        if len(short) > 1:
+            self._extend_rows(short)
+            budget -= used
+            ran = True
         for seq in list(self.scheduler.extending):
             n = min(len(seq.prompt_ids) - seq.computed, budget)
             if n <= 0:
@@ -402,6 +420,53 @@ class Engine:
             budget -= n
             ran = True
         return ran
+
+    @property
+    def _rows_chunk(self) -> int:
+        """The most tokens per row of a several-sequence extend step."""
+        return max(b for b in self._rows_buckets())
+
+    def _rows_buckets(self) -> tuple[int, ...]:
+        return tuple(b for b in self.config.prefill_buckets() if b <= ROWS_CHUNK_MAX) or (16,)
+
+    def _extend_rows(self, seqs: list[Sequence]) -> None:
+        """Computes the whole rest of several prompts in one step, each in its row's slot of
+        C tokens, and samples their first tokens."""
+        rest = {id(seq): len(seq.prompt_ids) - seq.computed for seq in seqs}
+        c = next(b for b in self._rows_buckets() if b >= max(rest.values()))
+        r = self.config.max_batch
+        tokens = np.zeros(r * c, np.int32)
+        positions = np.zeros(r * c, np.int32)
+        rows = np.full(r * c, -1, np.int32)
+        slots = np.full(r * c, -1, np.int32)
+        prompts = np.full((r, self.config.max_seq_len), -1, np.int32)
+        last_index = np.zeros(r, np.int32)
+        seq_rows = np.full(r, -1, np.int32)
+        sampling_rows: list = [None] * r
+        for seq in seqs:
+            n, start, row = rest[id(seq)], seq.computed, seq.row
+            at = slice(row * c, row * c + n)
+            tokens[at] = seq.prompt_ids[start:]
+            positions[at] = np.arange(start, start + n)
+            rows[at] = row
+            slots[at] = seq.slot
+            prompts[row, : len(seq.prompt_ids)] = seq.prompt_ids
+            last_index[row] = row * c + n - 1
+            seq_rows[row] = row
+            sampling_rows[row] = (seq.params, seq.seed, 0)
+        inputs = StepInputs(
+            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows, self._eos), last_index,
+            self._lora_info(slots), seq_rows,
+        )
+        t0 = time.perf_counter()
+        with self._using_pool() as pool:
+            sampled = self.runner.extend_rows(inputs, prompts, pool)
+        self.counters["prefill_seconds"] += time.perf_counter() - t0
+        self.counters["extend_steps"] += 1
+        for seq in seqs:
+            self.counters["prompt_tokens"] += rest[id(seq)]
+            self.scheduler.computed(seq, rest[id(seq)])
+            self._first_token(seq, sampled, seq.row)
 
     def _extend(self, seq: Sequence, n: int) -> None:
         """Computes prompt tokens [computed, computed + n) of one sequence over its row;
@@ -417,8 +482,8 @@ class Engine:
         rows[:n] = seq.row
         slots = np.full(bucket, -1, np.int32)
         slots[:n] = seq.slot
-        whole_prompt = np.full(self.config.max_seq_len, -1, np.int32)
-        whole_prompt[: len(prompt)] = prompt
+        whole_prompt = np.full((1, self.config.max_seq_len), -1, np.int32)
+        whole_prompt[0, : len(prompt)] = prompt
         inputs = StepInputs(
             tokens, positions, rows, SamplingBatch.from_rows([(seq.params, seq.seed, 0)], self._eos),
             np.array([n - 1], np.int32), self._lora_info(slots), np.array([seq.row if final else -1], np.int32),

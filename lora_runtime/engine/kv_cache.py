@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.sharding import DEFAULT_RULES
 
-MODES: tuple[str, ...] = ("prefill", "extend", "decode")
+MODES: tuple[str, ...] = ("prefill", "extend", "extend_rows", "decode")
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
@@ -75,6 +75,8 @@ class AttentionMetadata:
     extend: a chunk of one sequence whose earlier tokens are already in its row (a cached
     prefix, or earlier chunks of a long prompt), positions from where the row's content ends;
     each token attends to its row of the cache up to its own position.
+    extend_rows: like extend for several sequences at once, C tokens per cache row (row r's
+    chunk in tokens [r * C, (r + 1) * C), padding where a row has none).
     decode: token t belongs to row t and attends to cache[t, :positions[t] + 1].
     rows[t] == -1 marks padding (prefill) or an idle row (decode): nothing is written
     and its output is garbage-free but meaningless.

@@ -69,6 +69,8 @@ class ModelRunner:
         self.traces = 0  # how many times a step was traced, i.e. compiled
         self._prefill = jax.jit(functools.partial(self._prefill_impl, mode="prefill"), donate_argnums=(1, 2, 3))
         self._extend = jax.jit(functools.partial(self._prefill_impl, mode="extend"), donate_argnums=(1, 2, 3))
+        self._extend_rows = jax.jit(functools.partial(self._prefill_impl, mode="extend_rows"),
+                                    donate_argnums=(1, 2, 3))
         self._copy_row = jax.jit(self._copy_row_impl, donate_argnums=(0,))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2, 3))
         # Prompt log-probabilities from the last prefill's hidden states, compiled per bucket
@@ -157,14 +159,24 @@ class ModelRunner:
         """Runs one packed prefill step; returns the first sampled token of each row."""
         return self._run_prefill(self._prefill, inputs, pool, inputs.tokens, inputs.rows)
 
-    def extend(self, inputs: StepInputs, prompt: np.ndarray, pool) -> Sampled:
+    def extend(self, inputs: StepInputs, prompts: np.ndarray, pool) -> Sampled:
         """Runs one chunk of one sequence over what its cache row already holds.
 
-        `prompt` (i32[max_seq_len], -1 padded) is the sequence's whole prompt, marked as seen
+        `prompts` (i32[1, max_seq_len], -1 padded) is the sequence's whole prompt, marked as seen
         when ``inputs.seq_rows`` names the row (the last chunk, which samples the first token).
         """
-        seen_rows = np.where(prompt >= 0, inputs.seq_rows[0], -1).astype(np.int32)
-        return self._run_prefill(self._extend, inputs, pool, np.maximum(prompt, 0), seen_rows)
+        return self._run_prefill(self._extend, inputs, pool, *self._seen(prompts, inputs.seq_rows))
+
+    def extend_rows(self, inputs: StepInputs, prompts: np.ndarray, pool) -> Sampled:
+        """Runs short chunks of several sequences, C tokens in each cache row's slot (tokens
+        [r * C, (r + 1) * C) for row r); `prompts` is i32[rows, max_seq_len], as in extend."""
+        return self._run_prefill(self._extend_rows, inputs, pool, *self._seen(prompts, inputs.seq_rows))
+
+    @staticmethod
+    def _seen(prompts: np.ndarray, seq_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each sampled sequence's prompt tokens, and the row to mark them in (-1: none)."""
+        rows = np.where((prompts >= 0) & (seq_rows[:, None] >= 0), seq_rows[:, None], -1).astype(np.int32)
+        return np.maximum(prompts, 0).ravel(), rows.ravel()
 
     def _run_prefill(self, step, inputs: StepInputs, pool, seen_tokens, seen_rows) -> Sampled:
         with jax.set_mesh(self.mesh):

@@ -179,6 +179,23 @@ def extend_attention(
     return cached_attention(q[None], k_row, v_row, qpos[None], window, block)[0]
 
 
+def rows_extend_attention(
+    q: jax.Array,  # [R * C, Hkv, G, D]: C tokens for each cache row, row-major
+    k_cache: jax.Array,  # [R, S, Hkv, D], this step's K/V already written
+    v_cache: jax.Array,  # [R, S, Hkv, D]
+    positions: jax.Array,  # i32[R * C]
+    rows: jax.Array,  # i32[R * C]: the token's row, -1 = padding
+    window: int | None,
+    block: int = 128,
+) -> jax.Array:  # [R * C, Hkv, G, D]
+    """Short chunks of several sequences at once, each in the slot of its own cache row (a
+    decode step with C tokens per row): each token attends to its row up to its position."""
+    r = k_cache.shape[0]
+    qpos = jnp.where(rows >= 0, positions, 0).reshape(r, -1)
+    out = cached_attention(q.reshape(r, -1, *q.shape[1:]), k_cache, v_cache, qpos, window, block)
+    return out.reshape(q.shape)
+
+
 def cached_attention(
     q: jax.Array,  # [R, T, Hkv, G, D]: T queries per row
     k: jax.Array,  # [R, S, Hkv, D]
@@ -294,6 +311,8 @@ class Attention(nnx.Module):
             out = prefill_attention(q, k, v, positions, attn.rows, window)
         elif attn.mode == "extend":
             out = extend_attention(q, k_cache, v_cache, positions, attn.rows, window)
+        elif attn.mode == "extend_rows":
+            out = rows_extend_attention(q, k_cache, v_cache, positions, attn.rows, window)
         else:
             out = decode_attention(q, k_cache, v_cache, positions, window)
         out = out.reshape(t, c.num_heads * c.head_dim)

@@ -210,5 +210,22 @@ def test_cached_prefixes_are_per_adapter_version(checkpoint, adapters):
         assert out.cached_tokens == 0
         assert out.token_ids == _peft_tokens(checkpoint, adapters["r16"], ids, GREEDY.max_tokens)
         assert engine.stats()["extend_steps"] > 0 and engine.compiles_after_warmup == 0
+
+        # The rests of cached prompts of two adapters and the base model, in one step.
+        names = ["r8_rslora", "r8_qv", None]
+        engine.generate_batch([first] * 3, GREEDY, names)
+        scheduler, admit = engine.scheduler, engine.scheduler.admit
+        scheduler.admit = lambda *a: ([], []) if 0 < len(scheduler.waiting) < 3 else admit(*a)
+        before = engine.stats()["extend_steps"]
+        try:
+            outs = engine.generate_batch([second] * 3, GREEDY, names)
+        finally:
+            scheduler.admit = admit
+        assert engine.stats()["extend_steps"] == before + 1
+        for name, out in zip(names, outs):
+            assert out.cached_tokens > 0
+            if name is not None:
+                assert out.token_ids == _peft_tokens(checkpoint, adapters[name], ids, GREEDY.max_tokens), name
+        assert engine.compiles_after_warmup == 0
     finally:
         engine.shutdown()

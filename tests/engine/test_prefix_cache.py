@@ -223,3 +223,29 @@ def test_requests_arriving_together_compute_their_shared_prompt_once(engine):
     assert sorted(o.cached_tokens for o in outs) == [0, n - 1, n - 1, n - 1]
     fresh = [engine.generate_batch([prompt], [dataclasses.replace(p, prompt_logprobs=0)])[0] for p in params]
     assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
+
+
+def test_the_rests_of_several_cached_prompts_are_computed_in_one_step(engine, hf_model):
+    """Three requests admitted together, each starting with a cached system prompt: their
+    short rests go through one step (each in its row's slot), not one step each."""
+    engine.generate_batch([SYSTEM + "warm the cache"], GREEDY)
+    questions = [SYSTEM + "first question?", SYSTEM + "a second one", SYSTEM + "and a third, longer question"]
+    scheduler = engine.scheduler
+    admit = scheduler.admit
+
+    def admit_together(*args):  # hold admissions until all three have arrived
+        if 0 < len(scheduler.waiting) < len(questions):
+            return [], []
+        return admit(*args)
+
+    scheduler.admit = admit_together
+    before = engine.stats()
+    try:
+        outs = engine.generate_batch(questions, GREEDY)
+    finally:
+        scheduler.admit = admit
+    assert engine.stats()["extend_steps"] == before["extend_steps"] + 1
+    for prompt, out in zip(questions, outs):
+        assert out.cached_tokens >= len(_ids(engine, SYSTEM)) - 1
+        assert out.token_ids == _hf_greedy(hf_model, _ids(engine, prompt), GREEDY.max_tokens)
+    assert engine.compiles_after_warmup == 0
