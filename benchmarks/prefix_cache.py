@@ -5,7 +5,8 @@
 1. Shared system prompt: requests that share a long system prompt and differ in a short
    question arrive one after another (a chat service's traffic). Prints, with prefix
    caching off and on: prompt tokens computed, mean time to first token (wall clock of a
-   max_tokens=1 request through the engine), cache hit rate.
+   max_tokens=1 request through the engine), cache hit rate; and the time until all of a
+   burst of 3 such requests arriving together have their first token.
 2. A long prompt arrives while another request streams tokens: prints the longest gap
    between two of the streaming request's tokens with the whole prompt in one step and
    with it computed in chunks between decode steps.
@@ -40,6 +41,15 @@ def _shared_prompt(engine, system: list[int], questions: list[list[int]]) -> tup
     hits = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
     computed = after["prompt_tokens"] - before["prompt_tokens"]
     return sum(times) / len(times), computed, hits / queried if queried else 0.0
+
+
+def _burst(engine, system: list[int], questions: list[list[int]]) -> float:
+    """Seconds until every request of a burst (arriving together) has its first token."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.generate_batch([system + [5]], params)
+    start = time.perf_counter()
+    engine.generate_batch([system + q for q in questions], params)
+    return time.perf_counter() - start
 
 
 def _longest_gap(engine, long_prompt: list[int]) -> tuple[float, float]:
@@ -89,11 +99,15 @@ def main(argv: list[str] | None = None) -> None:
         engine = synthetic_engine(model_config, config, tokenizer).start()
         try:
             ttft, computed, hit_rate = _shared_prompt(engine, system, questions)
+            burst = _burst(engine, system, questions[:3])
         finally:
             engine.shutdown()
-        rows.append(("on" if caching else "off", len(questions), computed, round(ttft * 1e3, 2), round(hit_rate, 3)))
-    print(f"model: {shape}; system prompt {system_len} tokens + 8-token questions, one after another")
-    print_table(["prefix_caching", "requests", "prompt_tokens_computed", "mean_ttft_ms", "hit_rate"], rows)
+        rows.append(("on" if caching else "off", len(questions), computed, round(ttft * 1e3, 2), round(hit_rate, 3),
+                     round(burst * 1e3, 2)))
+    print(f"model: {shape}; system prompt {system_len} tokens + 8-token questions, one after another, "
+          "and a burst of 3 arriving together")
+    print_table(["prefix_caching", "requests", "prompt_tokens_computed", "mean_ttft_ms", "hit_rate",
+                 "burst_of_3_ms"], rows)
 
     gaps = []
     long_prompt = [3 + (i * 11) % 60 for i in range(long_len)]
