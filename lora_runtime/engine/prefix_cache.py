@@ -4,8 +4,9 @@ A finished sequence leaves its keys and values in its row until another sequence
 overwrites them; a running one holds its prompt's (as far as it has been computed). A new
 sequence whose prompt starts with what a row holds computes only the rest: it takes
 that row if it is free, or copies it into a free row if a running sequence holds it.
-K/V depend on the adapter that produced them (its version too), so a row's content is
-keyed by the adapter; the base model's key is BASE.
+K/V depend on the adapter that produced them, so a row's content is keyed by the adapter's
+registration (name and generation: registering a name again, even at the same version,
+gives a new generation); the base model's key is BASE.
 
 Free rows are handed out least recently freed first, so recent content lives longest.
 """
@@ -16,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-AdapterKey = tuple[str, int]  # (adapter name, version)
+AdapterKey = tuple[str, int]  # (adapter name, generation)
 BASE: AdapterKey = ("", 0)
 
 

@@ -34,8 +34,8 @@ class AdapterSlots(Protocol):
     def acquire_slot(self, name: str) -> int: ...
     def release_slot(self, name: str, slot: int) -> None: ...
     def prefetch(self, names: list[str]) -> None: ...
-    def version_of(self, name: str) -> int | None: ...
-    def slot_key(self, slot: int) -> AdapterKey | None: ...
+    def generation_of(self, name: str) -> int | None: ...
+    def slot_generation(self, slot: int) -> int | None: ...
 
 
 class Scheduler:
@@ -106,7 +106,7 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             if hit is not None and self._key(seq) != hit[0]:
-                hit = None  # the adapter changed version meanwhile: its K/V differ
+                hit = None  # the adapter was registered anew meanwhile: its K/V differ
             self._place(seq, hit)
             if packed:
                 used += n
@@ -129,13 +129,14 @@ class Scheduler:
     def _predicted_key(self, seq: Sequence) -> AdapterKey | None:
         if seq.adapter is None or self.adapters is None:
             return BASE
-        version = self.adapters.version_of(seq.adapter)
-        return None if version is None else (seq.adapter, version)
+        generation = self.adapters.generation_of(seq.adapter)
+        return None if generation is None else (seq.adapter, generation)
 
     def _key(self, seq: Sequence) -> AdapterKey | None:
         if seq.adapter is None or self.adapters is None:
             return BASE
-        return self.adapters.slot_key(seq.slot)
+        generation = self.adapters.slot_generation(seq.slot)
+        return None if generation is None else (seq.adapter, generation)
 
     def _find_prefix(self, seq: Sequence, key: AdapterKey | None) -> tuple[AdapterKey, int, int] | None:
         """(key, row, length) of the longest cached prefix of the prompt worth using, or None."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -63,6 +64,7 @@ class _Slot:
     scaling: float = 0.0
     rank: int = 0
     stale: bool = False  # unregistered or superseded: freed when refcount reaches 0
+    generation: int | None = None  # the registration the weights came from (generation_of)
 
 
 class LoRAManager:
@@ -80,6 +82,8 @@ class LoRAManager:
         self._slots = [_Slot() for _ in range(num_slots)]
         self._slot_of: dict[Key, int] = {}
         self._registry: dict[str, RegistryEntry] = {}
+        self._generations = itertools.count(1)
+        self._generation: dict[str, int] = {}  # name -> its current registration's generation
         self._inflight: dict[Key, concurrent.futures.Future] = {}
         self._lock = threading.RLock()
         self._tick = 0
@@ -118,16 +122,16 @@ class LoRAManager:
             entry = self._registry.get(name)
             return None if entry is None else self._slot_of.get((name, entry.version))
 
-    def version_of(self, name: str) -> int | None:
-        """The registered version of `name`, or None if it is not registered."""
+    def generation_of(self, name: str) -> int | None:
+        """Which registration of `name` is current (None if it is not registered): unique in
+        this manager's life, unlike versions, which restart when a name is registered anew."""
         with self._lock:
-            entry = self._registry.get(name)
-            return None if entry is None else entry.version
+            return self._generation.get(name) if name in self._registry else None
 
-    def slot_key(self, slot: int) -> Key | None:
-        """(name, version) of the adapter in `slot`, or None if the slot is empty."""
+    def slot_generation(self, slot: int) -> int | None:
+        """The registration whose weights `slot` holds (see generation_of), or None if empty."""
         with self._lock:
-            return self._slots[slot].key
+            return self._slots[slot].generation
 
     def is_resident(self, name: str) -> bool:
         return self.slot_of(name) is not None
@@ -313,6 +317,8 @@ class LoRAManager:
         old = self._registry.get(entry.name)
         if old is not None and (old.version, old.source) != (entry.version, entry.source):
             self._retire(entry.name)
+        if old is None or (old.version, old.source) != (entry.version, entry.source):
+            self._generation[entry.name] = next(self._generations)
         self._registry[entry.name] = entry
 
     def _retire(self, name: str) -> None:
@@ -373,7 +379,8 @@ class LoRAManager:
             self._stats.evictions += 1
             self._free(slot)
         self._tick += 1
-        self._slots[slot] = _Slot(key=key, last_used=self._tick, scaling=adapter.scaling, rank=adapter.rank)
+        self._slots[slot] = _Slot(key=key, last_used=self._tick, scaling=adapter.scaling, rank=adapter.rank,
+                                  generation=self._generation[entry.name])
         self._slot_of[key] = slot
         self._stats.loads += 1
         self._stats.load_seconds += time.perf_counter() - start

@@ -227,5 +227,13 @@ def test_cached_prefixes_are_per_adapter_version(checkpoint, adapters):
             if name is not None:
                 assert out.token_ids == _peft_tokens(checkpoint, adapters[name], ids, GREEDY.max_tokens), name
         assert engine.compiles_after_warmup == 0
+
+        # Unregistered and registered again from other files: the version starts again at 1,
+        # the cached K/V of the old weights are still not used.
+        engine.lora_manager.unregister("r8_qv")
+        assert engine.lora_manager.register("r8_qv", str(adapters["r4"])).version == 1
+        out = engine.generate_batch([second], GREEDY, ["r8_qv"])[0]
+        assert out.cached_tokens == 0
+        assert out.token_ids == _peft_tokens(checkpoint, adapters["r4"], ids, GREEDY.max_tokens)
     finally:
         engine.shutdown()
