@@ -91,7 +91,9 @@ class Engine:
         return self
 
     def warmup(self) -> None:
-        """Compiles each prefill bucket and the decode step once, with every row idle."""
+        """Compiles every step shape once, with every row idle: packed prefill and one-row
+        extend per prefill bucket, several-row extend per bucket up to ROWS_CHUNK_MAX, the row
+        copy and decode."""
         b, s = self.config.max_batch, self.config.max_seq_len
         with self._using_pool() as pool:
             for bucket in self.config.prefill_buckets():
