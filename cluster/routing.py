@@ -8,6 +8,7 @@ same popular adapters. A replica leaving moves only the adapters homed on it.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import time
@@ -56,6 +57,7 @@ def route(
     *,
     homes: int = 1,
     eps: float = 0.25,
+    prefix_match: dict[str, int] | None = None,
 ) -> list[str]:
     """Replica ids in the order to try for a request for ``adapter`` (None: base model).
 
@@ -63,7 +65,9 @@ def route(
     adapter's homes, ``homes > 1``), then in host memory (each least loaded first), then
     the adapter's ``homes`` first rendezvous replicas (least loaded first), then the rest
     of its rendezvous order. Replicas over
-    the cap come last, least loaded first. Base-model requests go least loaded first.
+    the cap come last, least loaded first. Base-model requests go, under the cap, to the
+    replicas that served the longest start of their prompt first (``prefix_match``: replica
+    id -> blocks matched, see PrefixAffinity), then least loaded first.
     """
     if not replicas:
         raise ValueError("no replicas to route to")
@@ -76,7 +80,10 @@ def route(
     by_load = sorted(replicas, key=lambda r: (r.load, r.replica_id))
     over = [r.replica_id for r in by_load if r.load >= cap]
     if adapter is None:
-        return [r.replica_id for r in by_load if r.load < cap] + over
+        depth = prefix_match or {}
+        under = sorted((r for r in replicas if r.load < cap),
+                       key=lambda r: (-depth.get(r.replica_id, 0), r.load, r.replica_id))
+        return [r.replica_id for r in under] + over
 
     order = rendezvous_order(adapter, ids)
     rank = {rid: i for i, rid in enumerate(order)}
@@ -156,10 +163,68 @@ class HotAdapterTracker:
                 del self._rates[name]
 
 
+def prompt_text(payload: dict) -> str:
+    """The text a request's prompt starts with, as prefix routing compares prompts: a
+    completion's prompt (token ids as text), or a chat's messages in order."""
+    if payload.get("kind") == "chat":
+        return "".join(f"\x00{m.get('role')}\x00{m.get('content')}" for m in payload.get("messages") or ())
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list):
+        return " ".join(map(str, prompt))
+    return prompt if isinstance(prompt, str) else ""
+
+
+class PrefixAffinity:
+    """Which replicas recently served prompts starting with which text, so that a prompt
+    goes where its start is likely in the prefix cache.
+
+    Prompts are cut into blocks of ``block`` characters; block i is keyed by a hash of the
+    whole text up to its end, so a key names a prefix, not a block. Each key remembers the
+    replicas that served it; ``capacity`` keys are kept, least recently used dropped.
+    """
+
+    def __init__(self, *, block: int = 64, max_blocks: int = 128, capacity: int = 200_000):
+        if block < 1 or max_blocks < 1 or capacity < 1:
+            raise ValueError(f"{block=}, {max_blocks=} and {capacity=} must all be >= 1")
+        self.block = block
+        self.max_blocks = max_blocks
+        self.capacity = capacity
+        self._owners: collections.OrderedDict[bytes, set[str]] = collections.OrderedDict()
+
+    def _keys(self, text: str) -> list[bytes]:
+        h = hashlib.blake2b(digest_size=16)
+        keys = []
+        for i in range(min(len(text) // self.block, self.max_blocks)):
+            h.update(text[i * self.block : (i + 1) * self.block].encode("utf-8", "surrogatepass"))
+            keys.append(h.copy().digest())
+        return keys
+
+    def match(self, text: str) -> dict[str, int]:
+        """For each replica that served a start of ``text``: how many blocks of it."""
+        depth: dict[str, int] = {}
+        for i, key in enumerate(self._keys(text), start=1):
+            owners = self._owners.get(key)
+            if not owners:
+                break
+            for replica_id in owners:
+                depth[replica_id] = i
+        return depth
+
+    def record(self, text: str, replica_id: str) -> None:
+        """``replica_id`` was sent a request whose prompt is ``text``."""
+        for key in self._keys(text):
+            self._owners.setdefault(key, set()).add(replica_id)
+            self._owners.move_to_end(key)
+        while len(self._owners) > self.capacity:
+            self._owners.popitem(last=False)
+
+
 __all__ = [
     "HotAdapterTracker",
+    "PrefixAffinity",
     "ReplicaView",
     "load_cap",
+    "prompt_text",
     "rendezvous_order",
     "rendezvous_score",
     "route",

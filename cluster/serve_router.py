@@ -15,7 +15,7 @@ from ray.serve._private.request_router.pow_2_router import (
 )
 from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.routing import HotAdapterTracker, ReplicaView, route
+from cluster.routing import HotAdapterTracker, PrefixAffinity, ReplicaView, prompt_text, route
 
 # (app, deployment) -> replica id -> the metrics snapshot that replica last published. The
 # router lives in the caller's process (the ingress), so /metrics there reads it directly.
@@ -69,8 +69,16 @@ def replica_view(replica: RunningReplica, load: int) -> ReplicaView:
     )
 
 
+def _prompt_of(pending_request: PendingRequest | None) -> str:
+    args = pending_request.args if pending_request is not None else ()
+    return prompt_text(args[0]) if args and isinstance(args[0], dict) else ""
+
+
 class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, RequestRouter):
     """Routes each adapter to a replica that holds it or to its rendezvous home, within a load bound.
+
+    Base-model requests go to the replica that was sent the longest start of their prompt
+    (so likely holds it in its prefix cache), within the same bound, else the least loaded.
 
     A replica found for a request goes to the oldest pending request for the same adapter,
     else the oldest pending request (FIFOMixin, as Serve's default router). The base
@@ -89,6 +97,7 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
             raise ValueError(f"{eps=} must be >= 0")
         self._eps = eps
         self._hot = HotAdapterTracker(hot_rate=hot_rate, max_homes=max_homes, half_life_s=half_life_s)
+        self._prefixes = PrefixAffinity()
 
     async def choose_replicas(
         self,
@@ -103,7 +112,8 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
             replica_view(r, self._replica_queue_len_cache.get(r.replica_id) or 0) for r in candidate_replicas
         ]
         homes = self._hot.homes(adapter, len(views)) if adapter else 1
-        order = route(adapter or None, views, homes=homes, eps=self._eps)
+        match = None if adapter else self._prefixes.match(_prompt_of(pending_request))
+        order = route(adapter or None, views, homes=homes, eps=self._eps, prefix_match=match)
         if pending_request is not None:
             # Every replica is ranked on every attempt, so when none can take the request
             # now Serve must back off before asking again; without this it re-asks at once,
@@ -117,6 +127,8 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         adapter = pending_request.metadata.multiplexed_model_id
         if adapter:
             self._hot.record(adapter)
+        else:
+            self._prefixes.record(_prompt_of(pending_request), replica_id.unique_id)
 
 
 class MultiplexMetricsRouter(ReplicaMetricsMixin, PowerOfTwoChoicesRequestRouter):

@@ -14,8 +14,10 @@ from ray.serve._private.test_utils import FakeRunningReplica
 
 from cluster.routing import (
     HotAdapterTracker,
+    PrefixAffinity,
     ReplicaView,
     load_cap,
+    prompt_text,
     rendezvous_order,
     route,
 )
@@ -110,6 +112,52 @@ def test_base_model_goes_to_least_loaded():
     assert route(None, views(loads=loads))[:2] == [IDS[2], IDS[3]]
 
 
+SYSTEM = "You are a careful assistant. Answer in one sentence and cite nothing. " * 3  # 213 chars
+
+
+def test_prefix_affinity_matches_whole_blocks_of_a_prompts_start():
+    prefixes = PrefixAffinity(block=64)
+    prefixes.record(SYSTEM + "What is a fox?", IDS[1])
+    prefixes.record("Something else entirely, " * 4, IDS[2])
+    assert prefixes.match(SYSTEM + "And a dog?") == {IDS[1]: 3}  # 3 whole blocks shared
+    assert prefixes.match(SYSTEM[:100] + "different from here on" * 3) == {IDS[1]: 1}
+    assert prefixes.match("short") == {}  # under one block: nothing to match
+    assert prefixes.match("x" + SYSTEM) == {}  # a shifted text shares no prefix
+    prefixes.record(SYSTEM + "Again", IDS[3])
+    assert prefixes.match(SYSTEM) == {IDS[1]: 3, IDS[3]: 3}
+
+
+def test_prefix_affinity_forgets_least_recently_used_prefixes():
+    prefixes = PrefixAffinity(block=4, capacity=6)
+    prefixes.record("aaaabbbbcccc", IDS[0])  # 3 keys
+    prefixes.record("xxxxyyyyzzzz", IDS[1])  # 3 more: full
+    prefixes.record("aaaabbbb", IDS[0])  # touches the first two keys
+    prefixes.record("qqqq", IDS[2])  # evicts the least recently used key: aaaabbbbcccc
+    assert prefixes.match("aaaabbbbcccc") == {IDS[0]: 2}
+    assert prefixes.match("xxxxyyyyzzzz") == {IDS[1]: 3}
+    prefixes.record("rrrr", IDS[2])  # evicts xxxx: the longer prefixes of it match no more
+    assert prefixes.match("xxxxyyyyzzzz") == {}
+    with pytest.raises(ValueError, match="block"):
+        PrefixAffinity(block=0)
+
+
+def test_base_model_goes_where_its_prompt_start_went_within_the_load_bound():
+    match = {IDS[3]: 2, IDS[1]: 3}
+    assert route(None, views(), prefix_match=match)[:3] == [IDS[1], IDS[3], IDS[0]]
+    # The deepest match is over the cap (max(ceil(1.25 * 11 / 5), 3 + 1) = 4): the next one.
+    loads = {IDS[1]: 4, IDS[0]: 3, IDS[2]: 2, IDS[3]: 1, IDS[4]: 0}
+    got = route(None, views(loads=loads), prefix_match=match)
+    assert got[0] == IDS[3] and got[-1] == IDS[1]
+
+
+def test_prompt_text_of_payloads():
+    assert prompt_text({"kind": "completion", "prompt": "abc"}) == "abc"
+    assert prompt_text({"kind": "completion", "prompt": [1, 22, 3]}) == "1 22 3"
+    chat = {"kind": "chat", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}
+    assert prompt_text(chat) == "\x00system\x00S\x00user\x00U"
+    assert prompt_text({}) == ""
+
+
 def test_hot_adapter_spreads_over_its_first_homes():
     order = rendezvous_order("hot", IDS)
     loads = {r: 2 for r in IDS} | {order[0]: 3}
@@ -177,9 +225,9 @@ class StatsReplica(FakeRunningReplica):
         return self._stats
 
 
-def _pending(adapter: str) -> PendingRequest:
+def _pending(adapter: str, payload: dict | None = None) -> PendingRequest:
     meta = RequestMetadata(request_id="r", internal_request_id="i", multiplexed_model_id=adapter)
-    return PendingRequest(args=[], kwargs={}, metadata=meta)
+    return PendingRequest(args=[] if payload is None else [payload], kwargs={}, metadata=meta)
 
 
 def _router() -> AdapterAffinityRouter:
@@ -268,5 +316,26 @@ def test_serve_router_routes_concurrent_calls_of_one_request():
             asyncio.gather(*(router._choose_replica_for_request(p) for p in pending)), timeout=20)
         assert len(chosen) == 4 and all(c is not None for c in chosen)
         assert all(p.routing_context.should_backoff for p in pending)
+
+    asyncio.run(run())
+
+
+def test_serve_router_sends_a_base_model_prompt_where_its_start_went():
+    async def run():
+        router = _router()
+        ids = ["r0", "r1", "r2"]
+        replicas = [StatsReplica(r, routing_stats([], {})) for r in ids]
+        router.update_replicas(replicas)
+        first = {"kind": "completion", "prompt": SYSTEM + "first question"}
+        chosen = await router._choose_replica_for_request(_pending("", first))
+        router.on_request_routed(_pending("", first), chosen.replica_id, None)
+        # The first replica is now busier than the others; the shared start still wins.
+        router.on_send_request(chosen.replica_id)
+        second = {"kind": "completion", "prompt": SYSTEM + "second question"}
+        ranks = await router.choose_replicas(replicas, _pending("", second))
+        assert ranks[0][0].replica_id == chosen.replica_id
+        other = {"kind": "completion", "prompt": "nothing in common with the others, at all. " * 3}
+        ranks = await router.choose_replicas(replicas, _pending("", other))
+        assert ranks[0][0].replica_id != chosen.replica_id  # least loaded
 
     asyncio.run(run())
