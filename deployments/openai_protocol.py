@@ -77,6 +77,19 @@ class _Request(BaseModel):
     skip_special_tokens: bool = Field(True, description="Extension (vLLM): leave special tokens out of the text.")
     include_stop_str_in_output: bool = Field(False, description="Extension (vLLM): keep the stop string that ended it.")
     user: str | None = Field(None, description="End-user id, recorded in logs only.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> value in [-100, 100] added to its logit before sampling."
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            try:
+                int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias key {key!r} is not a token id") from None
+        return v
 
     @field_validator("n")
     @classmethod
@@ -119,6 +132,7 @@ class _Request(BaseModel):
             "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
         }
 
     def logprobs_wanted(self) -> int | None:

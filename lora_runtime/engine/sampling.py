@@ -17,6 +17,8 @@ from lora_runtime.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 # Most token ids min_tokens holds back per row (the EOS ids and the request's stop_token_ids).
 MAX_HELD_BACK_IDS = 32
+# Most tokens one request may bias (logit_bias), and the bias's bound (OpenAI's: ±100).
+MAX_LOGIT_BIAS = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are generated
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), OpenAI's
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequestError naming the first bad field; returns self."""
@@ -70,10 +73,22 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError(f"stop={list(self.stop)!r} contains an empty string")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequestError(f"logit_bias names token {next(t for t in ids if ids.count(t) > 1)} twice")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
+        out_of_range = [(t, v) for t, v in self.logit_bias if not -100.0 <= v <= 100.0]
+        if out_of_range:
+            raise InvalidRequestError(f"logit_bias value {out_of_range[0][1]} for token {out_of_range[0][0]} "
+                                      f"must be in [-100, 100]")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidRequestError(f"stop_token_ids {bad} outside [0, {vocab_size})")
+            bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"logit_bias token ids {bad[:5]} outside [0, {vocab_size})")
         return self
 
     def resolved_seed(self) -> int:
@@ -96,6 +111,8 @@ class SamplingBatch:
     repetition: jax.Array  # f32[B]
     held_back: jax.Array  # i32[B, MAX_HELD_BACK_IDS]: token ids banned while step < min_tokens (-1 pads)
     min_tokens: jax.Array  # i32[B]
+    bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS]: logit_bias token ids (-1 pads)
+    bias: jax.Array  # f32[B, MAX_LOGIT_BIAS]: what each adds to its logit
 
     @classmethod
     def from_rows(
@@ -114,6 +131,8 @@ class SamplingBatch:
         repetition = np.ones(n, np.float32)
         held_back = np.full((n, MAX_HELD_BACK_IDS), -1, np.int32)
         min_tokens = np.zeros(n, np.int32)
+        bias_ids = np.full((n, MAX_LOGIT_BIAS), -1, np.int32)
+        bias = np.zeros((n, MAX_LOGIT_BIAS), np.float32)
         eos = sorted(eos_token_ids)[:4]
         for i, row in enumerate(rows):
             if row is None:
@@ -131,7 +150,10 @@ class SamplingBatch:
                 ids = list(params.stop_token_ids) + ([] if params.ignore_eos else eos)
                 held_back[i, : len(ids)] = ids
                 min_tokens[i] = params.min_tokens
-        return cls(temperature, top_k, top_p, seed, step, presence, frequency, repetition, held_back, min_tokens)
+            for j, (token, value) in enumerate(params.logit_bias):
+                bias_ids[i, j], bias[i, j] = token, value
+        return cls(temperature, top_k, top_p, seed, step, presence, frequency, repetition, held_back, min_tokens,
+                   bias_ids, bias)
 
 
 def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -140,7 +162,8 @@ def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, 
     counts: i32[B, V], how often the row already generated each token; in_prompt: bool[B, V].
     HF's repetition penalty over prompt and output tokens: a positive logit divided by it, a
     negative one multiplied. Then OpenAI's presence and frequency penalties: logit -
-    frequency * count - presence * [count > 0]. min_tokens: the held-back ids get -inf until then.
+    frequency * count - presence * [count > 0]. Then logit_bias is added. min_tokens: the
+    held-back ids get -inf until then.
     """
     logits = logits.astype(jnp.float32)
     seen = counts > 0
@@ -148,9 +171,11 @@ def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, 
     logits = jnp.where(seen | in_prompt, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     counts = counts.astype(jnp.float32)
     logits = logits - batch.frequency[:, None] * counts - batch.presence[:, None] * seen.astype(jnp.float32)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    bias_cols = jnp.where(batch.bias_ids >= 0, batch.bias_ids, logits.shape[1])  # out of range: dropped
+    logits = logits.at[rows, bias_cols].add(batch.bias, mode="drop")
     hold = (batch.step < batch.min_tokens)[:, None] & (batch.held_back >= 0)
-    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], batch.held_back.shape)
-    cols = jnp.where(hold, batch.held_back, logits.shape[1])  # out of range: dropped
+    cols = jnp.where(hold, batch.held_back, logits.shape[1])
     return logits.at[rows, cols].set(-jnp.inf, mode="drop")
 
 

@@ -159,3 +159,12 @@ def test_n_choices_get_their_own_seeds():
     unseeded = CompletionRequest(model="m", prompt="a", n=2).choice_samplings(16)
     assert [s["seed"] for s in unseeded] == [None, None]  # the runtime draws a fresh seed for each
     assert len(CompletionRequest(model="m", prompt="a").choice_samplings(16)) == 1
+
+
+def test_logit_bias_maps_token_id_strings_to_the_runtime():
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                 logit_bias={"7": 5, "12": -100})
+    assert body.sampling(None)["logit_bias"] == ((7, 5.0), (12, -100.0))
+    assert CompletionRequest(model="m", prompt="x").sampling(16)["logit_bias"] == ()
+    with pytest.raises(ValidationError, match="logit_bias key 'seven' is not a token id"):
+        CompletionRequest(model="m", prompt="x", logit_bias={"seven": 1})

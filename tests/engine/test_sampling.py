@@ -145,3 +145,34 @@ def test_min_tokens_holds_back_eos_and_stop_ids_until_reached():
     assert np.isneginf(out[0, [2, 7]]).all() and np.isfinite(np.delete(out[0], [2, 7])).all()
     assert np.isfinite(out[1]).all()  # two tokens generated: nothing held back
     assert np.isneginf(out[2, 7]) and np.isfinite(out[2, 2])  # ignore_eos: EOS is no stop to hold back
+
+
+def test_logit_bias_adds_to_its_rows_tokens_only():
+    from lora_runtime.engine.sampling import apply_penalties
+
+    logits = jnp.asarray(np.random.RandomState(1).randn(3, 10), jnp.float32)
+    none = jnp.zeros((3, 10), jnp.int32)
+    biased = SamplingParams(logit_bias=((3, 100.0), (5, -2.5)))
+    held = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(3,), logit_bias=((3, 100.0),))
+    batch = SamplingBatch.from_rows([(biased, 0, 0), None, (held, 0, 0)])
+    out = np.asarray(apply_penalties(logits, none, none > 0, batch))
+    want = np.asarray(logits).copy()
+    want[0, 3] += 100.0
+    want[0, 5] -= 2.5
+    np.testing.assert_allclose(out[:2], want[:2], rtol=1e-6)
+    assert np.isneginf(out[2, 3])  # min_tokens still holds the stop id back, bias or not
+    assert int(sample(jnp.asarray(out), batch)[0]) == 3  # greedy follows the bias
+
+
+@pytest.mark.parametrize(
+    "bias, match",
+    [
+        (((1, 101.0),), r"logit_bias value 101.0 for token 1 must be in \[-100, 100\]"),
+        (((1, 1.0), (1, 2.0)), "logit_bias names token 1 twice"),
+        (tuple((i, 1.0) for i in range(301)), "logit_bias has 301 tokens; at most 300"),
+        (((64, 1.0),), r"logit_bias token ids \[64\] outside \[0, 64\)"),
+    ],
+)
+def test_bad_logit_bias_names_the_field(bias, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(logit_bias=bias).validate(vocab_size=64)

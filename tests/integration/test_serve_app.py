@@ -313,6 +313,16 @@ def test_penalties_over_http_match_the_runtime(app, reference):
     assert r.status_code == 400 and "min_tokens=3" in r.json()["error"]["message"]
 
 
+def test_logit_bias_over_http(app, reference):
+    z = reference.engine.tokenizer.encode("z", add_special_tokens=False)[0]
+    got = _client(app).completions.create(model=BASE, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                          logit_bias={str(z): 100})
+    assert got.choices[0].text == "zzzz"
+    r = httpx.post(f"{app.base_url}/v1/completions", timeout=60,
+                   json={"model": BASE, "prompt": "x", "max_tokens": 2, "logit_bias": {"99999": 1}})
+    assert r.status_code == 400 and "logit_bias token ids [99999]" in r.json()["error"]["message"]
+
+
 def test_several_prompts_in_one_completions_request(app, reference):
     """Choice index = prompt number * n + sample number; each prompt's tokens count once."""
     prompts = [PROMPTS[0], PROMPTS[3]]
