@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 
 
-# The longest rest of a prompt computed in a several-sequence step (C tokens per row).
+# A several-sequence extend step computes the rests of up to ROWS_SEQUENCES prompts of up to
+# ROWS_CHUNK_MAX tokens each (C tokens per sequence, padded).
 ROWS_CHUNK_MAX = 64
+ROWS_SEQUENCES = 8
 
 
 class Engine:
@@ -92,16 +94,18 @@ class Engine:
 
     def warmup(self) -> None:
         """Compiles every step shape once, with every row idle: packed prefill and one-row
-        extend per prefill bucket, several-row extend per bucket up to ROWS_CHUNK_MAX, the row
-        copy and decode."""
-        b, s = self.config.max_batch, self.config.max_seq_len
+        extend per prefill bucket, several-sequence extend per bucket up to ROWS_CHUNK_MAX, the
+        row copy and decode."""
+        s = self.config.max_seq_len
         with self._using_pool() as pool:
             for bucket in self.config.prefill_buckets():
                 self.runner.prefill(self._idle_inputs(bucket, prefill=True), pool)
                 self.runner.extend(self._idle_inputs(bucket, prefill=True, sequences=1),
                                    np.full((1, s), -1, np.int32), pool)
+            e = self._rows_sequences
             for c in self._rows_buckets():
-                self.runner.extend_rows(self._idle_inputs(b * c, prefill=True), np.full((b, s), -1, np.int32), pool)
+                self.runner.extend_rows(self._idle_inputs(e * c, prefill=True, sequences=e),
+                                        np.full((e, s), -1, np.int32), pool)
         self.runner.copy_row(0, 0)
         with self._using_pool() as pool:
             self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False), pool)
@@ -407,6 +411,8 @@ class Engine:
         short, used = [], 0
         for seq in self.scheduler.extending:
             n = len(seq.prompt_ids) - seq.computed
+            if len(short) == self._rows_sequences:
+                break
             if n <= self._rows_chunk and seq.params.prompt_logprobs is None and used + n <= budget:
                 short.append(seq)
                 used += n
@@ -425,37 +431,41 @@ class Engine:
 
     @property
     def _rows_chunk(self) -> int:
-        """The most tokens per row of a several-sequence extend step."""
+        """The most tokens per sequence of a several-sequence extend step."""
         return max(b for b in self._rows_buckets())
+
+    @property
+    def _rows_sequences(self) -> int:
+        return min(ROWS_SEQUENCES, self.config.max_batch)
 
     def _rows_buckets(self) -> tuple[int, ...]:
         return tuple(b for b in self.config.prefill_buckets() if b <= ROWS_CHUNK_MAX) or (16,)
 
     def _extend_rows(self, seqs: list[Sequence]) -> None:
-        """Computes the whole rest of several prompts in one step, each in its row's slot of
-        C tokens, and samples their first tokens."""
+        """Computes the whole rest of several prompts in one step, C tokens per sequence, and
+        samples their first tokens."""
         rest = {id(seq): len(seq.prompt_ids) - seq.computed for seq in seqs}
         c = next(b for b in self._rows_buckets() if b >= max(rest.values()))
-        r = self.config.max_batch
-        tokens = np.zeros(r * c, np.int32)
-        positions = np.zeros(r * c, np.int32)
-        rows = np.full(r * c, -1, np.int32)
-        slots = np.full(r * c, -1, np.int32)
-        prompts = np.full((r, self.config.max_seq_len), -1, np.int32)
-        last_index = np.zeros(r, np.int32)
-        seq_rows = np.full(r, -1, np.int32)
-        sampling_rows: list = [None] * r
-        for seq in seqs:
-            n, start, row = rest[id(seq)], seq.computed, seq.row
-            at = slice(row * c, row * c + n)
+        e = self._rows_sequences
+        tokens = np.zeros(e * c, np.int32)
+        positions = np.zeros(e * c, np.int32)
+        rows = np.full(e * c, -1, np.int32)
+        slots = np.full(e * c, -1, np.int32)
+        prompts = np.full((e, self.config.max_seq_len), -1, np.int32)
+        last_index = np.zeros(e, np.int32)
+        seq_rows = np.full(e, -1, np.int32)
+        sampling_rows: list = [None] * e
+        for i, seq in enumerate(seqs):
+            n, start = rest[id(seq)], seq.computed
+            at = slice(i * c, i * c + n)
             tokens[at] = seq.prompt_ids[start:]
             positions[at] = np.arange(start, start + n)
-            rows[at] = row
+            rows[at] = seq.row
             slots[at] = seq.slot
-            prompts[row, : len(seq.prompt_ids)] = seq.prompt_ids
-            last_index[row] = row * c + n - 1
-            seq_rows[row] = row
-            sampling_rows[row] = (seq.params, seq.seed, 0)
+            prompts[i, : len(seq.prompt_ids)] = seq.prompt_ids
+            last_index[i] = i * c + n - 1
+            seq_rows[i] = seq.row
+            sampling_rows[i] = (seq.params, seq.seed, 0)
         inputs = StepInputs(
             tokens, positions, rows, SamplingBatch.from_rows(sampling_rows, self._eos), last_index,
             self._lora_info(slots), seq_rows,
@@ -465,10 +475,10 @@ class Engine:
             sampled = self.runner.extend_rows(inputs, prompts, pool)
         self.counters["prefill_seconds"] += time.perf_counter() - t0
         self.counters["extend_steps"] += 1
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             self.counters["prompt_tokens"] += rest[id(seq)]
             self.scheduler.computed(seq, rest[id(seq)])
-            self._first_token(seq, sampled, seq.row)
+            self._first_token(seq, sampled, i)
 
     def _extend(self, seq: Sequence, n: int) -> None:
         """Computes prompt tokens [computed, computed + n) of one sequence over its row;

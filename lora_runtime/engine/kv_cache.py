@@ -75,8 +75,8 @@ class AttentionMetadata:
     extend: a chunk of one sequence whose earlier tokens are already in its row (a cached
     prefix, or earlier chunks of a long prompt), positions from where the row's content ends;
     each token attends to its row of the cache up to its own position.
-    extend_rows: like extend for several sequences at once, C tokens per cache row (row r's
-    chunk in tokens [r * C, (r + 1) * C), padding where a row has none).
+    extend_rows: like extend for `sequences` (E) sequences at once, C tokens each (sequence
+    e's chunk in tokens [e * C, (e + 1) * C), padded), each over its own row.
     decode: token t belongs to row t and attends to cache[t, :positions[t] + 1].
     rows[t] == -1 marks padding (prefill) or an idle row (decode): nothing is written
     and its output is garbage-free but meaningless.
@@ -84,6 +84,7 @@ class AttentionMetadata:
 
     rows: jax.Array  # i32[T]
     mode: str = dataclasses.field(metadata=dict(static=True))
+    sequences: int = dataclasses.field(default=0, metadata=dict(static=True))  # extend_rows: E
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -101,7 +101,7 @@ class ModelRunner:
         self._create_state()
         return True
 
-    def _forward(self, state, kv_cache, pool, tokens, positions, rows, lora_info, mode):
+    def _forward(self, state, kv_cache, pool, tokens, positions, rows, lora_info, mode, sequences=0):
         self.traces += 1  # runs only while tracing
         model = nnx.merge(self.graphdef, state)
         hook = None
@@ -109,14 +109,16 @@ class ModelRunner:
             from lora_runtime.lora.hook import PoolLoRAHook
 
             hook = PoolLoRAHook(self.backend, pool, lora_info, prefill=mode != "decode")
-        attn = AttentionMetadata(rows=rows, mode=mode)
+        attn = AttentionMetadata(rows=rows, mode=mode, sequences=sequences)
         hidden, kv_cache = model(tokens, positions, kv_cache, attn, hook)
         return model, hidden, kv_cache
 
     def _prefill_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, rows, last_index, seq_rows,
                       seen_tokens, seen_rows, sampling, lora_info, *, mode):
+        # extend_rows: one sequence per sampled row, C tokens each.
+        sequences = last_index.shape[0] if mode == "extend_rows" else 0
         model, hidden, kv_cache = self._forward(
-            state, kv_cache, pool, tokens, positions, rows, lora_info, mode
+            state, kv_cache, pool, tokens, positions, rows, lora_info, mode, sequences
         )
         logits = model.logits(hidden[last_index])
         # A sequence whose prompt is complete starts its counts afresh and marks its prompt's
@@ -168,8 +170,9 @@ class ModelRunner:
         return self._run_prefill(self._extend, inputs, pool, *self._seen(prompts, inputs.seq_rows))
 
     def extend_rows(self, inputs: StepInputs, prompts: np.ndarray, pool) -> Sampled:
-        """Runs short chunks of several sequences, C tokens in each cache row's slot (tokens
-        [r * C, (r + 1) * C) for row r); `prompts` is i32[rows, max_seq_len], as in extend."""
+        """Runs short chunks of E sequences, C tokens each (sequence e's in tokens
+        [e * C, (e + 1) * C)); E = len(inputs.seq_rows); `prompts` is i32[E, max_seq_len],
+        as in extend."""
         return self._run_prefill(self._extend_rows, inputs, pool, *self._seen(prompts, inputs.seq_rows))
 
     @staticmethod

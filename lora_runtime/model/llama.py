@@ -180,19 +180,21 @@ def extend_attention(
 
 
 def rows_extend_attention(
-    q: jax.Array,  # [R * C, Hkv, G, D]: C tokens for each cache row, row-major
+    q: jax.Array,  # [E * C, Hkv, G, D]: C tokens for each of E sequences, back to back
     k_cache: jax.Array,  # [R, S, Hkv, D], this step's K/V already written
     v_cache: jax.Array,  # [R, S, Hkv, D]
-    positions: jax.Array,  # i32[R * C]
-    rows: jax.Array,  # i32[R * C]: the token's row, -1 = padding
+    positions: jax.Array,  # i32[E * C]
+    rows: jax.Array,  # i32[E * C]: the token's cache row (one per sequence), -1 = padding
     window: int | None,
+    sequences: int,
     block: int = 128,
-) -> jax.Array:  # [R * C, Hkv, G, D]
-    """Short chunks of several sequences at once, each in the slot of its own cache row (a
-    decode step with C tokens per row): each token attends to its row up to its position."""
-    r = k_cache.shape[0]
-    qpos = jnp.where(rows >= 0, positions, 0).reshape(r, -1)
-    out = cached_attention(q.reshape(r, -1, *q.shape[1:]), k_cache, v_cache, qpos, window, block)
+) -> jax.Array:  # [E * C, Hkv, G, D]
+    """Short chunks of several sequences at once, C tokens each: each token attends to its
+    sequence's row up to its position."""
+    qpos = jnp.where(rows >= 0, positions, 0).reshape(sequences, -1)
+    seq_rows = jnp.clip(rows.reshape(sequences, -1).max(axis=1), 0, k_cache.shape[0] - 1)
+    out = cached_attention(q.reshape(sequences, -1, *q.shape[1:]), k_cache, v_cache, qpos, window, block,
+                           rows=seq_rows)
     return out.reshape(q.shape)
 
 
@@ -203,8 +205,10 @@ def cached_attention(
     qpos: jax.Array,  # i32[R, T], each >= 0
     window: int | None,
     block: int,
-) -> jax.Array:  # [R, T, Hkv, G, D]
-    """Row r's queries attend to keys 0..their position of k[r], v[r].
+    rows: jax.Array | None = None,  # i32[Q]: the row of k, v each of Q query groups reads
+) -> jax.Array:  # [R or Q, T, Hkv, G, D]
+    """Row r's queries attend to keys 0..their position of k[r], v[r] (of k[rows[r]], v[rows[r]]
+    when `rows` is given; q and qpos then have Q groups).
 
     Keys are read in blocks with an online softmax, and only as many blocks as the furthest
     query reaches, so neither the memory ([T, block] scores per head) nor the reads grow
@@ -213,7 +217,7 @@ def cached_attention(
     seq_len = k.shape[1]
     block = min(block, seq_len)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    r, t, hkv, g, d = q.shape
+    r, t, hkv, g, d = q.shape  # r: query groups
     neg = jnp.finfo(jnp.float32).min
 
     def body(i, carry):
@@ -221,8 +225,12 @@ def cached_attention(
         start = i * block
         # The last block is clamped to the cache's end; keys before `start` were counted already.
         first = jnp.minimum(start, seq_len - block)
-        kb = jax.lax.dynamic_slice_in_dim(k, first, block, axis=1)
-        vb = jax.lax.dynamic_slice_in_dim(v, first, block, axis=1)
+        if rows is None:
+            kb = jax.lax.dynamic_slice_in_dim(k, first, block, axis=1)
+            vb = jax.lax.dynamic_slice_in_dim(v, first, block, axis=1)
+        else:  # gather the block of each group's row
+            at = (rows[:, None], (first + jnp.arange(block))[None, :])
+            kb, vb = k[at], v[at]
         kpos = first + jnp.arange(block)
         delta = qpos[:, :, None] - kpos[None, None, :]  # [R, T, block]
         mask = ((kpos >= start)[None, None, :] & (delta >= 0) & _window_ok(delta, window))[:, None, None]
@@ -312,7 +320,7 @@ class Attention(nnx.Module):
         elif attn.mode == "extend":
             out = extend_attention(q, k_cache, v_cache, positions, attn.rows, window)
         elif attn.mode == "extend_rows":
-            out = rows_extend_attention(q, k_cache, v_cache, positions, attn.rows, window)
+            out = rows_extend_attention(q, k_cache, v_cache, positions, attn.rows, window, attn.sequences)
         else:
             out = decode_attention(q, k_cache, v_cache, positions, window)
         out = out.reshape(t, c.num_heads * c.head_dim)

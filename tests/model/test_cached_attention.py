@@ -85,3 +85,30 @@ def test_decode_reads_no_block_past_the_longest_row():
     v_cache = _random((2, 32, 1, 8), 2).at[:, 16:].set(jnp.nan)
     got = decode_attention(q, k_cache, v_cache, jnp.array([3, 15], jnp.int32), None, block=8)
     assert np.isfinite(np.asarray(got)).all()
+
+
+@pytest.mark.parametrize("block", [512, 5])
+def test_several_chunks_each_over_its_own_row(block):
+    """Two sequences' chunks (in rows 2 and 0, out of order, one padded) attend each to its own
+    row, as each would in one pass over its whole sequence; a padding segment stays finite."""
+    from lora_runtime.model.llama import rows_extend_attention
+
+    hkv, g, d, seq_len, c = 2, 2, 8, 20, 4
+    k_cache, v_cache = _random((3, seq_len, hkv, d), 10), _random((3, seq_len, hkv, d), 11)
+    q_all = _random((3, seq_len, hkv, g, d), 12)
+    chunks = [(2, 9, 4), (0, 14, 3)]  # (row, start, tokens)
+    q = jnp.zeros((3 * c, hkv, g, d))
+    positions = jnp.zeros(3 * c, jnp.int32)
+    rows = jnp.full(3 * c, -1, jnp.int32)
+    for e, (row, start, n) in enumerate(chunks):
+        q = q.at[e * c : e * c + n].set(q_all[row, start : start + n])
+        positions = positions.at[e * c : e * c + n].set(jnp.arange(start, start + n))
+        rows = rows.at[e * c : e * c + n].set(row)
+    got = rows_extend_attention(q, k_cache, v_cache, positions, rows, None, sequences=3, block=block)
+    assert np.isfinite(np.asarray(got)).all()
+    for e, (row, start, n) in enumerate(chunks):
+        total = start + n
+        whole = prefill_attention(q_all[row, :total], k_cache[row, :total], v_cache[row, :total],
+                                  jnp.arange(total, dtype=jnp.int32), jnp.zeros(total, jnp.int32), None)
+        np.testing.assert_allclose(np.asarray(got[e * c : e * c + n]), np.asarray(whole[start:]),
+                                   rtol=1e-5, atol=1e-5)
