@@ -35,8 +35,10 @@ from deployments.openai_protocol import (
     AdapterRegisterRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
     OpenAIError,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
     chat_choice,
     chat_chunk,
@@ -89,7 +91,7 @@ def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
 
 
 def _from_item(err: dict) -> OpenAIError:
-    param = "model" if err["status_code"] == 404 else None
+    param = err.get("param") or ("model" if err["status_code"] == 404 else None)
     return OpenAIError(err["message"], status_code=err["status_code"], error_type=err["type"], param=param)
 
 
@@ -166,6 +168,12 @@ class OpenAIIngress:
             self._model_name = info["model_name"]
         return self._model_name
 
+    async def _adapter(self, model: str) -> str:
+        """The multiplexed model id a request's model is routed by: "" for the base model."""
+        base = await self._base_name()
+        # The configured checkpoint path also names the base model, as in vLLM.
+        return "" if model in (base, self._args.model) else model
+
     async def _call_admin(self, method: str, *args):
         try:
             return await getattr(self._admin, method).remote(*args)
@@ -187,10 +195,7 @@ class OpenAIIngress:
 
     async def _start(self, body: CompletionRequest | ChatCompletionRequest, payload: dict):
         """Starts a replica stream; returns it with its first item (errors raised here)."""
-        base = await self._base_name()
-        # The configured checkpoint path also names the base model, as in vLLM.
-        adapter = "" if body.model in (base, self._args.model) else body.model
-        handle = self._server.options(stream=True, multiplexed_model_id=adapter)
+        handle = self._server.options(stream=True, multiplexed_model_id=await self._adapter(body.model))
         stream = handle.generate.remote(payload)
         try:
             first = await anext(stream)
@@ -337,8 +342,8 @@ class OpenAIIngress:
 
     # --- models and health ---------------------------------------------------------
 
-    @app.get("/v1/models")
-    async def models(self):
+    async def _model_cards(self) -> list[dict]:
+        """OpenAI model objects: the base model, then every registered adapter by name."""
         base = await self._base_name()
         snap = await self._call_admin("snapshot")
         data = [{"id": base, "object": "model", "created": self._created, "owned_by": "multilora-serve",
@@ -346,7 +351,22 @@ class OpenAIIngress:
         for name, entry in sorted(snap["adapters"].items()):
             data.append({"id": name, "object": "model", "created": entry.get("created", self._created),
                          "owned_by": "multilora-serve", "root": entry["source"], "parent": base})
-        return {"object": "list", "data": data}
+        return data
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": await self._model_cards()}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(self, model: str):
+        """OpenAI's retrieve model: the object /v1/models lists under this id."""
+        card = next((c for c in await self._model_cards() if c["id"] == model), None)
+        if card is None:
+            raise OpenAIError(
+                f"model {model!r} is neither the base model {await self._base_name()!r} nor a registered adapter",
+                status_code=404, error_type="not_found_error", param="model",
+            )
+        return card
 
     @app.get("/health")
     async def health(self):
@@ -365,6 +385,30 @@ class OpenAIIngress:
         server = self._server
         body = render(lambda: replica_metrics(server.app_name, server.deployment_name))
         return Response(content=body, media_type=CONTENT_TYPE_LATEST)
+
+    # --- tokenizer (vLLM's) -----------------------------------------------------------
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest):
+        handle = self._server.options(multiplexed_model_id=await self._adapter(body.model))
+        if body.messages is not None:
+            result = await handle.tokenize_chat.remote(
+                messages=body.chat_messages(), add_generation_prompt=body.generation_prompt(),
+                add_special_tokens=body.special_tokens(),
+            )
+        else:
+            result = await handle.tokenize.remote(prompt=body.prompt, add_special_tokens=body.special_tokens())
+        if "error" in result:
+            raise _from_item(result["error"])
+        return result
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest):
+        handle = self._server.options(multiplexed_model_id=await self._adapter(body.model))
+        result = await handle.detokenize.remote(tokens=body.tokens)
+        if "error" in result:
+            raise _from_item(result["error"])
+        return result
 
     # --- adapter admin -------------------------------------------------------------
 

@@ -25,11 +25,17 @@ logger = logging.getLogger("ray.serve")
 # Long-poll length: a change wakes the poll at once, so this only bounds idle churn.
 _POLL_TIMEOUT_S = 5.0
 _RETRY_S = 0.25
+# Most out-of-vocabulary ids a detokenize error lists.
+_MAX_IDS_SHOWN = 10
 
 
-def error_item(e: ServingError) -> dict:
-    """A stream item carrying a request error to the ingress (status, type, message)."""
-    return {"error": {"status_code": e.status_code, "type": e.error_type, "message": str(e)}}
+def error_item(e: ServingError, param: str | None = None) -> dict:
+    """An item carrying a request error to the ingress: status, type, message and, where
+    known, the request field it concerns."""
+    item = {"status_code": e.status_code, "type": e.error_type, "message": str(e)}
+    if param is not None:
+        item["param"] = param
+    return {"error": item}
 
 
 class LoRAModelServer:
@@ -115,12 +121,17 @@ class LoRAModelServer:
     async def model_info(self) -> dict:
         return {"model_name": self._engine.model_name, "max_seq_len": self._args.max_seq_len}
 
+    def _chat_tokens(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                     add_special_tokens: bool = False) -> list[int]:
+        """A chat's prompt token ids: the model's chat template rendered, then tokenized."""
+        tokenizer = self._engine.tokenizer
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        # Chat templates write BOS themselves: by default no second one from the tokenizer.
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def _prompt(self, request: dict) -> str | list[int]:
         if request["kind"] == "chat":
-            tokenizer = self._engine.tokenizer
-            text = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True)
-            # Chat templates write BOS themselves: no second one from the tokenizer.
-            return tokenizer.encode(text, add_special_tokens=False)
+            return self._chat_tokens(request["messages"])
         return request["prompt"]
 
     def _sampling(self, request: dict, prompt: str | list[int]):
@@ -215,6 +226,57 @@ class LoRAModelServer:
             if not finished:
                 self._engine.abort(rid)
             await stream.aclose()
+
+    # --- tokenizer -----------------------------------------------------------------
+    # Called with keyword arguments only: the router reads a positional payload's prompt
+    # for prefix affinity, and tokenizing leaves nothing in this replica's prefix cache.
+
+    async def _check_model(self) -> None:
+        """The request's model resolves as in generate: an unknown adapter is a 404."""
+        adapter = serve.get_multiplexed_model_id()
+        if adapter:
+            await self._load_adapter(adapter)
+
+    def _tokens_item(self, ids: list[int]) -> dict:
+        return {"tokens": ids, "count": len(ids), "max_model_len": self._args.max_seq_len}
+
+    async def tokenize(self, *, prompt: str, add_special_tokens: bool) -> dict:
+        """A text's ``{"tokens", "count", "max_model_len"}``, or an ``{"error": ...}`` item."""
+        try:
+            await self._check_model()
+        except ServingError as e:
+            return error_item(e)
+        return self._tokens_item(self._engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    async def tokenize_chat(self, *, messages: list[dict], add_generation_prompt: bool,
+                            add_special_tokens: bool) -> dict:
+        """The same for a chat, rendered as generate renders chat requests."""
+        try:
+            await self._check_model()
+        except ServingError as e:
+            return error_item(e)
+        try:
+            ids = self._chat_tokens(messages, add_generation_prompt=add_generation_prompt,
+                                    add_special_tokens=add_special_tokens)
+        except ServingError as e:  # the chat template refused the messages
+            return error_item(e, param="messages")
+        except (TypeError, ValueError) as e:
+            return error_item(InvalidRequestError(str(e)), param="messages")
+        return self._tokens_item(ids)
+
+    async def detokenize(self, *, tokens: list[int]) -> dict:
+        """``{"prompt": text}`` of token ids, special tokens kept (as vLLM), or an error item."""
+        try:
+            await self._check_model()
+        except ServingError as e:
+            return error_item(e)
+        vocab_size = self._engine.tokenizer.vocab_size
+        outside = sorted({t for t in tokens if not 0 <= t < vocab_size})
+        if outside:
+            shown = ", ".join(map(str, outside[:_MAX_IDS_SHOWN])) + (", ..." if len(outside) > _MAX_IDS_SHOWN else "")
+            message = f"tokens [{shown}] are outside the vocabulary (ids 0-{vocab_size - 1})"
+            return error_item(InvalidRequestError(message), param="tokens")
+        return {"prompt": self._engine.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     # --- Serve hooks -----------------------------------------------------------------
 

@@ -296,6 +296,60 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """Body of vLLM's POST /tokenize: a text, or a chat rendered as /v1/chat/completions renders it."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(..., min_length=1, description="Base model name or adapter name.")
+    prompt: str | None = Field(None, description="A text to tokenize (this or messages).")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="A chat to render with the model's chat template and tokenize."
+    )
+    add_generation_prompt: bool | None = Field(
+        None, description="With messages: end with the assistant turn's opening, as chat completions do (default)."
+    )
+    add_special_tokens: bool | None = Field(
+        None, description="Add the tokenizer's special tokens (BOS); default true for prompt, false for messages, "
+        "whose chat template writes them."
+    )
+
+    @field_validator("messages")
+    @classmethod
+    def _text_only(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        for m in v or ():
+            m.text()  # raises on non-text parts
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            given = "both" if self.prompt is not None else "neither"
+            raise ValueError(f"exactly one of prompt and messages is required; {given} given")
+        if self.add_generation_prompt is not None and self.messages is None:
+            raise ValueError("add_generation_prompt applies to messages only")
+        return self
+
+    def chat_messages(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages or ()]
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens: vLLM's defaults when not given."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+    def generation_prompt(self) -> bool:
+        return self.add_generation_prompt is not False
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of vLLM's POST /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(..., min_length=1, description="Base model name or adapter name.")
+    tokens: list[int] = Field(..., description="Token ids to turn back into text.")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

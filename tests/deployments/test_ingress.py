@@ -1,6 +1,8 @@
-"""Usage over several choices and prompts, from the items replicas stream to the ingress."""
+"""Usage over several choices and prompts, and errors, from the items replicas send the ingress."""
 
-from deployments.ingress import _usage
+from deployments.ingress import _from_item, _usage
+from deployments.model_server import error_item
+from lora_runtime.errors import AdapterNotFoundError, InvalidRequestError
 
 
 def _item(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -31,3 +33,13 @@ def test_several_prompts_add_up():
     use = _usage(items, [0, 0, 1, 1])
     assert use["prompt_tokens"] == 38 and use["completion_tokens"] == 6 and use["total_tokens"] == 44
     assert use["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+def test_replica_errors_name_the_field_they_concern():
+    missing = _from_item(error_item(AdapterNotFoundError("model 'x' is not registered"))["error"])
+    assert missing.status_code == 404 and missing.param == "model" and missing.error_type == "not_found_error"
+    plain = _from_item(error_item(InvalidRequestError("prompt is too long"))["error"])
+    assert plain.status_code == 400 and plain.param is None
+    tokens = _from_item(error_item(InvalidRequestError("tokens [300] are outside"), param="tokens")["error"])
+    assert tokens.body()["error"] == {"message": "tokens [300] are outside", "type": "invalid_request_error",
+                                      "param": "tokens", "code": None}

@@ -5,7 +5,9 @@ from deployments.openai_protocol import (
     MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
     chat_choice,
     chat_chunk,
     chat_response,
@@ -168,3 +170,51 @@ def test_logit_bias_maps_token_id_strings_to_the_runtime():
     assert CompletionRequest(model="m", prompt="x").sampling(16)["logit_bias"] == ()
     with pytest.raises(ValidationError, match="logit_bias key 'seven' is not a token id"):
         CompletionRequest(model="m", prompt="x", logit_bias={"seven": 1})
+
+
+def test_tokenize_a_prompt_adds_special_tokens_by_default():
+    r = TokenizeRequest(model="m", prompt="hello")
+    assert r.special_tokens() is True and r.messages is None
+    assert TokenizeRequest(model="m", prompt="hello", add_special_tokens=False).special_tokens() is False
+    assert TokenizeRequest(model="m", prompt="").prompt == ""  # an empty text has its BOS alone
+
+
+def test_tokenize_messages_as_chat_completions_renders_them():
+    user = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    r = TokenizeRequest(model="m", messages=user)
+    # The chat template writes BOS: no second one, and the assistant turn is opened.
+    assert r.chat_messages() == [{"role": "user", "content": "ab"}]
+    assert r.special_tokens() is False and r.generation_prompt() is True
+    r = TokenizeRequest(model="m", messages=user, add_generation_prompt=False, add_special_tokens=True)
+    assert r.generation_prompt() is False and r.special_tokens() is True
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"prompt": "a", "messages": [{"role": "user", "content": "x"}]},
+         "exactly one of prompt and messages is required; both given"),
+        ({}, "exactly one of prompt and messages is required; neither given"),
+        ({"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt applies to messages only"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "image_url"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "a", "bogus": 1}, "bogus"),
+        ({"prompt": "a", "model": ""}, "model"),
+    ],
+)
+def test_bad_tokenize_bodies_are_rejected(body, match):
+    with pytest.raises(ValidationError, match=match) as e:
+        TokenizeRequest.model_validate({"model": "m", **body})
+    if match in ("messages", "prompt", "bogus", "model"):
+        assert e.value.errors()[0]["loc"][0] == match  # the 400 names the field
+
+
+def test_detokenize_bodies():
+    assert DetokenizeRequest(model="m", tokens=[1, 2, 3]).tokens == [1, 2, 3]
+    assert DetokenizeRequest(model="m", tokens=[]).tokens == []
+    for body, field in (({"tokens": ["a"]}, "tokens"), ({}, "tokens"), ({"tokens": [1], "prompt": "x"}, "prompt")):
+        with pytest.raises(ValidationError) as e:
+            DetokenizeRequest.model_validate({"model": "m", **body})
+        assert e.value.errors()[0]["loc"][0] == field

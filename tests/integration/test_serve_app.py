@@ -188,6 +188,95 @@ def test_chat_completions_match_the_runtime(app, files, reference):
         assert "".join(c.choices[0].delta.content or "" for c in stream) == want
 
 
+def test_retrieve_model_returns_what_the_list_holds(app, files):
+    listed = {m["id"]: m for m in httpx.get(f"{app.base_url}/v1/models", timeout=30).json()["data"]}
+    for model in (BASE, "reverse"):  # the base model and a demo adapter
+        r = httpx.get(f"{app.base_url}/v1/models/{model}", timeout=30)
+        assert r.status_code == 200 and r.json() == listed[model], r.text
+    client = _client(app)
+    adapter = client.models.retrieve("upper")
+    assert adapter.id == "upper" and adapter.model_extra["parent"] == BASE
+    assert client.models.retrieve(BASE).model_extra["parent"] is None
+    r = httpx.get(f"{app.base_url}/v1/models/no-such-model", timeout=30)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["param"] == "model" and error["type"] == "not_found_error" and "no-such-model" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def _tokenize(app, body: dict) -> httpx.Response:
+    return httpx.post(f"{app.base_url}/tokenize", json=body, timeout=60)
+
+
+def _detokenize(app, body: dict) -> httpx.Response:
+    return httpx.post(f"{app.base_url}/detokenize", json=body, timeout=60)
+
+
+def test_tokenize_and_detokenize_round_trip(app, reference):
+    tokenizer = reference.engine.tokenizer
+    text = "hello, world="
+    for model in (BASE, "caesar"):  # an adapter resolves like a completion's model, same tokenizer
+        r = _tokenize(app, {"model": model, "prompt": text})
+        assert r.status_code == 200, r.text
+        ids = tokenizer.encode(text)
+        assert r.json() == {"tokens": ids, "count": len(ids), "max_model_len": ARGS["max_seq_len"]}
+        assert ids[0] == tokenizer.bos_token_id  # add_special_tokens defaults to true for a prompt
+        plain = _tokenize(app, {"model": model, "prompt": text, "add_special_tokens": False}).json()["tokens"]
+        assert plain == ids[1:]
+        assert _detokenize(app, {"model": model, "tokens": plain}).json() == {"prompt": text}
+        # Special tokens are kept, as vLLM's /detokenize: the text tokenizes back to the same ids.
+        with_bos = _detokenize(app, {"model": model, "tokens": ids}).json()["prompt"]
+        assert with_bos == tokenizer.decode(ids, skip_special_tokens=False) and with_bos.endswith(text)
+        again = _tokenize(app, {"model": model, "prompt": with_bos, "add_special_tokens": False}).json()["tokens"]
+        assert again == ids
+    assert _detokenize(app, {"model": BASE, "tokens": []}).json() == {"prompt": ""}
+
+
+def test_tokenize_messages_counts_what_chat_completions_counts(app, reference):
+    client = _client(app)
+    conversations = (
+        [{"role": "user", "content": "hello"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "serving"},
+         {"role": "assistant", "content": "gnivres"}, {"role": "user", "content": [{"type": "text", "text": "batch"}]}],
+    )
+    for model, messages in zip((BASE, "reverse"), conversations):
+        r = _tokenize(app, {"model": model, "messages": messages, "add_generation_prompt": True})
+        assert r.status_code == 200, r.text
+        got = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
+        assert r.json()["count"] == len(r.json()["tokens"]) == got.usage.prompt_tokens
+        # The template writes BOS: once, as in the chat path.
+        assert r.json()["tokens"].count(reference.engine.tokenizer.bos_token_id) == 1
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param, says",
+    [
+        ("/tokenize", {"model": "no-such-model", "prompt": "x"}, 404, "model", "no-such-model"),
+        ("/detokenize", {"model": "no-such-model", "tokens": [5]}, 404, "model", "no-such-model"),
+        ("/tokenize", {"model": BASE, "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, None,
+         "both given"),
+        ("/tokenize", {"model": BASE}, 400, None, "neither given"),
+        ("/tokenize", {"model": BASE, "prompt": "x", "add_generation_prompt": True}, 400, None,
+         "add_generation_prompt"),
+        ("/tokenize", {"model": BASE, "prompt": "x", "bogus": 1}, 400, "bogus", "bogus"),
+        ("/tokenize", {"model": BASE, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "messages", "image_url"),
+        # The demo's chat template refuses a tool turn: the 400 comes from rendering it.
+        ("/tokenize", {"model": BASE, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "tool"),
+        ("/detokenize", {"model": BASE, "tokens": [5, 100000, -1, 100000]}, 400, "tokens", "[-1, 100000]"),
+        ("/detokenize", {"model": BASE, "tokens": "abc"}, 400, "tokens", "tokens"),
+        ("/detokenize", {"model": BASE}, 400, "tokens", "tokens"),
+    ],
+)
+def test_bad_tokenizer_requests_use_the_openai_format(app, path, body, status, param, says):
+    r = httpx.post(f"{app.base_url}{path}", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
 def test_logprobs_over_http_match_the_runtime(app, files, reference):
     """Completions (logprobs=N) and chat (logprobs, top_logprobs), whole and streamed."""
     from lora_runtime.engine.sampling import SamplingParams
