@@ -67,7 +67,9 @@ def route(
     of its rendezvous order. Replicas over
     the cap come last, least loaded first. Base-model requests go, under the cap, to the
     replicas that served the longest start of their prompt first (``prefix_match``: replica
-    id -> blocks matched, see PrefixAffinity), then least loaded first.
+    id -> blocks matched, see PrefixAffinity), then least loaded first. Within each adapter
+    tier too, the replica that served the longest start of the prompt (for this adapter)
+    comes first: a hot adapter's conversation stays with one of its homes.
     """
     if not replicas:
         raise ValueError("no replicas to route to")
@@ -79,15 +81,16 @@ def route(
     cap = load_cap([r.load for r in replicas], eps)
     by_load = sorted(replicas, key=lambda r: (r.load, r.replica_id))
     over = [r.replica_id for r in by_load if r.load >= cap]
+    depth = prefix_match or {}
     if adapter is None:
-        depth = prefix_match or {}
         under = sorted((r for r in replicas if r.load < cap),
                        key=lambda r: (-depth.get(r.replica_id, 0), r.load, r.replica_id))
         return [r.replica_id for r in under] + over
 
     order = rendezvous_order(adapter, ids)
     rank = {rid: i for i, rid in enumerate(order)}
-    under = sorted((r for r in replicas if r.load < cap), key=lambda r: (r.load, rank[r.replica_id]))
+    under = sorted((r for r in replicas if r.load < cap),
+                   key=lambda r: (-depth.get(r.replica_id, 0), r.load, rank[r.replica_id]))
     home_ids = set(order[:homes])
     # A hot adapter's homes rank with its device holders, so its load spreads over them.
     spread = home_ids if homes > 1 else set()
@@ -163,15 +166,16 @@ class HotAdapterTracker:
                 del self._rates[name]
 
 
-def prompt_text(payload: dict) -> str:
-    """The text a request's prompt starts with, as prefix routing compares prompts: a
-    completion's prompt (token ids as text), or a chat's messages in order."""
+def prompt_text(payload: dict, adapter: str = "") -> str:
+    """The text a request's prompt starts with, as prefix routing compares prompts: the
+    adapter (its K/V differ from another's for the same tokens), then a completion's prompt
+    (token ids as text), or a chat's messages in order."""
     if payload.get("kind") == "chat":
-        return "".join(f"\x00{m.get('role')}\x00{m.get('content')}" for m in payload.get("messages") or ())
-    prompt = payload.get("prompt")
-    if isinstance(prompt, list):
-        return " ".join(map(str, prompt))
-    return prompt if isinstance(prompt, str) else ""
+        text = "".join(f"\x00{m.get('role')}\x00{m.get('content')}" for m in payload.get("messages") or ())
+    else:
+        prompt = payload.get("prompt")
+        text = " ".join(map(str, prompt)) if isinstance(prompt, list) else prompt if isinstance(prompt, str) else ""
+    return f"{adapter}\x01{text}" if adapter else text
 
 
 class PrefixAffinity:

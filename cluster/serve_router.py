@@ -70,15 +70,19 @@ def replica_view(replica: RunningReplica, load: int) -> ReplicaView:
 
 
 def _prompt_of(pending_request: PendingRequest | None) -> str:
-    args = pending_request.args if pending_request is not None else ()
-    return prompt_text(args[0]) if args and isinstance(args[0], dict) else ""
+    """The prompt a request to a replica's ``generate`` carries, keyed by its adapter; ""
+    for other calls (they take keyword arguments and fill no prefix cache)."""
+    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], dict):
+        return ""
+    return prompt_text(pending_request.args[0], pending_request.metadata.multiplexed_model_id)
 
 
 class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, RequestRouter):
     """Routes each adapter to a replica that holds it or to its rendezvous home, within a load bound.
 
     Base-model requests go to the replica that was sent the longest start of their prompt
-    (so likely holds it in its prefix cache), within the same bound, else the least loaded.
+    (so likely holds it in its prefix cache), within the same bound, else the least loaded;
+    adapter requests prefer it among equally good holders (a hot adapter's homes).
 
     A replica found for a request goes to the oldest pending request for the same adapter,
     else the oldest pending request (FIFOMixin, as Serve's default router). The base
@@ -112,7 +116,7 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
             replica_view(r, self._replica_queue_len_cache.get(r.replica_id) or 0) for r in candidate_replicas
         ]
         homes = self._hot.homes(adapter, len(views)) if adapter else 1
-        match = None if adapter else self._prefixes.match(_prompt_of(pending_request))
+        match = self._prefixes.match(_prompt_of(pending_request))
         order = route(adapter or None, views, homes=homes, eps=self._eps, prefix_match=match)
         if pending_request is not None:
             # Every replica is ranked on every attempt, so when none can take the request
@@ -127,8 +131,7 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         adapter = pending_request.metadata.multiplexed_model_id
         if adapter:
             self._hot.record(adapter)
-        else:
-            self._prefixes.record(_prompt_of(pending_request), replica_id.unique_id)
+        self._prefixes.record(_prompt_of(pending_request), replica_id.unique_id)
 
 
 class MultiplexMetricsRouter(ReplicaMetricsMixin, PowerOfTwoChoicesRequestRouter):

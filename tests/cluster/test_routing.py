@@ -150,12 +150,25 @@ def test_base_model_goes_where_its_prompt_start_went_within_the_load_bound():
     assert got[0] == IDS[3] and got[-1] == IDS[1]
 
 
+def test_an_adapters_holders_are_ordered_by_prompt_start_then_load():
+    """Two homes of a hot adapter hold it: the one that served this conversation's start comes
+    first even when busier (within the cap); the holder tier still beats a deeper non-holder."""
+    order = rendezvous_order("hot", IDS)
+    resident = {order[0]: ["hot"], order[1]: ["hot"]}
+    loads = {order[0]: 0, order[1]: 1}
+    match = {order[1]: 2, order[2]: 5}
+    got = route("hot", views(loads=loads, resident=resident), homes=2, prefix_match=match)
+    assert got[:3] == [order[1], order[0], order[2]]
+
+
 def test_prompt_text_of_payloads():
     assert prompt_text({"kind": "completion", "prompt": "abc"}) == "abc"
     assert prompt_text({"kind": "completion", "prompt": [1, 22, 3]}) == "1 22 3"
     chat = {"kind": "chat", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}
     assert prompt_text(chat) == "\x00system\x00S\x00user\x00U"
     assert prompt_text({}) == ""
+    # Keyed by the adapter: the same prompt under another adapter shares no prefix.
+    assert prompt_text({"kind": "completion", "prompt": "abc"}, "a1") == "a1\x01abc"
 
 
 def test_hot_adapter_spreads_over_its_first_homes():
@@ -337,5 +350,28 @@ def test_serve_router_sends_a_base_model_prompt_where_its_start_went():
         other = {"kind": "completion", "prompt": "nothing in common with the others, at all. " * 3}
         ranks = await router.choose_replicas(replicas, _pending("", other))
         assert ranks[0][0].replica_id != chosen.replica_id  # least loaded
+
+    asyncio.run(run())
+
+
+def test_serve_router_keeps_an_adapter_conversation_on_one_of_its_holders():
+    async def run():
+        router = _router()
+        ids = ["r0", "r1", "r2"]
+        # Both r0 and r1 hold the adapter; r2 does not.
+        replicas = [StatsReplica(r, routing_stats(_rows(slot_names=["a1"] if r != "r2" else []), {}))
+                    for r in ids]
+        router.update_replicas(replicas)
+        first = {"kind": "chat", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "1"}]}
+        ranks = await router.choose_replicas(replicas, _pending("a1", first))
+        went = ranks[0][0].replica_id
+        router.on_request_routed(_pending("a1", first), went, None)
+        router.on_send_request(went)  # busier than the other holder now
+        second = {"kind": "chat", "messages": first["messages"] + [{"role": "assistant", "content": "ok"}]}
+        ranks = await router.choose_replicas(replicas, _pending("a1", second))
+        assert ranks[0][0].replica_id == went
+        # The same prompt for another adapter (or the base model) matches nothing.
+        assert router._prefixes.match(prompt_text(second, "a2")) == {}
+        assert router._prefixes.match(prompt_text(second)) == {}
 
     asyncio.run(run())
