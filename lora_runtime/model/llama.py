@@ -130,16 +130,67 @@ def prefill_attention(
     positions: jax.Array,  # i32[T]
     rows: jax.Array,  # i32[T], -1 = padding
     window: int | None,
+    block: int = 512,
 ) -> jax.Array:  # [T, Hkv, G, D]
-    """Causal attention among the packed fresh sequences of one prefill batch."""
-    same_row = (rows[:, None] == rows[None, :]) & (rows[:, None] >= 0)
-    delta = positions[:, None] - positions[None, :]
-    # The diagonal keeps padding rows finite; real tokens always see themselves anyway.
-    mask = (same_row & (delta >= 0) & _window_ok(delta, window)) | jnp.eye(rows.shape[0], dtype=bool)
-    scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
-    return jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v)
+    """Causal attention among the packed fresh sequences of one prefill batch.
+
+    Up to `block` tokens, one [T, T] score matrix per head; past that, keys in blocks with an
+    online softmax, so a large prefill budget needs [T, block] scores, not [T, T].
+    """
+    t = rows.shape[0]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if t <= block:
+        same_row = (rows[:, None] == rows[None, :]) & (rows[:, None] >= 0)
+        delta = positions[:, None] - positions[None, :]
+        # The diagonal keeps padding rows finite; real tokens always see themselves anyway.
+        mask = (same_row & (delta >= 0) & _window_ok(delta, window)) | jnp.eye(t, dtype=bool)
+        scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) * scale
+        probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+        return jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v)
+
+    q_rows = jnp.where(rows >= 0, rows, -2)  # padding matches no key: its output is 0
+
+    def body(i, carry):
+        start = i * block
+        first = jnp.minimum(start, t - block)  # the last block is clamped; earlier keys masked
+        kb = jax.lax.dynamic_slice_in_dim(k, first, block)
+        vb = jax.lax.dynamic_slice_in_dim(v, first, block)
+        k_pos = jax.lax.dynamic_slice_in_dim(positions, first, block)
+        k_rows = jax.lax.dynamic_slice_in_dim(rows, first, block)
+        delta = positions[:, None] - k_pos[None, :]  # [T, block]
+        mask = (((first + jnp.arange(block)) >= start)[None, :] & (q_rows[:, None] == k_rows[None, :])
+                & (delta >= 0) & _window_ok(delta, window))
+        s = jnp.einsum("tkgd,skd->kgts", q, kb, preferred_element_type=jnp.float32) * scale
+        return _online_softmax_step(carry, s, mask, vb, "kgts,skd->kgtd")
+
+    _, hkv, g, d = q.shape
+    out = _online_softmax(body, -(-t // block), (hkv, g, t), d)
+    return jnp.transpose(out, (2, 0, 1, 3)).astype(v.dtype)
+
+
+def _online_softmax_step(carry, s, mask, vb, spec: str):
+    """One key block of an online softmax: `carry` = (running max, sum, weighted values)
+    over the blocks so far; s: the block's scores (masked where `mask` is False)."""
+    m, l, acc = carry
+    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    correction = jnp.exp(m - m_new)
+    l = l * correction + p.sum(axis=-1)
+    acc = acc * correction[..., None] + jnp.einsum(spec, p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
+def _online_softmax(body, blocks, shape: tuple[int, ...], d: int) -> jax.Array:  # f32[*shape, d]
+    """Runs `body(i, carry)` over `blocks` key blocks (one block: no loop, so XLA fuses the
+    step freely) and normalizes; a query that saw no key gets 0."""
+    init = (jnp.full(shape, jnp.finfo(jnp.float32).min, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, d), jnp.float32))
+    if isinstance(blocks, int) and blocks == 1:
+        _, l, acc = body(0, init)
+    else:
+        _, l, acc = jax.lax.fori_loop(0, blocks, body, init)
+    return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
 def decode_attention(
@@ -218,10 +269,8 @@ def cached_attention(
     block = min(block, seq_len)
     scale = 1.0 / math.sqrt(q.shape[-1])
     r, t, hkv, g, d = q.shape  # r: query groups
-    neg = jnp.finfo(jnp.float32).min
 
     def body(i, carry):
-        m, l, acc = carry
         start = i * block
         # The last block is clamped to the cache's end; keys before `start` were counted already.
         first = jnp.minimum(start, seq_len - block)
@@ -235,23 +284,11 @@ def cached_attention(
         delta = qpos[:, :, None] - kpos[None, None, :]  # [R, T, block]
         mask = ((kpos >= start)[None, None, :] & (delta >= 0) & _window_ok(delta, window))[:, None, None]
         s = jnp.einsum("rtkgd,rskd->rkgts", q, kb, preferred_element_type=jnp.float32) * scale
-        s = jnp.where(mask, s, neg)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum(
-            "rkgts,rskd->rkgtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32
-        )
-        return m_new, l, acc
+        return _online_softmax_step(carry, s, mask, vb, "rkgts,rskd->rkgtd")
 
-    init = (jnp.full((r, hkv, g, t), neg, jnp.float32), jnp.zeros((r, hkv, g, t), jnp.float32),
-            jnp.zeros((r, hkv, g, t, d), jnp.float32))
-    if block == seq_len:  # one block: no loop, so XLA fuses the step as it likes
-        _, l, acc = body(0, init)
-    else:
-        _, l, acc = jax.lax.fori_loop(0, (jnp.max(qpos) + block) // block, body, init)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]  # every query sees at least key 0
+    # Every query sees at least key 0. One block when the cache fits in it.
+    blocks = 1 if block == seq_len else (jnp.max(qpos) + block) // block
+    out = _online_softmax(body, blocks, (r, hkv, g, t), d)
     return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(v.dtype)
 
 

@@ -112,3 +112,21 @@ def test_several_chunks_each_over_its_own_row(block):
                                   jnp.arange(total, dtype=jnp.int32), jnp.zeros(total, jnp.int32), None)
         np.testing.assert_allclose(np.asarray(got[e * c : e * c + n]), np.asarray(whole[start:]),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("block", [8, 7, 16])
+def test_blocked_prefill_equals_the_whole_score_matrix(window, block):
+    """Past `block` tokens, packed prefill reads keys in blocks; each sequence's tokens get
+    what one [T, T] score matrix gives them (block sizes that do and do not divide T)."""
+    hkv, g, d = 2, 2, 8
+    lengths = [11, 17, 6]  # three sequences back to back, then 6 padding tokens
+    t = sum(lengths) + 6
+    rows = jnp.concatenate([jnp.full(n, r, jnp.int32) for r, n in enumerate(lengths)] + [jnp.full(6, -1, jnp.int32)])
+    positions = jnp.concatenate([jnp.arange(n, dtype=jnp.int32) for n in lengths] + [jnp.zeros(6, jnp.int32)])
+    q, k, v = _random((t, hkv, g, d), 20), _random((t, hkv, d), 21), _random((t, hkv, d), 22)
+    dense = prefill_attention(q, k, v, positions, rows, window, block=t)
+    blocked = prefill_attention(q, k, v, positions, rows, window, block=block)
+    real = np.asarray(rows) >= 0
+    np.testing.assert_allclose(np.asarray(blocked)[real], np.asarray(dense)[real], rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(blocked)).all()
