@@ -143,9 +143,17 @@ def test_decoding_goes_on_between_chunks(chunked):
                     done.set()
         return emit
 
-    chunked.submit(SYSTEM * 2, SamplingParams(max_tokens=1, temperature=0.0), emitter("long"))
-    chunked.submit("hi", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), emitter("short"))
-    assert done.wait(60)
+    scheduler = chunked.scheduler
+    admit = scheduler.admit
+    # Both are admitted in one step (however the submitting thread is scheduled): whole, the
+    # long prompt would give its one token in that step, before the short request's third.
+    scheduler.admit = lambda *a: ([], []) if 0 < len(scheduler.waiting) < 2 else admit(*a)
+    try:
+        chunked.submit(SYSTEM * 2, SamplingParams(max_tokens=1, temperature=0.0), emitter("long"))
+        chunked.submit("hi", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), emitter("short"))
+        assert done.wait(60)
+    finally:
+        scheduler.admit = admit
     assert order == ["short", "long"]
 
 
