@@ -8,9 +8,8 @@ same popular adapters. A replica leaving moves only the adapters homed on it.
 
 from __future__ import annotations
 
-import collections
-import itertools
 import hashlib
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
