@@ -8,8 +8,8 @@ same popular adapters. A replica leaving moves only the adapters homed on it.
 
 from __future__ import annotations
 
-import collections
 import hashlib
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -184,23 +184,23 @@ class PrefixAffinity:
 
     Prompts are cut into blocks of ``block`` characters; block i is keyed by a hash of the
     whole text up to its end, so a key names a prefix, not a block. Each key remembers the
-    replicas that served it; ``capacity`` keys are kept, least recently used dropped.
+    replicas that served it; about ``capacity`` keys are kept, least recently used dropped.
     """
 
-    def __init__(self, *, block: int = 64, max_blocks: int = 128, capacity: int = 200_000):
+    def __init__(self, *, block: int = 64, max_blocks: int = 128, capacity: int = 50_000):
         if block < 1 or max_blocks < 1 or capacity < 1:
             raise ValueError(f"{block=}, {max_blocks=} and {capacity=} must all be >= 1")
         self.block = block
         self.max_blocks = max_blocks
-        self.capacity = capacity
-        self._owners: collections.OrderedDict[bytes, set[str]] = collections.OrderedDict()
+        self.capacity = capacity  # about 190 bytes each: 50 000 keys take about 10 MB
+        self._owners: dict[int, tuple[str, ...]] = {}  # oldest use first (reinserted when used)
 
-    def _keys(self, text: str) -> list[bytes]:
-        h = hashlib.blake2b(digest_size=16)
+    def _keys(self, text: str) -> list[int]:
+        h = hashlib.blake2b(digest_size=8)
         keys = []
         for i in range(min(len(text) // self.block, self.max_blocks)):
             h.update(text[i * self.block : (i + 1) * self.block].encode("utf-8", "surrogatepass"))
-            keys.append(h.copy().digest())
+            keys.append(int.from_bytes(h.copy().digest(), "big"))
         return keys
 
     def match(self, text: str) -> dict[str, int]:
@@ -217,10 +217,12 @@ class PrefixAffinity:
     def record(self, text: str, replica_id: str) -> None:
         """``replica_id`` was sent a request whose prompt is ``text``."""
         for key in self._keys(text):
-            self._owners.setdefault(key, set()).add(replica_id)
-            self._owners.move_to_end(key)
-        while len(self._owners) > self.capacity:
-            self._owners.popitem(last=False)
+            owners = self._owners.pop(key, ())
+            self._owners[key] = owners if replica_id in owners else (*owners, replica_id)
+        if len(self._owners) > self.capacity + self.capacity // 8:
+            # Keep the most recently used `capacity` (at once: amortized O(1) per key).
+            drop = len(self._owners) - self.capacity
+            self._owners = dict(itertools.islice(self._owners.items(), drop, None))
 
 
 __all__ = [
