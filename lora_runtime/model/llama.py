@@ -216,18 +216,14 @@ def extend_attention(
     positions: jax.Array,  # i32[T]
     rows: jax.Array,  # i32[T]: one cache row, -1 = padding
     window: int | None,
-    block: int = 512,
+    block: int = 128,
 ) -> jax.Array:  # [T, Hkv, G, D]
     """One sequence's chunk of tokens attends to its row of the cache up to each token's position.
 
     The row holds the sequence's earlier tokens (a prefix computed before, or earlier chunks
-    of a long prompt) and this chunk's own K/V.
+    of a long prompt) and this chunk's own K/V: rows_extend_attention with one sequence.
     """
-    row = jnp.clip(jnp.max(rows), 0, k_cache.shape[0] - 1)
-    k_row = jax.lax.dynamic_index_in_dim(k_cache, row, axis=0)  # [1, S, Hkv, D]
-    v_row = jax.lax.dynamic_index_in_dim(v_cache, row, axis=0)
-    qpos = jnp.where(rows >= 0, positions, 0)
-    return cached_attention(q[None], k_row, v_row, qpos[None], window, block)[0]
+    return rows_extend_attention(q, k_cache, v_cache, positions, rows, window, sequences=1, block=block)
 
 
 def rows_extend_attention(
