@@ -73,3 +73,28 @@ def make_inputs(num_tokens, num_slots, rank, outs, in_features, dtype, seed, *, 
         x=cast(x), a=cast(a), b=tuple(cast(t) for t in b), base=tuple(cast(t) for t in base),
         slots=jnp.asarray(slots), scalings=jnp.asarray(scalings), ranks=jnp.asarray(ranks),
     )
+
+
+def naive_paged_attention(q, k_pages, v_pages, block_tables, q_start, window=None) -> np.ndarray:
+    """Paged attention one query and one key at a time: query c of group g at position
+    p = q_start[g] + c attends to positions k <= p (and p - k < window), key k read from
+    page block_tables[g, k // bs] at offset k % bs."""
+    q = np.asarray(q, np.float64)
+    k_pages, v_pages = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    groups, c, heads, d = q.shape
+    kv_heads, _, bs, _ = k_pages.shape
+    out = np.zeros_like(q)
+    for g in range(groups):
+        for t in range(c):
+            p = int(q_start[g]) + t
+            keys = [k for k in range(p + 1) if window is None or p - k < window]
+            for h in range(heads):
+                kh = h // (heads // kv_heads)
+                scores, values = [], []
+                for k in keys:
+                    page, offset = int(block_tables[g][k // bs]), k % bs
+                    scores.append(q[g, t, h] @ k_pages[kh, page, offset] / np.sqrt(d))
+                    values.append(v_pages[kh, page, offset])
+                w = np.exp(np.array(scores) - max(scores))
+                out[g, t, h] = (w[:, None] * np.array(values)).sum(0) / w.sum()
+    return out
