@@ -33,8 +33,20 @@ class AppArgs(BaseModel):
     )
     num_replicas: int = Field(1, description="LoRAModelServer replicas, one engine each.")
     tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over.")
-    max_batch: int = Field(8, description="Sequences one replica decodes together.")
+    max_batch: int = Field(
+        8, description="Most sequences one replica runs at once (decoded together; vLLM's max_num_seqs). "
+        "Their K/V take cache blocks as they grow, so this is not a memory reservation.")
     max_seq_len: int = Field(64, description="Longest prompt plus completion, in tokens (the demo model holds 64).")
+    kv_block_size: int | None = Field(
+        None, description="Tokens per KV cache block; null: 128 on TPU, else 16.")
+    kv_cache_memory_fraction: float = Field(
+        0.9, description="Share of each GPU/TPU's memory a replica uses; what weights, adapter pool and step "
+        "workspace leave of it becomes KV cache blocks.")
+    kv_cache_bytes: int | None = Field(
+        None, description="KV cache bytes per device, overriding the fraction; on CPU null sizes the cache "
+        "for max_batch sequences of max_seq_len tokens.")
+    attention_backend: str = Field(
+        "auto", description="Paged attention: auto (Pallas kernels on TPU and GPU, XLA on CPU), xla or pallas.")
     max_prefill_tokens: int | None = Field(
         None,
         description="Most prompt tokens one engine step computes (at least 16), so the longest pause a "
@@ -130,6 +142,27 @@ class AppArgs(BaseModel):
             raise ValueError(f"max_loras_per_batch={v} must be >= 0 (0 disables adapters)")
         return v
 
+    @field_validator("kv_block_size", "kv_cache_bytes")
+    @classmethod
+    def _positive_or_null(cls, v: int | None, info) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"{info.field_name}={v} must be >= 1 or null")
+        return v
+
+    @field_validator("kv_cache_memory_fraction")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        if not 0.0 < v <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction={v} must be in (0, 1]")
+        return v
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _attention(cls, v: str) -> str:
+        if v not in ("auto", "xla", "pallas"):
+            raise ValueError(f"attention_backend={v!r} must be auto, xla or pallas")
+        return v
+
     @field_validator("routing_hot_rate", "routing_rate_half_life_s")
     @classmethod
     def _strictly_positive(cls, v: float, info) -> float:
@@ -206,6 +239,10 @@ class AppArgs(BaseModel):
         return EngineConfig(
             max_batch=self.max_batch,
             max_seq_len=self.max_seq_len,
+            kv_block_size=self.kv_block_size,
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            kv_cache_bytes=self.kv_cache_bytes,
+            attention_backend=self.attention_backend,
             max_prefill_tokens=self.max_prefill_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_cache_min_tokens=self.prefix_cache_min_tokens,

@@ -1,11 +1,14 @@
-"""Assembles an engine: mesh, sharded checkpoint, tokenizer, LoRA backend, pool and manager."""
+"""Assembles an engine: mesh, memory plan, sharded checkpoint, tokenizer, LoRA backend, pool and manager."""
 
 from __future__ import annotations
 
+import logging
 import os
 
+from kernels.common import default_platform
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
+from lora_runtime.engine.memory_plan import MemoryPlan, device_memory_bytes, plan_memory
 from lora_runtime.engine.runner import ModelRunner
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.llama import LlamaModel
@@ -13,22 +16,36 @@ from lora_runtime.model.loader import load_model
 from lora_runtime.model.sharding import make_mesh
 from lora_runtime.model.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 
 def build_engine(
     model_path: str, config: EngineConfig, *, model_name: str | None = None, tokenizer_path: str | None = None
 ) -> Engine:
     """An engine serving the HF checkpoint at `model_path` (not yet started).
 
+    The memory plan is made from the checkpoint's config before any weight is read, so a
+    configuration that does not fit is refused with nothing allocated.
     `tokenizer_path`: a folder with tokenizer.json (and its config and chat template) to use
     instead of the checkpoint's own; generation_config.json still comes from the checkpoint.
     """
-    # Refused before any weight is read.
-    ModelConfig.from_pretrained(model_path, dtype=config.dtype).check_max_seq_len(config.max_seq_len)
+    model_config = ModelConfig.from_pretrained(model_path, dtype=config.dtype)
+    model_config.check_max_seq_len(config.max_seq_len)
     mesh = make_mesh(config.tensor_parallel_size)
+    plan = make_plan(model_config, config, mesh)
     model_config, model = load_model(model_path, mesh, dtype=config.dtype)
     tokenizer = Tokenizer.from_pretrained(tokenizer_path or model_path, generation_config_dir=model_path)
     name = model_name or os.path.basename(os.path.normpath(model_path))
-    return assemble_engine(model, model_config, tokenizer, config, mesh, model_name=name)
+    return assemble_engine(model, model_config, tokenizer, config, mesh, model_name=name, plan=plan)
+
+
+def make_plan(model_config: ModelConfig, config: EngineConfig, mesh) -> MemoryPlan:
+    """The replica's memory plan on this machine's platform, logged in one line."""
+    platform = default_platform()
+    plan = plan_memory(model_config, config, mesh, platform=platform, block_size=config.block_size(platform),
+                       device_bytes=device_memory_bytes(mesh.devices.flat))
+    logger.info("%s", plan.describe())
+    return plan
 
 
 def assemble_engine(
@@ -39,9 +56,17 @@ def assemble_engine(
     mesh,
     *,
     model_name: str = "base",
+    plan: MemoryPlan | None = None,
+    attention: tuple[str, bool] | None = None,
 ) -> Engine:
-    """An engine around an already-built model (tests and benchmarks use random weights)."""
+    """An engine around an already-built model (tests and benchmarks use random weights).
+
+    `attention` = (platform, interpret) picks the paged-attention formulation instead of the
+    config's (tests run the TPU or GPU kernel in interpret mode on CPU).
+    """
     model_config.check_max_seq_len(config.max_seq_len)
+    plan = plan or make_plan(model_config, config, mesh)
+    platform, interpret = attention or (config.attention_platform(plan.platform), False)
     backend = manager = None
     if config.max_loras_per_batch > 0:
         from lora_runtime.lora.backend.select import select_backend
@@ -61,5 +86,8 @@ def assemble_engine(
             ),
             dtype=model_config.dtype,
         )
-    runner = ModelRunner(model, model_config, config, mesh, backend)
-    return Engine(runner, tokenizer, lora_manager=manager, model_name=model_name)
+    runner = ModelRunner(model, model_config, config, mesh, backend, num_blocks=plan.num_blocks,
+                         block_size=plan.block_size, attention_platform=platform, interpret=interpret)
+    engine = Engine(runner, tokenizer, lora_manager=manager, model_name=model_name)
+    engine.memory_plan = plan
+    return engine

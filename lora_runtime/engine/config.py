@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # The default step budget: prefill attention scores grow with its square, so a long
 # max_seq_len does not make one step compute a whole long prompt at once.
 DEFAULT_PREFILL_TOKENS = 2048
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 
 
 class EngineConfig(BaseModel):
@@ -15,8 +16,21 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_batch: int = Field(8, ge=1, description="Sequences decoded together (KV cache rows).")
-    max_seq_len: int = Field(512, ge=8, description="Longest prompt plus completion, in tokens.")
+    max_batch: int = Field(
+        8, ge=1, description="Most sequences running at once (decoded in one step; vLLM's max_num_seqs). "
+        "Their K/V take blocks of the cache as they grow, not a max_seq_len row each.")
+    max_seq_len: int = Field(
+        512, ge=8, description="Longest prompt plus completion, in tokens (up to the model's positions).")
+    kv_block_size: int | None = Field(
+        None, ge=1, description="Tokens per KV cache block; None: 128 on TPU (the kernel's tile), else 16.")
+    kv_cache_memory_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="Share of each accelerator's memory limit the replica uses: "
+        "what weights, adapter pool and step workspace leave of it becomes KV blocks.")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="KV cache bytes per device, overriding the fraction; on CPU (no memory "
+        "limit to read) None sizes it for max_batch sequences of max_seq_len tokens.")
+    attention_backend: str = Field(
+        "auto", description="Paged attention: auto (the Pallas kernel on TPU and GPU, XLA on CPU), xla or pallas.")
     max_prefill_tokens: int | None = Field(
         None,
         ge=16,
@@ -62,11 +76,25 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or None")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
         return self
 
     @property
     def prefill_budget(self) -> int:
         return self.max_prefill_tokens or min(self.max_seq_len, DEFAULT_PREFILL_TOKENS)
+
+    def block_size(self, platform: str) -> int:
+        """Tokens per KV block on `platform` ("cpu", "gpu" or "tpu")."""
+        return self.kv_block_size or (128 if platform == "tpu" else 16)
+
+    def attention_platform(self, platform: str) -> str:
+        """The paged-attention formulation (kernels/paged_attention) for `platform`."""
+        if self.attention_backend == "xla" or (self.attention_backend == "auto" and platform == "cpu"):
+            return "xla"
+        if platform == "cpu":
+            raise ValueError("attention_backend='pallas' needs a GPU or TPU (on CPU: auto or xla)")
+        return platform
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Token counts a prefill step is padded to: powers of two from 16, capped."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -21,7 +22,7 @@ from typing import AsyncIterator, Callable, Sequence as Seq
 import numpy as np
 
 from lora_runtime.engine.config import EngineConfig
-from lora_runtime.engine.runner import ModelRunner, Sampled, StepInputs
+from lora_runtime.engine.runner import ModelRunner, Sampled, StepInputs, history_bucket
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
 from lora_runtime.engine.scheduler import Scheduler
 from lora_runtime.engine.sequence import RequestOutput, Sequence, TokenLogprob
@@ -56,7 +57,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.lora_manager = lora_manager
         self.model_name = model_name
-        self.scheduler = Scheduler(self.config, lora_manager)
+        self.scheduler = Scheduler(self.config, lora_manager, num_blocks=runner.num_blocks,
+                                   block_size=runner.block_size)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -70,6 +72,7 @@ class Engine:
             "max_batch_adapters": 0,  # most distinct adapters seen in one decode step
             "extend_steps": 0,  # chunks of prompts computed over a cached prefix or earlier chunks
         }
+        self.memory_plan = None  # the MemoryPlan the cache was sized by (set by the builder)
         self.warm_traces: int | None = None
 
     @classmethod
@@ -93,22 +96,24 @@ class Engine:
         return self
 
     def warmup(self) -> None:
-        """Compiles every step shape once, with every row idle: packed prefill and one-row
-        extend per prefill bucket, several-sequence extend per bucket up to ROWS_CHUNK_MAX, the
-        row copy and decode."""
-        s = self.config.max_seq_len
+        """Compiles every step shape once, with every row idle: packed prefill and one-sequence
+        extend per prefill bucket, several-sequence extend per bucket up to ROWS_CHUNK_MAX,
+        decode, and the row-state reset per history bucket."""
         with self._using_pool() as pool:
             for bucket in self.config.prefill_buckets():
                 self.runner.prefill(self._idle_inputs(bucket, prefill=True), pool)
-                self.runner.extend(self._idle_inputs(bucket, prefill=True, sequences=1),
-                                   np.full((1, s), -1, np.int32), pool)
+                self.runner.extend(self._idle_inputs(bucket, prefill=False, groups=1), pool)
             e = self._rows_sequences
             for c in self._rows_buckets():
-                self.runner.extend_rows(self._idle_inputs(e * c, prefill=True, sequences=e),
-                                        np.full((e, s), -1, np.int32), pool)
-        self.runner.copy_row(0, 0)
-        with self._using_pool() as pool:
-            self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False), pool)
+                self.runner.extend(self._idle_inputs(e * c, prefill=False, groups=e), pool)
+            self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False,
+                                                 groups=self.config.max_batch), pool)
+        size = history_bucket(1)
+        while True:
+            self.runner.init_row(0, [0] * size, size)
+            if size >= self.config.max_seq_len:
+                break
+            size *= 2
         self.warm_traces = self.runner.traces
 
     @property
@@ -292,7 +297,14 @@ class Engine:
             compiles_after_warmup=self.compiles_after_warmup,
             prefix_cache_query_tokens=self.scheduler.prefix_query_tokens,
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
+            preemptions=self.scheduler.preemptions,
+            kv_blocks=self.scheduler.pool.usable,
+            kv_blocks_free=self.scheduler.pool.num_free,
+            kv_blocks_cached=self.scheduler.pool.num_cached,
+            kv_block_size=self.scheduler.block_size,
         )
+        if self.memory_plan is not None:
+            s.update(self.memory_plan.stats())
         return s
 
     # ---- the loop ------------------------------------------------------------------
@@ -315,7 +327,7 @@ class Engine:
                     self._fail(seq, err)
                 if self.runner.reset_if_lost():  # the step had consumed the cache it was given
                     logger.warning("the KV cache was lost with the failed step; it starts empty")
-                    self.scheduler.contents.clear_all()
+                    self.scheduler.forget_cached()
             self.scheduler.step += 1
         for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
             seq.abort()
@@ -338,63 +350,71 @@ class Engine:
 
     def _step(self) -> None:
         """One engine step: prompts (packed fresh ones, then chunks of the rest) up to the
-        prefill budget, then one decode step of every running sequence."""
+        prefill budget, then one decode step of every running sequence past its prompt."""
         budget = self.config.prefill_budget
         scheduler = self.scheduler
         # Prompts being chunked keep at least half the budget (so a stream of short prompts
         # cannot starve them) and take whatever the fresh prompts leave.
-        reserved = min(budget // 2, sum(len(s.prompt_ids) - s.computed for s in scheduler.extending))
-        admitted, failed = scheduler.admit(budget - reserved)
-        for seq, err in failed:
+        reserved = min(budget // 2, sum(s.prefill_len - s.computed for s in scheduler.extending))
+        admission = scheduler.admit(budget - reserved)
+        for seq, err in admission.failed:
             self._fail(seq, err)
-        for src, dst in scheduler.take_copies():
-            self.runner.copy_row(src, dst)
-        if admitted:
-            self._prefill(admitted)
-        extended = self._extend_chunks(budget - sum(len(s.prompt_ids) for s in admitted))
-        decoding = [s for s in scheduler.running.values() if s.output_ids]
+        for seq in admission.placed:
+            if seq.params.penalized:  # the row's penalty state starts from this sequence's tokens
+                self.runner.init_row(seq.row, seq.token_ids(), len(seq.prompt_ids))
+        if admission.packed:
+            self._prefill(admission.packed)
+        extended = self._extend_chunks(budget - sum(s.prefill_len for s in admission.packed))
+        scheduler.reserve_decode_blocks()
+        decoding = scheduler.decoding()
         if decoding:
-            self._decode()
-        elif not admitted and not extended:
-            # Waiting on adapter fetches only: yield the CPU instead of spinning.
+            self._decode(decoding)
+        elif not admission.packed and not extended:
+            # Waiting on adapter fetches or blocks only: yield the CPU instead of spinning.
             self._wake.wait(timeout=0.005)
             self._wake.clear()
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        total = sum(len(s.prompt_ids) for s in seqs)
+        """Computes fresh sequences packed back to back (each attends to itself only)."""
+        total = sum(s.prefill_len for s in seqs)
         bucket = next(b for b in self.config.prefill_buckets() if b >= total)
         tokens = np.zeros(bucket, np.int32)
         positions = np.zeros(bucket, np.int32)
         rows = np.full(bucket, -1, np.int32)
         slots = np.full(bucket, -1, np.int32)
-        last_index = np.zeros(self.config.max_batch, np.int32)
-        seq_rows = np.full(self.config.max_batch, -1, np.int32)
-        sampling_rows: list = [None] * self.config.max_batch
+        slot_mapping = np.full(bucket, self.runner.no_slot, np.int32)
+        b = self.config.max_batch
+        last_index = np.zeros(b, np.int32)
+        seq_rows = np.full(b, -1, np.int32)
+        sampling_rows: list = [None] * b
         offset = 0
         for i, seq in enumerate(seqs):
-            n = len(seq.prompt_ids)
-            tokens[offset : offset + n] = seq.prompt_ids
-            positions[offset : offset + n] = np.arange(n)
-            rows[offset : offset + n] = seq.row
-            slots[offset : offset + n] = seq.slot
+            n = seq.prefill_len
+            at = slice(offset, offset + n)
+            tokens[at] = seq.token_ids(0, n)
+            positions[at] = np.arange(n)
+            rows[at] = seq.row
+            slots[at] = seq.slot
+            slot_mapping[at] = self.runner.slot_mapping(seq.blocks, positions[at])
             last_index[i] = offset + n - 1
             seq_rows[i] = seq.row
-            sampling_rows[i] = (seq.params, seq.seed, 0)
+            sampling_rows[i] = (seq.params, seq.seed, len(seq.output_ids))
             offset += n
+        token_seq = np.where(rows >= 0, rows, -1).astype(np.int32)
         inputs = StepInputs(
-            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows, self._eos), last_index,
-            self._lora_info(slots), seq_rows,
+            tokens, positions, rows, self.runner.prefill_metadata(slot_mapping, token_seq),
+            SamplingBatch.from_rows(sampling_rows, self._eos), last_index, self._lora_info(slots), seq_rows,
         )
         start = time.perf_counter()
         with self._using_pool() as pool:
             sampled = self.runner.prefill(inputs, pool)
-        if any(seq.params.prompt_logprobs is not None for seq in seqs):
+        if any(seq.wants_prompt_logprobs for seq in seqs):
             self._read_prompt_logprobs(seqs, tokens)
         self.counters["prefill_seconds"] += time.perf_counter() - start
         self.counters["prefill_steps"] += 1
         self.counters["prompt_tokens"] += total
         for i, seq in enumerate(seqs):
-            self.scheduler.computed(seq, len(seq.prompt_ids))
+            self.scheduler.computed(seq, seq.prefill_len)
             self._first_token(seq, sampled, i)
 
     def _first_token(self, seq: Sequence, sampled: Sampled, i: int) -> None:
@@ -410,10 +430,10 @@ class Engine:
         ran = False
         short, used = [], 0
         for seq in self.scheduler.extending:
-            n = len(seq.prompt_ids) - seq.computed
+            n = seq.prefill_len - seq.computed
             if len(short) == self._rows_sequences:
                 break
-            if n <= self._rows_chunk and seq.params.prompt_logprobs is None and used + n <= budget:
+            if n <= self._rows_chunk and not seq.wants_prompt_logprobs and used + n <= budget:
                 short.append(seq)
                 used += n
         if len(short) > 1:
@@ -421,7 +441,7 @@ class Engine:
             budget -= used
             ran = True
         for seq in list(self.scheduler.extending):
-            n = min(len(seq.prompt_ids) - seq.computed, budget)
+            n = min(seq.prefill_len - seq.computed, budget)
             if n <= 0:
                 break
             self._extend(seq, n)
@@ -441,70 +461,70 @@ class Engine:
     def _rows_buckets(self) -> tuple[int, ...]:
         return tuple(b for b in self.config.prefill_buckets() if b <= ROWS_CHUNK_MAX) or (16,)
 
+    def _paged_inputs(self, groups: int, c: int, members: list[tuple[int, Sequence, int, int]],
+                      sampling_rows: list, last_index: np.ndarray | None = None,
+                      seq_rows: np.ndarray | None = None) -> StepInputs:
+        """A paged step of `groups` groups of `c` tokens; member (g, seq, start, n) puts tokens
+        [start, start + n) of `seq` in group g, reading and extending its blocks."""
+        t = groups * c
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        rows = np.full(t, -1, np.int32)
+        slots = np.full(t, -1, np.int32)
+        slot_mapping = np.full(t, self.runner.no_slot, np.int32)
+        tables = np.zeros((groups, self.scheduler.pages_per_seq), np.int32)
+        for g, seq, start, n in members:
+            at = slice(g * c, g * c + n)
+            tokens[at] = seq.token_ids(start, start + n)
+            positions[g * c:(g + 1) * c] = np.arange(start, start + c)  # the kernels count from the first
+            rows[at] = seq.row
+            slots[at] = seq.slot
+            slot_mapping[at] = self.runner.slot_mapping(seq.blocks, positions[at])
+            tables[g] = self.scheduler.block_table[seq.row]
+        return StepInputs(
+            tokens, positions, rows, self.runner.paged_metadata(slot_mapping, tables),
+            SamplingBatch.from_rows(sampling_rows, self._eos), last_index, self._lora_info(slots), seq_rows,
+        )
+
     def _extend_rows(self, seqs: list[Sequence]) -> None:
         """Computes the whole rest of several prompts in one step, C tokens per sequence, and
-        samples their first tokens."""
-        rest = {id(seq): len(seq.prompt_ids) - seq.computed for seq in seqs}
-        c = next(b for b in self._rows_buckets() if b >= max(rest.values()))
+        samples their next tokens."""
+        rest = [seq.prefill_len - seq.computed for seq in seqs]
+        c = next(b for b in self._rows_buckets() if b >= max(rest))
         e = self._rows_sequences
-        tokens = np.zeros(e * c, np.int32)
-        positions = np.zeros(e * c, np.int32)
-        rows = np.full(e * c, -1, np.int32)
-        slots = np.full(e * c, -1, np.int32)
-        prompts = np.full((e, self.config.max_seq_len), -1, np.int32)
         last_index = np.zeros(e, np.int32)
         seq_rows = np.full(e, -1, np.int32)
         sampling_rows: list = [None] * e
-        for i, seq in enumerate(seqs):
-            n, start = rest[id(seq)], seq.computed
-            at = slice(i * c, i * c + n)
-            tokens[at] = seq.prompt_ids[start:]
-            positions[at] = np.arange(start, start + n)
-            rows[at] = seq.row
-            slots[at] = seq.slot
-            prompts[i, : len(seq.prompt_ids)] = seq.prompt_ids
+        for i, (seq, n) in enumerate(zip(seqs, rest)):
             last_index[i] = i * c + n - 1
             seq_rows[i] = seq.row
-            sampling_rows[i] = (seq.params, seq.seed, 0)
-        inputs = StepInputs(
-            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows, self._eos), last_index,
-            self._lora_info(slots), seq_rows,
-        )
+            sampling_rows[i] = (seq.params, seq.seed, len(seq.output_ids))
+        members = [(i, seq, seq.computed, n) for i, (seq, n) in enumerate(zip(seqs, rest))]
+        inputs = self._paged_inputs(e, c, members, sampling_rows, last_index, seq_rows)
         t0 = time.perf_counter()
         with self._using_pool() as pool:
-            sampled = self.runner.extend_rows(inputs, prompts, pool)
+            sampled = self.runner.extend(inputs, pool)
         self.counters["prefill_seconds"] += time.perf_counter() - t0
         self.counters["extend_steps"] += 1
-        for i, seq in enumerate(seqs):
-            self.counters["prompt_tokens"] += rest[id(seq)]
-            self.scheduler.computed(seq, rest[id(seq)])
+        for i, (seq, n) in enumerate(zip(seqs, rest)):
+            self.counters["prompt_tokens"] += n
+            self.scheduler.computed(seq, n)
             self._first_token(seq, sampled, i)
 
     def _extend(self, seq: Sequence, n: int) -> None:
-        """Computes prompt tokens [computed, computed + n) of one sequence over its row;
-        the last chunk samples its first token."""
-        start, prompt = seq.computed, seq.prompt_ids
-        final = start + n == len(prompt)
+        """Computes tokens [computed, computed + n) of one sequence over its blocks; the last
+        chunk samples its next token."""
+        start = seq.computed
+        final = start + n == seq.prefill_len
         bucket = next(b for b in self.config.prefill_buckets() if b >= n)
-        tokens = np.zeros(bucket, np.int32)
-        tokens[:n] = prompt[start : start + n]
-        positions = np.zeros(bucket, np.int32)
-        positions[:n] = np.arange(start, start + n)
-        rows = np.full(bucket, -1, np.int32)
-        rows[:n] = seq.row
-        slots = np.full(bucket, -1, np.int32)
-        slots[:n] = seq.slot
-        whole_prompt = np.full((1, self.config.max_seq_len), -1, np.int32)
-        whole_prompt[0, : len(prompt)] = prompt
-        inputs = StepInputs(
-            tokens, positions, rows, SamplingBatch.from_rows([(seq.params, seq.seed, 0)], self._eos),
-            np.array([n - 1], np.int32), self._lora_info(slots), np.array([seq.row if final else -1], np.int32),
-        )
+        inputs = self._paged_inputs(1, bucket, [(0, seq, start, n)], [(seq.params, seq.seed, len(seq.output_ids))],
+                                    np.array([n - 1], np.int32), np.array([seq.row if final else -1], np.int32))
         t0 = time.perf_counter()
         with self._using_pool() as pool:
-            sampled = self.runner.extend(inputs, whole_prompt, pool)
+            sampled = self.runner.extend(inputs, pool)
         k = seq.params.prompt_logprobs
-        if k is not None:
+        if seq.wants_prompt_logprobs:
+            prompt = seq.prompt_ids
             next_tokens = np.zeros(bucket, np.int32)
             ahead = prompt[start + 1 : start + n + 1]  # position t predicts token t + 1
             next_tokens[: len(ahead)] = ahead
@@ -527,30 +547,19 @@ class Engine:
         got = self.runner.prompt_logprobs(next_tokens)
         offset = 0
         for seq in seqs:
-            n, k = len(seq.prompt_ids), seq.params.prompt_logprobs
-            if k is not None:
+            n, k = seq.prefill_len, seq.params.prompt_logprobs
+            if seq.wants_prompt_logprobs:
                 seq.prompt_logprobs = [None] + [_token_logprob(got, offset + t, k) for t in range(n - 1)]
             offset += n
 
-    def _decode(self) -> None:
+    def _decode(self, active: list[Sequence]) -> None:
         b = self.config.max_batch
-        tokens = np.zeros(b, np.int32)
-        positions = np.zeros(b, np.int32)
-        rows = np.full(b, -1, np.int32)
-        slots = np.full(b, -1, np.int32)
         sampling_rows: list = [None] * b
-        active = [s for s in self.scheduler.running.values() if s.output_ids and not s.finished]
+        members = []
         for seq in active:
-            r = seq.row
-            tokens[r] = seq.output_ids[-1]
-            positions[r] = seq.num_tokens - 1
-            rows[r] = r
-            slots[r] = seq.slot
-            sampling_rows[r] = (seq.params, seq.seed, len(seq.output_ids))
-        inputs = StepInputs(
-            tokens, positions, rows, SamplingBatch.from_rows(sampling_rows, self._eos), None,
-            self._lora_info(slots),
-        )
+            sampling_rows[seq.row] = (seq.params, seq.seed, len(seq.output_ids))
+            members.append((seq.row, seq, seq.num_tokens - 1, 1))
+        inputs = self._paged_inputs(b, 1, members, sampling_rows)
         start = time.perf_counter()
         with self._using_pool() as pool:
             sampled = self.runner.decode(inputs, pool)
@@ -560,6 +569,7 @@ class Engine:
         distinct = len({s.adapter for s in active if s.adapter is not None})
         self.counters["max_batch_adapters"] = max(self.counters["max_batch_adapters"], distinct)
         for seq in active:
+            self.scheduler.computed(seq, 1)
             self._append(seq, sampled, seq.row)
 
     def _append(self, seq: Sequence, sampled: Sampled, i: int) -> None:
@@ -607,16 +617,20 @@ class Engine:
             return None
         return self.lora_manager.prepare_lora_batch(slots)
 
-    def _idle_inputs(self, n: int, *, prefill: bool, sequences: int | None = None) -> StepInputs:
-        rows = np.full(n, -1, np.int32)
-        p = sequences or self.config.max_batch
-        return StepInputs(
-            np.zeros(n, np.int32), np.zeros(n, np.int32), rows,
-            SamplingBatch.from_rows([None] * p),
-            np.zeros(p, np.int32) if prefill else None,
-            self._lora_info(rows),
-            np.full(p, -1, np.int32) if prefill else None,
-        )
+    def _idle_inputs(self, n: int, *, prefill: bool, groups: int | None = None) -> StepInputs:
+        """A step of `n` padding tokens (warm-up): a packed prefill, or `groups` idle groups."""
+        if prefill:
+            p = self.config.max_batch
+            none = np.full(n, -1, np.int32)
+            attn = self.runner.prefill_metadata(np.full(n, self.runner.no_slot, np.int32), none)
+            return StepInputs(np.zeros(n, np.int32), np.zeros(n, np.int32), none, attn,
+                              SamplingBatch.from_rows([None] * p), np.zeros(p, np.int32),
+                              self._lora_info(none), np.full(p, -1, np.int32))
+        inputs = self._paged_inputs(groups, n // groups, [], [None] * groups)
+        if groups == self.config.max_batch and n == groups:
+            return inputs  # decode: no sampled-row arrays
+        return dataclasses.replace(inputs, last_index=np.zeros(groups, np.int32),
+                                   seq_rows=np.full(groups, -1, np.int32))
 
 
 def _token_logprob(sampled: Sampled, i: int, n: int) -> TokenLogprob:

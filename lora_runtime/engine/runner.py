@@ -12,12 +12,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lora_runtime.engine.config import EngineConfig
-from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
 from lora_runtime.engine.sampling import SamplingBatch, apply_penalties, sample, step_logprobs
 from lora_runtime.lora.batch_info import LoRABatchInfo
 from lora_runtime.lora.backend.base import BaseLoRABackend
 from lora_runtime.model.config import ModelConfig
+from lora_runtime.model.kv_cache import AttentionMetadata, KVCache
 from lora_runtime.model.llama import LlamaModel
+
+# Row histories (init_rows) are padded to a power of two from this many tokens.
+MIN_HISTORY = 64
 
 
 @dataclasses.dataclass
@@ -26,11 +29,12 @@ class StepInputs:
 
     tokens: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T]
-    rows: np.ndarray  # i32[T], -1 = padding / idle row
+    rows: np.ndarray  # i32[T]: each token's batch row, -1 = padding / idle row
+    attn: AttentionMetadata  # where the tokens' K/V go and what they read
     sampling: SamplingBatch  # [P] rows sampled this step
     last_index: np.ndarray | None  # i32[P]: prefill only, index of each sequence's last token
     lora: LoRABatchInfo | None  # token slots of the T tokens
-    seq_rows: np.ndarray | None = None  # i32[P]: prefill only, each sequence's cache row (-1: none)
+    seq_rows: np.ndarray | None = None  # i32[P]: prefill only, each sampled sequence's batch row (-1: none)
 
 
 @dataclasses.dataclass
@@ -49,8 +53,16 @@ class Sampled:
                    np.asarray(logprobs.top))
 
 
+def history_bucket(n: int) -> int:
+    """The padded length of a row history of `n` tokens (init_rows)."""
+    size = MIN_HISTORY
+    while size < n:
+        size *= 2
+    return size
+
+
 class ModelRunner:
-    """Owns the model state, the KV cache and the compiled steps; not thread-safe."""
+    """Owns the model state, the paged KV cache and the compiled steps; not thread-safe."""
 
     def __init__(
         self,
@@ -59,20 +71,27 @@ class ModelRunner:
         config: EngineConfig,
         mesh: jax.sharding.Mesh,
         backend: BaseLoRABackend | None,
+        *,
+        num_blocks: int,
+        block_size: int,
+        attention_platform: str = "xla",
+        interpret: bool = False,
     ):
         self.model_config = model_config
         self.config = config
         self.mesh = mesh
         self.backend = backend
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.attention_platform = attention_platform
+        self.interpret = interpret
         self.graphdef, self.state = nnx.split(model)
         self._create_state()
         self.traces = 0  # how many times a step was traced, i.e. compiled
         self._prefill = jax.jit(functools.partial(self._prefill_impl, mode="prefill"), donate_argnums=(1, 2, 3))
-        self._extend = jax.jit(functools.partial(self._prefill_impl, mode="extend"), donate_argnums=(1, 2, 3))
-        self._extend_rows = jax.jit(functools.partial(self._prefill_impl, mode="extend_rows"),
-                                    donate_argnums=(1, 2, 3))
-        self._copy_row = jax.jit(self._copy_row_impl, donate_argnums=(0,))
+        self._extend = jax.jit(functools.partial(self._prefill_impl, mode="paged"), donate_argnums=(1, 2, 3))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2, 3))
+        self._init_row = jax.jit(self._init_row_impl, donate_argnums=(0, 1))
         # Prompt log-probabilities from the last prefill's hidden states, compiled per bucket
         # on first use (only requests that ask pay for the [T, vocab] logits).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
@@ -81,8 +100,8 @@ class ModelRunner:
     def _create_state(self) -> None:
         """The KV cache and the per-row token state the steps donate and return."""
         config, mesh = self.config, self.mesh
-        self.kv_cache = KVCache.create(self.model_config, config.max_batch, config.max_seq_len, mesh)
-        # How often each cache row's sequence generated each token (presence/frequency penalties).
+        self.kv_cache = KVCache.create(self.model_config, self.num_blocks, self.block_size, mesh)
+        # How often each batch row's sequence generated each token (presence/frequency penalties).
         replicated = NamedSharding(mesh, PartitionSpec())
         rows_by_vocab = (config.max_batch, self.model_config.vocab_size)
         self.token_counts = jax.device_put(jnp.zeros(rows_by_vocab, jnp.int32), replicated)
@@ -101,98 +120,103 @@ class ModelRunner:
         self._create_state()
         return True
 
-    def _forward(self, state, kv_cache, pool, tokens, positions, rows, lora_info, mode, sequences=0):
+    # ---- host-side metadata ----------------------------------------------------------
+
+    def slot_mapping(self, blocks: list[int], positions: np.ndarray) -> np.ndarray:  # i32[n]
+        """The cache slots of a sequence's tokens at `positions`, given its blocks."""
+        bs = self.block_size
+        return (np.asarray(blocks, np.int32)[positions // bs] * bs + positions % bs).astype(np.int32)
+
+    @property
+    def no_slot(self) -> int:
+        """A slot past the cache: padding tokens write nowhere."""
+        return self.num_blocks * self.block_size
+
+    def prefill_metadata(self, slot_mapping: np.ndarray, token_seq: np.ndarray) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=slot_mapping, token_seq=token_seq, mode="prefill",
+                                 platform=self.attention_platform, interpret=self.interpret)
+
+    def paged_metadata(self, slot_mapping: np.ndarray, block_tables: np.ndarray) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, mode="paged",
+                                 platform=self.attention_platform, interpret=self.interpret)
+
+    # ---- traced steps ------------------------------------------------------------------
+
+    def _forward(self, state, kv_cache, pool, tokens, positions, attn, lora_info, prefill: bool):
         self.traces += 1  # runs only while tracing
         model = nnx.merge(self.graphdef, state)
         hook = None
         if pool is not None:
             from lora_runtime.lora.hook import PoolLoRAHook
 
-            hook = PoolLoRAHook(self.backend, pool, lora_info, prefill=mode != "decode")
-        attn = AttentionMetadata(rows=rows, mode=mode, sequences=sequences)
+            hook = PoolLoRAHook(self.backend, pool, lora_info, prefill=prefill)
         hidden, kv_cache = model(tokens, positions, kv_cache, attn, hook)
         return model, hidden, kv_cache
 
-    def _prefill_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, rows, last_index, seq_rows,
-                      seen_tokens, seen_rows, sampling, lora_info, *, mode):
-        # extend_rows: one sequence per sampled row, C tokens each.
-        sequences = last_index.shape[0] if mode == "extend_rows" else 0
-        model, hidden, kv_cache = self._forward(
-            state, kv_cache, pool, tokens, positions, rows, lora_info, mode, sequences
-        )
+    def _prefill_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, attn, last_index, seq_rows,
+                      sampling, lora_info, *, mode):
+        del mode  # in the metadata; kept apart so each mode is its own compiled function
+        model, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info, True)
         logits = model.logits(hidden[last_index])
-        # A sequence whose prompt is complete starts its counts afresh and marks its prompt's
-        # tokens (seen_tokens of seen_rows); -1 rows fall off the end.
         n_rows = counts.shape[0]
-        count_rows = jnp.where(seq_rows >= 0, seq_rows, n_rows)
-        counts = counts.at[count_rows].set(0, mode="drop")
-        seen = seen.at[count_rows].set(False, mode="drop").at[
-            jnp.where(seen_rows >= 0, seen_rows, n_rows), seen_tokens].set(True, mode="drop")
         row_of = jnp.clip(seq_rows, 0, n_rows - 1)
-        penalized = apply_penalties(logits, counts[row_of], seen[row_of], sampling)
-        next_tokens = sample(penalized, sampling)
+        next_tokens = sample(apply_penalties(logits, counts[row_of], seen[row_of], sampling), sampling)
+        count_rows = jnp.where(seq_rows >= 0, seq_rows, n_rows)  # -1 rows fall off the end
         counts = counts.at[count_rows, next_tokens].add(1, mode="drop")
         return next_tokens, step_logprobs(logits, next_tokens), kv_cache, counts, seen, hidden
 
     @staticmethod
-    def _copy_row_impl(kv_cache: KVCache, src, dst) -> KVCache:
-        def copy(layer):
-            row = jax.lax.dynamic_index_in_dim(layer, src, axis=0, keepdims=True)
-            return jax.lax.dynamic_update_index_in_dim(layer, row, dst, axis=0)
-
-        return KVCache(k=tuple(map(copy, kv_cache.k)), v=tuple(map(copy, kv_cache.v)))
+    def _init_row_impl(counts, seen, row, tokens, prompt_len):
+        """Row `row` starts a sequence whose tokens so far are `tokens` (-1 padded): its prompt
+        is marked seen and its generated tokens (past `prompt_len`) counted."""
+        counts = counts.at[row].set(0)
+        valid = tokens >= 0
+        safe = jnp.where(valid, tokens, counts.shape[1])  # padding: out of range, dropped
+        seen = seen.at[row].set(False).at[row, safe].set(True, mode="drop")
+        generated = valid & (jnp.arange(tokens.shape[0]) >= prompt_len)
+        counts = counts.at[row, safe].add(generated.astype(counts.dtype), mode="drop")
+        return counts, seen
 
     def _prompt_logprobs_impl(self, state, hidden, next_tokens):
         model = nnx.merge(self.graphdef, state)
         return step_logprobs(model.logits(hidden), next_tokens)
 
-    def _decode_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, rows, sampling, lora_info):
-        model, hidden, kv_cache = self._forward(
-            state, kv_cache, pool, tokens, positions, rows, lora_info, "decode"
-        )
-        logits = model.logits(hidden)  # row b of the batch is cache row b
+    def _decode_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, attn, rows, sampling,
+                     lora_info):
+        model, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info, False)
+        logits = model.logits(hidden)  # token b of the batch is batch row b
         tokens = sample(apply_penalties(logits, counts, seen, sampling), sampling)
         count_rows = jnp.where(rows >= 0, jnp.arange(rows.shape[0]), counts.shape[0])
         counts = counts.at[count_rows, tokens].add(1, mode="drop")
         # Log-probabilities are the model's own, before penalties (as sampling params leave them).
         return tokens, step_logprobs(logits, tokens), kv_cache, counts, seen
 
+    # ---- host calls --------------------------------------------------------------------
+
     def prefill(self, inputs: StepInputs, pool) -> Sampled:
-        """Runs one packed prefill step; returns the first sampled token of each row."""
-        return self._run_prefill(self._prefill, inputs, pool, inputs.tokens, inputs.rows)
+        """Runs one packed prefill step of fresh sequences; returns each one's first sampled token."""
+        return self._run_prefill(self._prefill, inputs, pool)
 
-    def extend(self, inputs: StepInputs, prompts: np.ndarray, pool) -> Sampled:
-        """Runs one chunk of one sequence over what its cache row already holds.
+    def extend(self, inputs: StepInputs, pool) -> Sampled:
+        """Runs chunks of sequences over what their blocks already hold (Q groups of C tokens,
+        see AttentionMetadata); a sequence's last chunk samples its next token."""
+        return self._run_prefill(self._extend, inputs, pool)
 
-        `prompts` (i32[1, max_seq_len], -1 padded) is the sequence's whole prompt, marked as seen
-        when ``inputs.seq_rows`` names the row (the last chunk, which samples the first token).
-        """
-        return self._run_prefill(self._extend, inputs, pool, *self._seen(prompts, inputs.seq_rows))
-
-    def extend_rows(self, inputs: StepInputs, prompts: np.ndarray, pool) -> Sampled:
-        """Runs short chunks of E sequences, C tokens each (sequence e's in tokens
-        [e * C, (e + 1) * C)); E = len(inputs.seq_rows); `prompts` is i32[E, max_seq_len],
-        as in extend."""
-        return self._run_prefill(self._extend_rows, inputs, pool, *self._seen(prompts, inputs.seq_rows))
-
-    @staticmethod
-    def _seen(prompts: np.ndarray, seq_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each sampled sequence's prompt tokens, and the row to mark them in (-1: none)."""
-        rows = np.where((prompts >= 0) & (seq_rows[:, None] >= 0), seq_rows[:, None], -1).astype(np.int32)
-        return np.maximum(prompts, 0).ravel(), rows.ravel()
-
-    def _run_prefill(self, step, inputs: StepInputs, pool, seen_tokens, seen_rows) -> Sampled:
+    def _run_prefill(self, step, inputs: StepInputs, pool) -> Sampled:
         with jax.set_mesh(self.mesh):
             tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen, self._last_hidden = step(
                 self.state, self.kv_cache, self.token_counts, self.prompt_seen, pool, inputs.tokens, inputs.positions,
-                inputs.rows, inputs.last_index, inputs.seq_rows, seen_tokens, seen_rows, inputs.sampling, inputs.lora,
+                inputs.attn, inputs.last_index, inputs.seq_rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)
 
-    def copy_row(self, src: int, dst: int) -> None:
-        """Copies cache row `src` into row `dst` (a cached prefix for a new sequence)."""
+    def init_row(self, row: int, tokens: list[int], prompt_len: int) -> None:
+        """Sets a batch row's penalty state for a sequence with `tokens` so far (prompt first)."""
+        history = np.full(history_bucket(len(tokens)), -1, np.int32)
+        history[: len(tokens)] = tokens
         with jax.set_mesh(self.mesh):
-            self.kv_cache = self._copy_row(self.kv_cache, np.int32(src), np.int32(dst))
+            self.token_counts, self.prompt_seen = self._init_row(
+                self.token_counts, self.prompt_seen, np.int32(row), history, np.int32(prompt_len))
 
     def prompt_logprobs(self, next_tokens: np.ndarray) -> Sampled:
         """Log-probabilities at every position of the last prefill: of `next_tokens[t]` (the
@@ -204,10 +228,10 @@ class ModelRunner:
         return Sampled.from_device(next_tokens, logprobs)
 
     def decode(self, inputs: StepInputs, pool) -> Sampled:
-        """Runs one decode step over every cache row; returns a token per row."""
+        """Runs one decode step, a token per batch row; returns a token per row."""
         with jax.set_mesh(self.mesh):
             tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen = self._decode(
                 self.state, self.kv_cache, self.token_counts, self.prompt_seen, pool, inputs.tokens, inputs.positions,
-                inputs.rows, inputs.sampling, inputs.lora,
+                inputs.attn, inputs.rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)

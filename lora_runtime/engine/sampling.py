@@ -91,6 +91,11 @@ class SamplingParams:
                 raise InvalidRequestError(f"logit_bias token ids {bad[:5]} outside [0, {vocab_size})")
         return self
 
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling reads the tokens seen so far (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def resolved_seed(self) -> int:
         """The request's seed, or a fresh random one: each request gets its own stream."""
         return self.seed if self.seed is not None else secrets.randbits(62)

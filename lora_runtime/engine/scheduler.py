@@ -1,27 +1,38 @@
-"""Continuous batching with adapters: which waiting requests join the running batch.
+"""Continuous batching over a paged KV cache, with adapters: who runs, who waits, who gives way.
 
-A running request holds a KV cache row and, if it names an adapter, a refcount on that
-adapter's device slot, so the distinct adapters in a batch never exceed the slots
-(`max_loras_per_batch`). Requests whose adapter is already resident are admitted
-first; a request passed over for more than `max_wait_steps` steps stops all other
-admissions until it is admitted, which bounds its wait by the longest running request.
+A running request holds a batch row (at most `max_batch` run at once), KV blocks for the
+tokens it has computed (handed out as it grows, see block_pool.py) and, if it names an
+adapter, a refcount on that adapter's device slot, so the distinct adapters in a batch
+never exceed the slots (`max_loras_per_batch`). Requests whose adapter is already resident
+are admitted first; a request passed over for more than `max_wait_steps` steps stops all
+other admissions until it is admitted, which bounds its wait by the longest running request.
 
-A request whose prompt starts with what a row already holds (see prefix_cache.py) gets
-that row, or a copy of it, and computes only the rest; such requests, and prompts longer
-than one prefill step's budget, are computed chunk by chunk ("extending") instead of in
-the packed prefill of fresh prompts.
+A request whose prompt starts with full blocks another request computed (same tokens,
+same adapter content) takes those blocks by reference and computes only the rest. Such
+requests, and prompts longer than one prefill step's budget, are computed chunk by chunk
+("extending") instead of in the packed prefill of fresh prompts. A request whose prompt
+shares blocks that a running request is still computing waits for them.
+
+When a decode step needs a block and none is free, the newest running requests are
+preempted: their blocks go back (full ones stay cached), and they wait at the front of the
+queue to recompute prompt and output so far, then continue where they stopped.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
+import math
 from typing import Protocol
 
 import numpy as np
 
+from lora_runtime.engine.block_pool import BlockPool, block_hashes
 from lora_runtime.engine.config import EngineConfig
-from lora_runtime.engine.prefix_cache import BASE, AdapterKey, RowContents, common_prefix
 from lora_runtime.engine.sequence import Sequence
+
+BASE_KEY = b""  # the K/V key of the base model (no adapter)
 
 
 class AdapterSlots(Protocol):
@@ -34,28 +45,49 @@ class AdapterSlots(Protocol):
     def acquire_slot(self, name: str) -> int: ...
     def release_slot(self, name: str, slot: int) -> None: ...
     def prefetch(self, names: list[str]) -> None: ...
-    def generation_of(self, name: str) -> int | None: ...
-    def slot_generation(self, slot: int) -> int | None: ...
+    def content_of(self, name: str) -> bytes | None: ...
+    def slot_content(self, slot: int) -> bytes | None: ...
+
+
+@dataclasses.dataclass
+class Admission:
+    """What one admit() did: `packed` go to this step's packed prefill; `placed` are every
+    sequence that got a row (packed ones and those now extending); `failed` could not get
+    their adapter (with the error)."""
+
+    packed: list[Sequence] = dataclasses.field(default_factory=list)
+    placed: list[Sequence] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
-    """Host bookkeeping of waiting and running sequences; used by the engine thread only."""
+    """Host bookkeeping of waiting and running sequences and their blocks; engine thread only."""
 
-    def __init__(self, config: EngineConfig, adapters: AdapterSlots | None):
+    def __init__(self, config: EngineConfig, adapters: AdapterSlots | None, *, num_blocks: int, block_size: int):
         self.config = config
         self.adapters = adapters
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size)
+        self.pages_per_seq = math.ceil(config.max_seq_len / block_size)
+        # Row r's blocks in position order; 0 (the null block) past them and for free rows.
+        self.block_table = np.zeros((config.max_batch, self.pages_per_seq), np.int32)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}
-        self.extending: collections.deque[Sequence] = collections.deque()  # running, prompt not yet computed
-        self.free_rows: list[int] = list(range(config.max_batch))  # least recently freed first
-        self.contents = RowContents(config.max_batch)
-        self.pending_copies: list[tuple[int, int]] = []  # (source row, new row) to copy before any step
-        self.prefix_query_tokens = 0  # prompt tokens of requests that could use a cached prefix
-        self.prefix_hit_tokens = 0  # of those, tokens found in a row
+        self.extending: collections.deque[Sequence] = collections.deque()  # running, still prefilling
+        self.free_rows: list[int] = list(range(config.max_batch))
+        self._pending: collections.Counter[bytes] = collections.Counter()  # blocks running prefills will fill
+        self._order = itertools.count()
+        self.prefix_query_tokens = 0  # prompt tokens of admissions that looked up the prefix cache
+        self.prefix_hit_tokens = 0  # of those, tokens found cached
+        self.preemptions = 0
         self.step = 0
+
+    # ---- arrival and admission -----------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         seq.arrival = self.step
+        seq.order = next(self._order)
+        seq.prefill_len = len(seq.prompt_ids)
         self.waiting.append(seq)
         if seq.adapter is not None and self.adapters is not None:
             if not (self.adapters.is_resident(seq.adapter) or self.adapters.is_host_cached(seq.adapter)):
@@ -64,19 +96,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self, packed_budget: int | None = None) -> tuple[list[Sequence], list[tuple[Sequence, Exception]]]:
-        """Moves waiting sequences into free rows.
+    def admit(self, packed_budget: int | None = None) -> Admission:
+        """Moves waiting sequences into free rows while blocks last.
 
-        Returns the sequences admitted for one packed prefill step (at most `packed_budget`
-        prompt tokens, default the whole prefill budget), and those that failed to get
-        their adapter (with the error), which the engine finishes with that error. Admitted
-        sequences that start from a cached prefix or whose prompt exceeds the budget go to
-        `extending` instead; rows to copy for them are in `pending_copies`.
+        At most `packed_budget` prompt tokens (default the whole prefill budget) go to this
+        step's packed prefill; sequences starting from cached blocks, or longer than the
+        budget, are placed in `extending`. A sequence is admitted only if its prefill's blocks
+        fit with one block to spare per running sequence (so decode rarely has to preempt).
         """
-        admitted: list[Sequence] = []
-        failed: list[tuple[Sequence, Exception]] = []
+        out = Admission()
         if not self.waiting or not self.free_rows:
-            return admitted, failed
+            return out
         budget = self.config.prefill_budget
         packed_budget = budget if packed_budget is None else packed_budget
         oldest = self.waiting[0]
@@ -84,111 +114,124 @@ class Scheduler:
         if starving:
             candidates = [oldest]  # starving: nothing else joins until it does
         else:
-            candidates = sorted(self.waiting, key=lambda s: (not self._is_warm(s), s.arrival))
+            candidates = sorted(self.waiting, key=lambda s: (not self._is_warm(s), s.arrival, s.order))
         used = 0
         for seq in candidates:
             if not self.free_rows:
                 break
-            n = len(seq.prompt_ids)
-            key = self._predicted_key(seq)
-            hit = self._find_prefix(seq, key)
-            if not starving and self._sharer_computing(seq, key, 0 if hit is None else hit[2]):
-                continue  # a running request is computing this prompt's start: take it from its row next
-            packed = hit is None and n <= budget
-            if packed and used + n > packed_budget:
+            hits = self._lookup(seq, self._predicted_key(seq))
+            if not starving and self._sharer_computing(seq, len(hits)):
+                continue  # a running request is computing this prompt's next blocks: take them next
+            packed = not hits and seq.prefill_len <= budget
+            if packed and used + seq.prefill_len > packed_budget:
                 continue  # waits for the next packed step rather than computing alone
+            if not self._fits(seq, hits):
+                break  # the blocks come back as running requests finish; keep the queue's order
             try:
                 if not self._take_slot(seq):
                     continue
             except Exception as err:  # the adapter could not be loaded: fail this request only
                 self.waiting.remove(seq)
-                failed.append((seq, err))
+                out.failed.append((seq, err))
                 continue
+            key = self._slot_key(seq)
+            if key != seq.kv_key:  # the adapter's content was unknown or changed: look again
+                hits = self._lookup(seq, key)
+                packed = not hits and seq.prefill_len <= budget
+                if not self._fits(seq, hits) or (packed and used + seq.prefill_len > packed_budget):
+                    self._release_slot(seq)
+                    continue
             self.waiting.remove(seq)
-            if hit is not None and self._key(seq) != hit[0]:
-                hit = None  # the adapter was registered anew meanwhile: its K/V differ
-            self._place(seq, hit)
+            self._place(seq, hits)
+            out.placed.append(seq)
             if packed:
-                used += n
-                admitted.append(seq)
+                used += seq.prefill_len
+                out.packed.append(seq)
             else:
                 self.extending.append(seq)
-        return admitted, failed
+        return out
 
-    def computed(self, seq: Sequence, n: int) -> None:
-        """Records that `n` more prompt tokens of a running sequence are in its row."""
-        seq.computed += n
-        self.contents.set(seq.row, self._key(seq), seq.prompt_ids[: seq.computed])
-        if seq.computed == len(seq.prompt_ids) and seq in self.extending:
-            self.extending.remove(seq)
+    def _fits(self, seq: Sequence, hits: list[int]) -> bool:
+        free_hits = sum(self.pool.refcount(b) == 0 for b in hits)  # taking them removes them from the free queue
+        need = math.ceil(seq.prefill_len / self.block_size) - len(hits)
+        return need + free_hits + len(self.running) <= self.pool.num_free
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
-
-    def _predicted_key(self, seq: Sequence) -> AdapterKey | None:
+    def _predicted_key(self, seq: Sequence) -> bytes | None:
+        """The K/V key the sequence will have, if known before taking its adapter's slot."""
         if seq.adapter is None or self.adapters is None:
-            return BASE
-        generation = self.adapters.generation_of(seq.adapter)
-        return None if generation is None else (seq.adapter, generation)
+            return BASE_KEY
+        return self.adapters.content_of(seq.adapter)
 
-    def _key(self, seq: Sequence) -> AdapterKey | None:
+    def _slot_key(self, seq: Sequence) -> bytes | None:
         if seq.adapter is None or self.adapters is None:
-            return BASE
-        generation = self.adapters.slot_generation(seq.slot)
-        return None if generation is None else (seq.adapter, generation)
+            return BASE_KEY
+        return self.adapters.slot_content(seq.slot)
 
-    def _find_prefix(self, seq: Sequence, key: AdapterKey | None) -> tuple[AdapterKey, int, int] | None:
-        """(key, row, length) of the longest cached prefix of the prompt worth using, or None."""
-        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None or key is None:
-            return None
-        n = len(seq.prompt_ids)
-        # A free row is taken as it is; a running row is copied, so free rows win ties.
-        rows = self.free_rows + list(self.running)
-        hit = self.contents.best(key, np.asarray(seq.prompt_ids), rows, limit=n - 1)
-        if hit is None or hit.length < self.config.prefix_cache_min_tokens:
-            return None
-        return key, hit.row, hit.length
+    def _lookup(self, seq: Sequence, key: bytes | None) -> list[int]:
+        """The cached blocks the sequence's prefill starts with (worth using), under `key`.
 
-    def _sharer_computing(self, seq: Sequence, key: AdapterKey | None, cached: int) -> bool:
-        """Whether a running request whose prompt is not computed yet shares at least
-        prefix_cache_min_tokens more of this prompt than is cached now (requests arriving
-        together with one system prompt, or the n choices of one request): then this one
-        waits until those tokens are in that request's row, and copies them."""
-        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None or key is None:
+        The last prefill token is always computed (its logits give the next token), so only
+        blocks wholly before it count. Sets the sequence's hash chain for `key`.
+        """
+        if key is None:
+            return []
+        if seq.kv_key != key:
+            seq.kv_key, seq.block_hashes = key, []
+        if not self.config.enable_prefix_caching:
+            return []
+        self._extend_hashes(seq, seq.prefill_len // self.block_size)
+        if seq.wants_prompt_logprobs:
+            return []  # every prompt position's logits are wanted: compute them all
+        bs = self.block_size
+        hits = self.pool.lookup(seq.block_hashes[: (seq.prefill_len - 1) // bs])
+        return hits if len(hits) * bs >= self.config.prefix_cache_min_tokens else []
+
+    def _extend_hashes(self, seq: Sequence, blocks: int) -> None:
+        """Extends the sequence's hash chain to its first `blocks` full blocks (tokens only grow)."""
+        have = len(seq.block_hashes)
+        if have < blocks:
+            tokens = seq.token_ids(0, blocks * self.block_size)
+            seq.block_hashes += block_hashes(tokens, self.block_size, seq.kv_key, start=have,
+                                             parent=seq.block_hashes[-1] if have else None)
+
+    def _sharer_computing(self, seq: Sequence, hits: int) -> bool:
+        """Whether running prefills are computing at least prefix_cache_min_tokens of this
+        sequence's next blocks (requests arriving together with one system prompt, or the n
+        choices of one request): then it waits and takes them once they are full."""
+        if not self._pending or seq.kv_key is None or seq.wants_prompt_logprobs:
             return False
-        prompt, limit = np.asarray(seq.prompt_ids), len(seq.prompt_ids) - 1
-        for other in self.running.values():
-            if other.computed < len(other.prompt_ids) and self._key(other) == key:
-                shared = min(common_prefix(np.asarray(other.prompt_ids), prompt), limit)
-                if shared - cached >= self.config.prefix_cache_min_tokens:
-                    return True
-        return False
+        bs = self.block_size
+        shared = 0
+        for h in seq.block_hashes[hits:(seq.prefill_len - 1) // bs]:
+            if not self._pending[h]:
+                break
+            shared += 1
+        return shared * bs >= self.config.prefix_cache_min_tokens
 
-    def _place(self, seq: Sequence, hit: tuple[AdapterKey, int, int] | None) -> None:
-        """Gives the sequence a row: the free row holding its prefix, else the least valuable
-        free row (empty, else least recently freed), into which a running row's prefix is copied."""
-        if hit is not None and hit[1] in self.free_rows:
-            row = hit[1]
-        else:
-            empty = [r for r in self.free_rows if self.contents.get(r) is None]
-            row = empty[0] if empty else self.free_rows[0]
-            if hit is not None:
-                self.pending_copies.append((hit[1], row))
+    def _place(self, seq: Sequence, hits: list[int]) -> None:
+        """Gives the sequence a row and the blocks of its prefill: `hits` shared, the rest new."""
+        bs = self.block_size
+        row = min(self.free_rows)
         self.free_rows.remove(row)
+        self.pool.take(hits)
+        seq.blocks = hits + self.pool.allocate(math.ceil(seq.prefill_len / bs) - len(hits))
         seq.row = row
-        seq.computed = seq.cached_tokens = 0 if hit is None else hit[2]
-        if self.config.enable_prefix_caching and seq.params.prompt_logprobs is None:
-            self.prefix_query_tokens += len(seq.prompt_ids)
-            self.prefix_hit_tokens += seq.cached_tokens
-        self.contents.set(row, self._key(seq), seq.prompt_ids[: seq.computed])
+        seq.computed = seq.registered = len(hits) * bs
+        self.block_table[row, : len(seq.blocks)] = seq.blocks
+        if seq.preemptions == 0:
+            seq.cached_tokens = seq.computed
+        if self.config.enable_prefix_caching and seq.kv_key is not None:
+            if seq.params.prompt_logprobs is None:
+                self.prefix_query_tokens += seq.prefill_len
+                self.prefix_hit_tokens += seq.computed
+            self._pending.update(seq.block_hashes[len(hits):seq.prefill_len // bs])
         self.running[row] = seq
 
     def _is_warm(self, seq: Sequence) -> bool:
         return seq.adapter is None or self.adapters is None or self.adapters.is_resident(seq.adapter)
 
     def _take_slot(self, seq: Sequence) -> bool:
-        if seq.adapter is None:
+        if seq.adapter is None or self.adapters is None:
             seq.slot = -1
             return True
         adapters = self.adapters
@@ -199,27 +242,97 @@ class Scheduler:
         seq.slot = adapters.acquire_slot(seq.adapter)
         return True
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.adapter is not None and self.adapters is not None and seq.slot >= 0:
+            self.adapters.release_slot(seq.adapter, seq.slot)
+        seq.slot = -1
+
+    # ---- progress ------------------------------------------------------------------------
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """Records that `n` more tokens of a running sequence have their K/V in its blocks;
+        blocks that became full are named (hash chain) so later prompts can share them."""
+        seq.computed += n
+        bs = self.block_size
+        full = seq.computed // bs
+        if seq.kv_key is not None and self.config.enable_prefix_caching and full * bs > seq.registered:
+            self._extend_hashes(seq, full)
+            for i in range(seq.registered // bs, full):
+                self.pool.register(seq.blocks[i], seq.block_hashes[i])
+                if i < seq.prefill_len // bs:  # blocks of its prefill were pending (see _place)
+                    self._unpend(seq.block_hashes[i])
+            seq.registered = full * bs
+        if not seq.prefilling and seq in self.extending:
+            self.extending.remove(seq)
+
+    def _unpend(self, block_hash: bytes) -> None:
+        if self._pending[block_hash] > 1:
+            self._pending[block_hash] -= 1
+        else:
+            self._pending.pop(block_hash, None)
+
+    def reserve_decode_blocks(self) -> list[Sequence]:
+        """Gives every decoding sequence a block for the token it feeds next; when none is free,
+        preempts the newest running sequences. Returns those preempted."""
+        preempted: list[Sequence] = []
+        bs = self.block_size
+        for seq in sorted(self.decoding(), key=lambda s: s.order):
+            if seq.row is None:
+                continue  # preempted for an older one in this loop
+            index = (seq.num_tokens - 1) // bs
+            if index < len(seq.blocks):
+                continue
+            while self.pool.num_free == 0:
+                victim = max(self.running.values(), key=lambda s: s.order)
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.row is None:
+                continue
+            (block,) = self.pool.allocate(1)
+            seq.blocks.append(block)
+            self.block_table[seq.row, index] = block
+        return preempted
+
+    def decoding(self) -> list[Sequence]:
+        """Running sequences whose next step is a decode step."""
+        return [s for s in self.running.values() if not s.prefilling and not s.finished]
+
+    def preempt(self, seq: Sequence) -> None:
+        """Takes a running sequence's row, blocks and slot back; it waits at the front of the
+        queue to recompute its prompt and output so far, then continues."""
+        self._vacate(seq, forget=False)
+        seq.computed = seq.registered = 0
+        seq.prefill_len = seq.num_tokens
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence, *, keep_content: bool = True) -> None:
-        """Frees the row and the adapter reference of a running or waiting sequence; the row
-        keeps its K/V as a cached prefix unless `keep_content` is False (a failed step)."""
+        """Frees the row, blocks and adapter reference of a running or waiting sequence; its full
+        blocks stay cached unless `keep_content` is False (a failed step)."""
         if seq.row is not None and self.running.get(seq.row) is seq:
-            del self.running[seq.row]
-            if seq in self.extending:
-                self.extending.remove(seq)
-            if keep_content:
-                # The last sampled token was never fed back, so its K/V are not in the row.
-                written = seq.prompt_ids[: seq.computed]
-                if seq.computed == len(seq.prompt_ids):
-                    written = written + seq.output_ids[:-1]
-                self.contents.set(seq.row, self._key(seq), written)
-            else:
-                self.contents.clear(seq.row)
-            self.free_rows.append(seq.row)
-            seq.row = None
-            if seq.adapter is not None and self.adapters is not None:
-                self.adapters.release_slot(seq.adapter, seq.slot)
+            self._vacate(seq, forget=not keep_content)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def _vacate(self, seq: Sequence, *, forget: bool) -> None:
+        del self.running[seq.row]
+        if seq in self.extending:
+            self.extending.remove(seq)
+        if seq.kv_key is not None and self.config.enable_prefix_caching:
+            for h in seq.block_hashes[seq.registered // self.block_size: seq.prefill_len // self.block_size]:
+                self._unpend(h)  # pending blocks it will not fill now
+        self.pool.release(seq.blocks, forget=forget)
+        self.block_table[seq.row] = 0
+        self.free_rows.append(seq.row)
+        seq.row, seq.blocks = None, []
+        self._release_slot(seq)
+
+    def forget_cached(self) -> None:
+        """The cache's contents were lost: no block may be found by its prefix any more."""
+        self.pool.forget_all()
 
     def find(self, request_id: str) -> Sequence | None:
         for seq in self.running.values():

@@ -1,4 +1,4 @@
-"""One request's host-side state: tokens, text, stop conditions and its cache row."""
+"""One request's host-side state: tokens, text, stop conditions, its batch row and KV blocks."""
 
 from __future__ import annotations
 
@@ -56,10 +56,17 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
     arrival: int = 0  # engine step at arrival
-    row: int | None = None  # KV cache row while running
+    order: int = 0  # arrival order among all sequences (the newest is preempted first)
+    row: int | None = None  # batch row while running (its sampling state and block table row)
     slot: int = -1  # adapter slot while running; -1 = no adapter
-    computed: int = 0  # prompt tokens whose K/V are in the row
-    cached_tokens: int = 0  # of those, found there at admission (a cached prefix)
+    blocks: list[int] = dataclasses.field(default_factory=list)  # KV blocks, in position order
+    computed: int = 0  # tokens whose K/V are in its blocks
+    registered: int = 0  # of those, tokens in full blocks named for prefix sharing
+    prefill_len: int = 0  # tokens to compute before decoding (the prompt; all tokens after a preemption)
+    cached_tokens: int = 0  # prompt tokens found cached at (first) admission
+    kv_key: bytes | None = None  # what its K/V depend on besides tokens: the adapter's content, or none
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # hash chain of its full blocks
+    preemptions: int = 0  # times its blocks were taken back to be recomputed later
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set at prefill when asked; [0] is None
@@ -73,6 +80,25 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int = 0, stop: int | None = None) -> list[int]:
+        """Prompt then generated tokens, [start, stop)."""
+        n = len(self.prompt_ids)
+        stop = self.num_tokens if stop is None else stop
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):stop - n]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its prefill must compute the prompt's log-probabilities (asked and not had
+        yet: after a preemption it has them), so every prompt position is computed."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether tokens remain to compute before it decodes (its prompt, or all it had when preempted)."""
+        return self.computed < self.prefill_len
 
     @property
     def finished(self) -> bool:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import hashlib
 import math
 import re
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,6 +78,7 @@ class LoRAAdapter:
     rank: int  # largest rank over its modules
     scaling: float  # per-slot scaling (LoRABatchInfo.slot_scalings)
     weights: Mapping[tuple[int, str], ModuleWeights]  # (layer, module) -> weights
+    content_id: bytes = b""  # hash of what it computes (weights, scalings): equal ids, equal outputs
 
     @property
     def nbytes(self) -> int:
@@ -117,7 +120,8 @@ class LoRAAdapter:
                 if not np.isfinite(t.astype(np.float32)).all():
                     raise InvalidAdapterError(f"adapter {name!r}: tensor {k!r} has non-finite values")
             weights[key] = ModuleWeights(a=a, b=b, ratio=scale_of[key] / slot_scaling)
-        return cls(name=name, rank=max(rank_of.values()), scaling=slot_scaling, weights=weights)
+        return cls(name=name, rank=max(rank_of.values()), scaling=slot_scaling, weights=weights,
+                   content_id=content_id(slot_scaling, weights))
 
     def pool_weights(self, model_config, max_lora_rank: int,
                      dtype) -> dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]:
@@ -143,6 +147,19 @@ class LoRAAdapter:
                     bs[i][layer, :r] = w.b.astype(np.float32).T * w.ratio
             out[group] = (a.astype(dtype), tuple(b.astype(dtype) for b in bs))
         return out
+
+
+def content_id(scaling: float, weights: Mapping[tuple[int, str], ModuleWeights]) -> bytes:
+    """A hash of everything an adapter's output depends on: its modules' weights (dtype, shape
+    and bytes) and scalings. Not its name or source: two names for the same weights share it."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<d", scaling))
+    for (layer, module), w in sorted(weights.items()):
+        h.update(f"{layer}:{module}:{w.a.dtype.str}:{w.a.shape}:{w.b.dtype.str}:{w.b.shape}".encode())
+        h.update(struct.pack("<d", w.ratio))
+        h.update(np.ascontiguousarray(w.a).tobytes())
+        h.update(np.ascontiguousarray(w.b).tobytes())
+    return h.digest()
 
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))

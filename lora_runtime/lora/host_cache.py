@@ -39,6 +39,10 @@ class HostAdapterCache:
             self._items.move_to_end(key)
         return adapter
 
+    def peek(self, key: Hashable) -> LoRAAdapter | None:
+        """The adapter under `key`, or None, leaving the LRU order as it is."""
+        return self._items.get(key)
+
     def put(self, key: Hashable, adapter: LoRAAdapter) -> list[Hashable]:
         """Inserts `adapter` as most recently used; returns the keys evicted to fit it.
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -64,7 +63,7 @@ class _Slot:
     scaling: float = 0.0
     rank: int = 0
     stale: bool = False  # unregistered or superseded: freed when refcount reaches 0
-    generation: int | None = None  # the registration the weights came from (generation_of)
+    content: bytes | None = None  # the adapter's content id (LoRAAdapter.content_id)
 
 
 class LoRAManager:
@@ -82,8 +81,6 @@ class LoRAManager:
         self._slots = [_Slot() for _ in range(num_slots)]
         self._slot_of: dict[Key, int] = {}
         self._registry: dict[str, RegistryEntry] = {}
-        self._generations = itertools.count(1)
-        self._generation: dict[str, int] = {}  # name -> its current registration's generation
         self._inflight: dict[Key, concurrent.futures.Future] = {}
         self._lock = threading.RLock()
         self._tick = 0
@@ -122,16 +119,24 @@ class LoRAManager:
             entry = self._registry.get(name)
             return None if entry is None else self._slot_of.get((name, entry.version))
 
-    def generation_of(self, name: str) -> int | None:
-        """Which registration of `name` is current (None if it is not registered): unique in
-        this manager's life, unlike versions, which restart when a name is registered anew."""
+    def content_of(self, name: str) -> bytes | None:
+        """The content id of the current version of `name` (what its K/V depend on), if that
+        version is parsed already (host-cached or resident); else None."""
         with self._lock:
-            return self._generation.get(name) if name in self._registry else None
+            entry = self._registry.get(name)
+            if entry is None:
+                return None
+            key = (name, entry.version)
+            slot = self._slot_of.get(key)
+            if slot is not None:
+                return self._slots[slot].content
+            adapter = self._host.peek(key)
+            return None if adapter is None else adapter.content_id
 
-    def slot_generation(self, slot: int) -> int | None:
-        """The registration whose weights `slot` holds (see generation_of), or None if empty."""
+    def slot_content(self, slot: int) -> bytes | None:
+        """The content id of the adapter `slot` holds, or None if empty."""
         with self._lock:
-            return self._slots[slot].generation
+            return self._slots[slot].content
 
     def is_resident(self, name: str) -> bool:
         return self.slot_of(name) is not None
@@ -317,8 +322,6 @@ class LoRAManager:
         old = self._registry.get(entry.name)
         if old is not None and (old.version, old.source) != (entry.version, entry.source):
             self._retire(entry.name)
-        if old is None or (old.version, old.source) != (entry.version, entry.source):
-            self._generation[entry.name] = next(self._generations)
         self._registry[entry.name] = entry
 
     def _retire(self, name: str) -> None:
@@ -380,7 +383,7 @@ class LoRAManager:
             self._free(slot)
         self._tick += 1
         self._slots[slot] = _Slot(key=key, last_used=self._tick, scaling=adapter.scaling, rank=adapter.rank,
-                                  generation=self._generation[entry.name])
+                                  content=adapter.content_id)
         self._slot_of[key] = slot
         self._stats.loads += 1
         self._stats.load_seconds += time.perf_counter() - start

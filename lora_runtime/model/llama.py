@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
+from lora_runtime.model.attention import paged_layer_attention, prefill_attention, write_kv
+from lora_runtime.model.kv_cache import AttentionMetadata, KVCache
 from lora_runtime.model.config import ModelConfig, RopeScaling
 from lora_runtime.model.lora_hook import LoRAHook
 
@@ -118,196 +119,6 @@ def apply_rope(
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _window_ok(delta: jax.Array, window: int | None) -> jax.Array:
-    """Key within the sliding window: ``delta`` = query position - key position."""
-    return jnp.ones_like(delta, bool) if window is None else delta < window
-
-
-def prefill_attention(
-    q: jax.Array,  # [T, Hkv, G, D]
-    k: jax.Array,  # [T, Hkv, D]
-    v: jax.Array,  # [T, Hkv, D]
-    positions: jax.Array,  # i32[T]
-    rows: jax.Array,  # i32[T], -1 = padding
-    window: int | None,
-    block: int = 512,
-) -> jax.Array:  # [T, Hkv, G, D]
-    """Causal attention among the packed fresh sequences of one prefill batch.
-
-    Up to `block` tokens, one [T, T] score matrix per head; past that, keys in blocks with an
-    online softmax, so a large prefill budget needs [T, block] scores, not [T, T].
-    """
-    t = rows.shape[0]
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    if t <= block:
-        same_row = (rows[:, None] == rows[None, :]) & (rows[:, None] >= 0)
-        delta = positions[:, None] - positions[None, :]
-        # The diagonal keeps padding rows finite; real tokens always see themselves anyway.
-        mask = (same_row & (delta >= 0) & _window_ok(delta, window)) | jnp.eye(t, dtype=bool)
-        scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) * scale
-        probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
-        return jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v)
-
-    q_rows = jnp.where(rows >= 0, rows, -2)  # padding matches no key: its output is 0
-
-    def body(i, carry):
-        start = i * block
-        first = jnp.minimum(start, t - block)  # the last block is clamped; earlier keys masked
-        kb = jax.lax.dynamic_slice_in_dim(k, first, block)
-        vb = jax.lax.dynamic_slice_in_dim(v, first, block)
-        k_pos = jax.lax.dynamic_slice_in_dim(positions, first, block)
-        k_rows = jax.lax.dynamic_slice_in_dim(rows, first, block)
-        delta = positions[:, None] - k_pos[None, :]  # [T, block]
-        mask = (((first + jnp.arange(block)) >= start)[None, :] & (q_rows[:, None] == k_rows[None, :])
-                & (delta >= 0) & _window_ok(delta, window))
-        s = jnp.einsum("tkgd,skd->kgts", q, kb, preferred_element_type=jnp.float32) * scale
-        return _online_softmax_step(carry, s, mask, vb, "kgts,skd->kgtd")
-
-    _, hkv, g, d = q.shape
-    out = _online_softmax(body, -(-t // block), (hkv, g, t), d)
-    return jnp.transpose(out, (2, 0, 1, 3)).astype(v.dtype)
-
-
-def _online_softmax_step(carry, s, mask, vb, spec: str):
-    """One key block of an online softmax: `carry` = (running max, sum, weighted values)
-    over the blocks so far; s: the block's scores (masked where `mask` is False)."""
-    m, l, acc = carry
-    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-    correction = jnp.exp(m - m_new)
-    l = l * correction + p.sum(axis=-1)
-    acc = acc * correction[..., None] + jnp.einsum(spec, p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-    return m_new, l, acc
-
-
-def _online_softmax(body, blocks, shape: tuple[int, ...], d: int) -> jax.Array:  # f32[*shape, d]
-    """Runs `body(i, carry)` over `blocks` key blocks (one block: no loop, so XLA fuses the
-    step freely) and normalizes; a query that saw no key gets 0."""
-    init = (jnp.full(shape, jnp.finfo(jnp.float32).min, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, d), jnp.float32))
-    if isinstance(blocks, int) and blocks == 1:
-        _, l, acc = body(0, init)
-    else:
-        _, l, acc = jax.lax.fori_loop(0, blocks, body, init)
-    return acc / jnp.maximum(l, 1e-30)[..., None]
-
-
-def decode_attention(
-    q: jax.Array,  # [R, Hkv, G, D]
-    k_cache: jax.Array,  # [R, S, Hkv, D]
-    v_cache: jax.Array,  # [R, S, Hkv, D]
-    positions: jax.Array,  # i32[R]
-    window: int | None,
-    block: int = 128,
-) -> jax.Array:  # [R, Hkv, G, D]
-    """Each row's one new token attends to its cached tokens 0..position; keys are read only as
-    far as the longest row reaches."""
-    # Clipping keeps idle rows (any position) attending at least one key, so no NaN.
-    pos = jnp.clip(positions, 0, k_cache.shape[1] - 1)
-    out = cached_attention(q[:, None], k_cache, v_cache, pos[:, None], window, block)
-    return out[:, 0]
-
-
-def extend_attention(
-    q: jax.Array,  # [T, Hkv, G, D]
-    k_cache: jax.Array,  # [R, S, Hkv, D], this step's K/V already written
-    v_cache: jax.Array,  # [R, S, Hkv, D]
-    positions: jax.Array,  # i32[T]
-    rows: jax.Array,  # i32[T]: one cache row, -1 = padding
-    window: int | None,
-    block: int = 128,
-) -> jax.Array:  # [T, Hkv, G, D]
-    """One sequence's chunk of tokens attends to its row of the cache up to each token's position.
-
-    The row holds the sequence's earlier tokens (a prefix computed before, or earlier chunks
-    of a long prompt) and this chunk's own K/V: rows_extend_attention with one sequence.
-    """
-    return rows_extend_attention(q, k_cache, v_cache, positions, rows, window, sequences=1, block=block)
-
-
-def rows_extend_attention(
-    q: jax.Array,  # [E * C, Hkv, G, D]: C tokens for each of E sequences, back to back
-    k_cache: jax.Array,  # [R, S, Hkv, D], this step's K/V already written
-    v_cache: jax.Array,  # [R, S, Hkv, D]
-    positions: jax.Array,  # i32[E * C]
-    rows: jax.Array,  # i32[E * C]: the token's cache row (one per sequence), -1 = padding
-    window: int | None,
-    sequences: int,
-    block: int = 128,
-) -> jax.Array:  # [E * C, Hkv, G, D]
-    """Short chunks of several sequences at once, C tokens each: each token attends to its
-    sequence's row up to its position."""
-    qpos = jnp.where(rows >= 0, positions, 0).reshape(sequences, -1)
-    seq_rows = jnp.clip(rows.reshape(sequences, -1).max(axis=1), 0, k_cache.shape[0] - 1)
-    out = cached_attention(q.reshape(sequences, -1, *q.shape[1:]), k_cache, v_cache, qpos, window, block,
-                           rows=seq_rows)
-    return out.reshape(q.shape)
-
-
-def cached_attention(
-    q: jax.Array,  # [R, T, Hkv, G, D]: T queries per row
-    k: jax.Array,  # [R, S, Hkv, D]
-    v: jax.Array,  # [R, S, Hkv, D]
-    qpos: jax.Array,  # i32[R, T], each >= 0
-    window: int | None,
-    block: int,
-    rows: jax.Array | None = None,  # i32[Q]: the row of k, v each of Q query groups reads
-) -> jax.Array:  # [R or Q, T, Hkv, G, D]
-    """Row r's queries attend to keys 0..their position of k[r], v[r] (of k[rows[r]], v[rows[r]]
-    when `rows` is given; q and qpos then have Q groups).
-
-    Keys are read in blocks with an online softmax, and only as many blocks as the furthest
-    query reaches, so neither the memory ([T, block] scores per head) nor the reads grow
-    with the cache's length beyond what the rows use.
-    """
-    seq_len = k.shape[1]
-    block = min(block, seq_len)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    r, t, hkv, g, d = q.shape  # r: query groups
-
-    def body(i, carry):
-        start = i * block
-        # The last block is clamped to the cache's end; keys before `start` were counted already.
-        first = jnp.minimum(start, seq_len - block)
-        if rows is None:
-            kb = jax.lax.dynamic_slice_in_dim(k, first, block, axis=1)
-            vb = jax.lax.dynamic_slice_in_dim(v, first, block, axis=1)
-        else:  # gather the block of each group's row
-            at = (rows[:, None], (first + jnp.arange(block))[None, :])
-            kb, vb = k[at], v[at]
-        kpos = first + jnp.arange(block)
-        delta = qpos[:, :, None] - kpos[None, None, :]  # [R, T, block]
-        mask = ((kpos >= start)[None, None, :] & (delta >= 0) & _window_ok(delta, window))[:, None, None]
-        s = jnp.einsum("rtkgd,rskd->rkgts", q, kb, preferred_element_type=jnp.float32) * scale
-        return _online_softmax_step(carry, s, mask, vb, "rkgts,rskd->rkgtd")
-
-    # Every query sees at least key 0. One block when the cache fits in it.
-    blocks = 1 if block == seq_len else (jnp.max(qpos) + block) // block
-    out = _online_softmax(body, blocks, (r, hkv, g, t), d)
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(v.dtype)
-
-
-def write_kv(
-    k_cache: jax.Array,  # [R, S, Hkv, D]
-    v_cache: jax.Array,  # [R, S, Hkv, D]
-    k: jax.Array,  # [T, Hkv, D]
-    v: jax.Array,  # [T, Hkv, D]
-    positions: jax.Array,  # i32[T]
-    attn: AttentionMetadata,
-) -> tuple[jax.Array, jax.Array]:
-    """Writes each token's K/V at [its row, its position]; padding and idle rows write nothing."""
-    if attn.mode != "decode":
-        rows = attn.rows
-    else:
-        rows = jnp.arange(k.shape[0], dtype=attn.rows.dtype)
-    # Out-of-range rows are dropped by the scatter (-1 would wrap around to the last row).
-    rows = jnp.where(attn.rows >= 0, rows, k_cache.shape[0])
-    k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-    return k_cache, v_cache
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k norm and sliding window."""
 
@@ -327,11 +138,11 @@ class Attention(nnx.Module):
         self,
         h: jax.Array,  # [T, H]
         positions: jax.Array,  # i32[T]
-        k_cache: jax.Array,  # [R, S, Hkv, D]
-        v_cache: jax.Array,  # [R, S, Hkv, D]
+        k_pages: jax.Array,  # [Hkv, N, bs, D]
+        v_pages: jax.Array,  # [Hkv, N, bs, D]
         attn: AttentionMetadata,
         lora: LoRAHook | None,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, H], new k_cache, new v_cache
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, H], new k_pages, new v_pages
         c, i, t = self.config, self.layer, h.shape[0]
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         if lora is not None:
@@ -344,23 +155,19 @@ class Attention(nnx.Module):
         inv_freq, rope_scale = rope_inv_freq(c), rope_attention_factor(c)
         q, k = apply_rope(q, positions, inv_freq, rope_scale), apply_rope(k, positions, inv_freq, rope_scale)
 
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions, attn)
-        groups = c.num_heads // c.num_kv_heads
-        q = q.reshape(t, c.num_kv_heads, groups, c.head_dim)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, attn.slot_mapping)
         window = c.layer_window(i)
         if attn.mode == "prefill":
-            out = prefill_attention(q, k, v, positions, attn.rows, window)
-        elif attn.mode == "extend":
-            out = extend_attention(q, k_cache, v_cache, positions, attn.rows, window)
-        elif attn.mode == "extend_rows":
-            out = rows_extend_attention(q, k_cache, v_cache, positions, attn.rows, window, attn.sequences)
+            groups = c.num_heads // c.num_kv_heads
+            out = prefill_attention(q.reshape(t, c.num_kv_heads, groups, c.head_dim), k, v, positions,
+                                    attn.token_seq, window)
         else:
-            out = decode_attention(q, k_cache, v_cache, positions, window)
+            out = paged_layer_attention(q, k_pages, v_pages, positions, attn, window)
         out = out.reshape(t, c.num_heads * c.head_dim)
         o = self.o_proj(out)
         if lora is not None:
             (o,) = lora("o", i, out, (o,))
-        return o, k_cache, v_cache
+        return o, k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -398,15 +205,15 @@ class DecoderLayer(nnx.Module):
         self,
         x: jax.Array,  # [T, H]
         positions: jax.Array,  # i32[T]
-        k_cache: jax.Array,  # [R, S, Hkv, D]
-        v_cache: jax.Array,  # [R, S, Hkv, D]
+        k_pages: jax.Array,  # [Hkv, N, bs, D]
+        v_pages: jax.Array,  # [Hkv, N, bs, D]
         attn: AttentionMetadata,
         lora: LoRAHook | None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, attn, lora)
+        a, k_pages, v_pages = self.self_attn(self.input_layernorm(x), positions, k_pages, v_pages, attn, lora)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x), lora)
-        return x, k_cache, v_cache
+        return x, k_pages, v_pages
 
 
 class LlamaModel(nnx.Module):
@@ -435,10 +242,6 @@ class LlamaModel(nnx.Module):
         lora: LoRAHook | None = None,
     ) -> tuple[jax.Array, KVCache]:  # hidden [T, H] after the final norm, updated cache
         """Runs every layer on T tokens, writing their K/V into the cache."""
-        if attn.mode == "decode" and tokens.shape[0] != kv_cache.rows:
-            raise ValueError(
-                f"decode needs one token per cache row: tokens={tokens.shape[0]}, rows={kv_cache.rows}"
-            )
         # Clipped lookup: a padding id out of range must not turn into NaN and leak into
         # other tokens through attention.
         x = jnp.take(self.embed_tokens.embedding[...], tokens, axis=0, mode="clip")

@@ -31,6 +31,10 @@ def test_defaults_are_the_demo():
         ("routing_rate_half_life_s", -1.0, "routing_rate_half_life_s=-1.0"),
         ("max_prefill_tokens", 8, "max_prefill_tokens=8"),
         ("prefix_cache_min_tokens", 0, "prefix_cache_min_tokens=0"),
+        ("kv_block_size", 0, "kv_block_size=0"),
+        ("kv_cache_bytes", -5, "kv_cache_bytes=-5"),
+        ("kv_cache_memory_fraction", 1.5, "kv_cache_memory_fraction=1.5"),
+        ("attention_backend", "flash", "attention_backend='flash'"),
     ],
 )
 def test_bad_args_name_the_value(field, value, match):
@@ -50,6 +54,19 @@ def test_prefill_and_prefix_cache_args_reach_the_engine_config():
     cfg = AppArgs(max_prefill_tokens=32, enable_prefix_caching=False, prefix_cache_min_tokens=24).engine_config()
     assert cfg.max_prefill_tokens == 32 and cfg.prefill_budget == 32
     assert not cfg.enable_prefix_caching and cfg.prefix_cache_min_tokens == 24
+
+
+def test_kv_cache_args_reach_the_engine_config():
+    default = AppArgs().engine_config()
+    assert default.kv_block_size is None and default.kv_cache_bytes is None
+    assert default.block_size("cpu") == 16 and default.block_size("tpu") == 128
+    assert default.attention_platform("cpu") == "xla" and default.attention_platform("tpu") == "tpu"
+    cfg = AppArgs(kv_block_size=32, kv_cache_bytes=1 << 20, kv_cache_memory_fraction=0.5,
+                  attention_backend="xla").engine_config()
+    assert (cfg.kv_block_size, cfg.kv_cache_bytes, cfg.kv_cache_memory_fraction) == (32, 1 << 20, 0.5)
+    assert cfg.block_size("tpu") == 32 and cfg.attention_platform("gpu") == "xla"
+    with pytest.raises(ValueError, match="needs a GPU or TPU"):
+        AppArgs(attention_backend="pallas").engine_config().attention_platform("cpu")
 
 
 def test_served_model_name():

@@ -7,6 +7,7 @@ import pytest
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.sampling import SamplingParams
+from lora_runtime.engine.scheduler import Admission
 from lora_runtime.errors import AdapterNotFoundError
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.lora.peft_adapters import make_peft_adapter
@@ -192,30 +193,35 @@ def _peft_tokens(checkpoint, adapter_dir, ids, n):
 
 
 def test_cached_prefixes_are_per_adapter_version(checkpoint, adapters):
-    """K/V depend on the adapter: a prefix cached for the base model or for another version of
-    an adapter is not reused. Chunked prompts, the model over 2 devices, PEFT's tokens."""
+    """K/V depend on the adapter's content: a prefix cached for the base model or for other
+    weights is not reused; the same weights registered again keep theirs. Chunked prompts, the
+    model over 2 devices, PEFT's tokens."""
     engine = _engine(checkpoint, adapters, lora_backend="xla", tensor_parallel_size=2, max_prefill_tokens=16)
     try:
-        shared = "a long shared preamble for every request here: "
-        first, second = shared + "one", shared + "two"
-        ids = engine.tokenizer.encode(second)
+        shared = engine.tokenizer.encode("a long shared preamble for every request that comes here: ")[:32]
+        assert len(shared) == 32  # two whole blocks
+        first, second = shared + [70, 71], shared + [72, 73, 74]
+        ids = second
         engine.generate_batch([first], GREEDY, [None])
         out = engine.generate_batch([first], GREEDY, ["r4"])[0]
         assert out.cached_tokens == 0  # the base model's K/V of the same tokens differ
         out = engine.generate_batch([second], GREEDY, ["r4"])[0]
-        assert out.cached_tokens >= len(engine.tokenizer.encode(shared)) - 1
+        assert out.cached_tokens == 32
         assert out.token_ids == _peft_tokens(checkpoint, adapters["r4"], ids, GREEDY.max_tokens)
         engine.lora_manager.register("r4", str(adapters["r16"]))  # a new version, other weights
         out = engine.generate_batch([second], GREEDY, ["r4"])[0]
         assert out.cached_tokens == 0
         assert out.token_ids == _peft_tokens(checkpoint, adapters["r16"], ids, GREEDY.max_tokens)
+        engine.lora_manager.register("r4", str(adapters["r16"]))  # the same weights again
+        again = engine.generate_batch([second], GREEDY, ["r4"])[0]
+        assert again.cached_tokens > 0 and again.token_ids == out.token_ids
         assert engine.stats()["extend_steps"] > 0 and engine.compiles_after_warmup == 0
 
         # The rests of cached prompts of two adapters and the base model, in one step.
         names = ["r8_rslora", "r8_qv", None]
         engine.generate_batch([first] * 3, GREEDY, names)
         scheduler, admit = engine.scheduler, engine.scheduler.admit
-        scheduler.admit = lambda *a: ([], []) if 0 < len(scheduler.waiting) < 3 else admit(*a)
+        scheduler.admit = lambda *a: Admission() if 0 < len(scheduler.waiting) < 3 else admit(*a)
         before = engine.stats()["extend_steps"]
         try:
             outs = engine.generate_batch([second] * 3, GREEDY, names)
@@ -228,12 +234,13 @@ def test_cached_prefixes_are_per_adapter_version(checkpoint, adapters):
                 assert out.token_ids == _peft_tokens(checkpoint, adapters[name], ids, GREEDY.max_tokens), name
         assert engine.compiles_after_warmup == 0
 
-        # Unregistered and registered again from other files: the version starts again at 1,
-        # the cached K/V of the old weights are still not used.
+        # Unregistered and registered again from other files: the version starts again at 1, the
+        # cached K/V of its old weights are not used, those of the new weights (computed above
+        # under the name r4) are: the cache knows adapters by content, not by name.
         engine.lora_manager.unregister("r8_qv")
         assert engine.lora_manager.register("r8_qv", str(adapters["r4"])).version == 1
         out = engine.generate_batch([second], GREEDY, ["r8_qv"])[0]
-        assert out.cached_tokens == 0
+        assert out.cached_tokens == 32
         assert out.token_ids == _peft_tokens(checkpoint, adapters["r4"], ids, GREEDY.max_tokens)
     finally:
         engine.shutdown()

@@ -1,5 +1,6 @@
-"""Prefix caching and chunked prefill: a request that starts from a cached prefix, or whose
-prompt is computed in chunks between decode steps, generates what a fresh prefill does."""
+"""Prefix caching and chunked prefill: a request that starts from cached blocks, or whose
+prompt is computed in chunks between decode steps, generates what a fresh prefill does.
+Prefixes are shared in whole blocks (16 tokens here), and never the prompt's last token."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.sampling import SamplingParams
+from lora_runtime.engine.scheduler import Admission
 from tests.engine.test_engine import _hf_greedy
 from tests.helpers.checkpoints import save_tiny_llama
 
@@ -53,6 +55,19 @@ def _ids(engine, text):
     return engine.tokenizer.encode(text)
 
 
+def _cacheable(common: int, prompt_len: int, block: int = 16) -> int:
+    """Tokens of a prompt found cached when `common` of its first tokens are in full blocks:
+    whole blocks, all before the prompt's last token."""
+    return min(common, prompt_len - 1) // block * block
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def test_a_shared_system_prompt_is_computed_once(engine, hf_model):
     first = engine.generate_batch([SYSTEM + "what is a fox?"], GREEDY)[0]
     assert first.cached_tokens == 0
@@ -60,8 +75,7 @@ def test_a_shared_system_prompt_is_computed_once(engine, hf_model):
     prompt = SYSTEM + "and the dog?"
     second = engine.generate_batch([prompt], GREEDY)[0]
     ids = _ids(engine, prompt)
-    shared = len(_ids(engine, SYSTEM))  # the question starts a new token after the space
-    assert shared - 1 <= second.cached_tokens < len(ids)
+    assert second.cached_tokens == _cacheable(_common(ids, _ids(engine, SYSTEM + "what is a fox?")), len(ids)) > 0
     assert second.token_ids == _hf_greedy(hf_model, ids, GREEDY.max_tokens)
     after = engine.stats()
     assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == second.cached_tokens
@@ -71,18 +85,19 @@ def test_a_shared_system_prompt_is_computed_once(engine, hf_model):
 
 
 def test_the_next_turn_reuses_the_previous_answer(engine, hf_model):
-    """A chat's next request repeats the conversation so far: all of it is in the row except
-    the last generated token, which was never fed back."""
+    """A chat's next request repeats the conversation so far: all of it is in the cache except
+    the last generated token, which was never fed back (in whole blocks)."""
     prompt = _ids(engine, SYSTEM + "name three colours.")
     answer = engine.generate_batch([prompt], GREEDY)[0]
     follow = prompt + answer.token_ids + _ids(engine, " and three more?")
     out = engine.generate_batch([follow], GREEDY)[0]
-    assert out.cached_tokens == len(prompt) + len(answer.token_ids) - 1
+    assert out.cached_tokens == _cacheable(len(prompt) + len(answer.token_ids) - 1, len(follow))
+    assert out.cached_tokens > len(prompt) - 16  # blocks filled while decoding count too
     assert out.token_ids == _hf_greedy(hf_model, follow, GREEDY.max_tokens)
 
 
-def test_a_running_requests_prefix_is_copied_to_a_new_row(engine, hf_model):
-    """While a long request runs, a request sharing its prompt's start copies that row."""
+def test_a_running_requests_blocks_are_shared(engine, hf_model):
+    """While a long request runs, a request sharing its prompt's start takes those blocks."""
     long_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompt = SYSTEM + "tell a long story about the sea"
     started, done = threading.Event(), threading.Event()
@@ -101,8 +116,7 @@ def test_a_running_requests_prefix_is_copied_to_a_new_row(engine, hf_model):
     assert done.wait(60)
     assert not got[0].finished  # the first request was still running when the other came
     ids = _ids(engine, other)
-    common = len(_ids(engine, SYSTEM + "tell a long story about the s")) - 1
-    assert out.cached_tokens >= common
+    assert out.cached_tokens == _cacheable(_common(ids, _ids(engine, prompt)), len(ids)) > 0
     assert out.token_ids == _hf_greedy(hf_model, ids, GREEDY.max_tokens)
     assert [t for o in got for t in o.token_ids] == _hf_greedy(hf_model, _ids(engine, prompt), 40)
 
@@ -147,7 +161,7 @@ def test_decoding_goes_on_between_chunks(chunked):
     admit = scheduler.admit
     # Both are admitted in one step (however the submitting thread is scheduled): whole, the
     # long prompt would give its one token in that step, before the short request's third.
-    scheduler.admit = lambda *a: ([], []) if 0 < len(scheduler.waiting) < 2 else admit(*a)
+    scheduler.admit = lambda *a: Admission() if 0 < len(scheduler.waiting) < 2 else admit(*a)
     try:
         chunked.submit(SYSTEM * 2, SamplingParams(max_tokens=1, temperature=0.0), emitter("long"))
         chunked.submit("hi", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), emitter("short"))
@@ -176,9 +190,10 @@ def test_chunked_prompt_logprobs_and_penalties_equal_one_pass(engine, chunked):
 def test_seeded_sampling_is_the_same_from_a_cached_prefix(engine):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
     prompt = SYSTEM + "pick random words"
-    engine.generate_batch([prompt], GREEDY)  # leaves the prompt in a row
+    engine.generate_batch([prompt], GREEDY)  # leaves the prompt's blocks cached
     cached = engine.generate_batch([prompt], params)[0]
-    assert cached.cached_tokens == len(_ids(engine, prompt)) - 1
+    n = len(_ids(engine, prompt))
+    assert cached.cached_tokens == _cacheable(n, n) > 0
     fresh = engine.generate_batch([prompt], dataclasses.replace(params, prompt_logprobs=0))[0]
     assert fresh.cached_tokens == 0
     assert cached.token_ids == fresh.token_ids
@@ -205,7 +220,7 @@ def test_a_step_that_loses_the_cache_fails_its_requests_and_the_next_ones_run(en
         raise RuntimeError("device fault")
 
     prompt = SYSTEM + "after a fault"
-    engine.generate_batch([prompt], GREEDY)  # leaves the prompt in a row
+    engine.generate_batch([prompt], GREEDY)  # leaves the prompt's blocks cached
     runner._decode = failing
     try:
         with pytest.raises(RuntimeError, match="device fault"):
@@ -213,29 +228,32 @@ def test_a_step_that_loses_the_cache_fails_its_requests_and_the_next_ones_run(en
     finally:
         runner._decode = decode
     out = engine.generate_batch([prompt], GREEDY)[0]
-    assert out.cached_tokens == 0  # what the rows held went with the cache
+    assert out.cached_tokens == 0  # what the blocks held went with the cache
     assert out.token_ids == _hf_greedy(hf_model, _ids(engine, prompt), GREEDY.max_tokens)
     assert len(engine.scheduler.free_rows) == engine.config.max_batch
+    assert engine.scheduler.pool.num_free == engine.scheduler.pool.usable
 
 
 def test_requests_arriving_together_compute_their_shared_prompt_once(engine):
     """The n choices of a request (or requests with one system prompt arriving together):
-    the first computes the prompt, the others wait one step and copy its row."""
-    prompt = "sampling four times from one prompt that is long enough to be shared"
+    the first computes the prompt, the others wait a step and share its blocks."""
+    prompt = "sampling four times from one prompt that is long enough to be shared by all four"
     n = len(_ids(engine, prompt))
+    cached = _cacheable(n, n)
+    assert cached >= 16
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s) for s in range(4)]
     before = engine.stats()
     outs = engine.generate_batch([prompt] * 4, params)
     computed = engine.stats()["prompt_tokens"] - before["prompt_tokens"]
-    assert computed == n + 3  # each copy computes the prompt's last token only
-    assert sorted(o.cached_tokens for o in outs) == [0, n - 1, n - 1, n - 1]
+    assert computed == n + 3 * (n - cached)  # the others compute only what follows the shared blocks
+    assert sorted(o.cached_tokens for o in outs) == [0, cached, cached, cached]
     fresh = [engine.generate_batch([prompt], [dataclasses.replace(p, prompt_logprobs=0)])[0] for p in params]
     assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
 
 
 def test_the_rests_of_several_cached_prompts_are_computed_in_one_step(engine, hf_model):
     """Three requests admitted together, each starting with a cached system prompt: their
-    short rests go through one step (each in its row's slot), not one step each."""
+    short rests go through one step (a group each), not one step each."""
     engine.generate_batch([SYSTEM + "warm the cache"], GREEDY)
     questions = [SYSTEM + "first question?", SYSTEM + "a second one", SYSTEM + "and a third, longer question"]
     scheduler = engine.scheduler
@@ -243,7 +261,7 @@ def test_the_rests_of_several_cached_prompts_are_computed_in_one_step(engine, hf
 
     def admit_together(*args):  # hold admissions until all three have arrived
         if 0 < len(scheduler.waiting) < len(questions):
-            return [], []
+            return Admission()
         return admit(*args)
 
     scheduler.admit = admit_together
@@ -254,6 +272,6 @@ def test_the_rests_of_several_cached_prompts_are_computed_in_one_step(engine, hf
         scheduler.admit = admit
     assert engine.stats()["extend_steps"] == before["extend_steps"] + 1
     for prompt, out in zip(questions, outs):
-        assert out.cached_tokens >= len(_ids(engine, SYSTEM)) - 1
+        assert out.cached_tokens == _cacheable(len(_ids(engine, SYSTEM)), len(_ids(engine, prompt))) > 0
         assert out.token_ids == _hf_greedy(hf_model, _ids(engine, prompt), GREEDY.max_tokens)
     assert engine.compiles_after_warmup == 0

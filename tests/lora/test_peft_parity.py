@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
+from tests.helpers.paged import RowPages
 from lora_runtime.lora.backend.reference import ReferenceLoRABackend
 from lora_runtime.lora.hook import PoolLoRAHook
 from lora_runtime.lora.manager import LoRAManager
@@ -79,10 +79,11 @@ def test_mixed_adapter_prefill_matches_peft(tp, base_dir, adapter_dirs, prompts,
         hidden, cache = m(tokens, positions, cache, attn, lora=hook)
         return m.logits(hidden), cache
 
-    cache = KVCache.create(config, rows=len(REQUESTS), max_seq_len=16, mesh=mesh)
+    pages = RowPages(len(REQUESTS), 16)
+    cache = pages.cache(config, mesh)
     as_i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    logits, _ = step(state, manager.pool, as_i32(tokens), as_i32(positions),
-                     AttentionMetadata(rows=as_i32(rows), mode="prefill"), cache, info)
+    logits, _ = step(state, manager.pool, as_i32(tokens), as_i32(positions), pages.prefill(rows, positions),
+                     cache, info)
     logits = np.asarray(logits)
     start = 0
     for (adapter, n), ref in zip(REQUESTS, reference):

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
 from lora_runtime.model.config import ModelConfig, RopeScaling
 from lora_runtime.model.lora_hook import GROUP_SLICES
 from lora_runtime.model.llama import LlamaModel, apply_rope, rope_attention_factor, rope_inv_freq
 from lora_runtime.model.sharding import make_mesh
+from tests.helpers.paged import RowPages
 
 # Qwen3-like: q/k norm and a head_dim that is not hidden / heads, plus qkv bias, so the
 # test sees the hook's place relative to bias, norm and RoPE.
@@ -41,11 +41,12 @@ CONFIG = ModelConfig(
 )
 TOKENS = jnp.asarray([3, 9, 27, 4, 8], jnp.int32)
 POSITIONS = jnp.asarray([0, 1, 2, 0, 1], jnp.int32)
-ATTN = AttentionMetadata(rows=jnp.asarray([0, 0, 0, 1, 1], jnp.int32), mode="prefill")
+PAGES = RowPages(2, 8)
+ATTN = PAGES.prefill([0, 0, 0, 1, 1], POSITIONS)
 
 
 def run(model, lora=None) -> np.ndarray:
-    cache = KVCache.create(CONFIG, 2, 8, make_mesh(1))
+    cache = PAGES.cache(CONFIG, make_mesh(1))
     hidden, _ = model(TOKENS, POSITIONS, cache, ATTN, lora)
     return np.asarray(hidden)
 
@@ -180,11 +181,12 @@ def test_sliding_window_limits_what_decode_sees():
     mesh = make_mesh(1)
 
     def last_hidden(prompt):
-        cache = KVCache.create(config, 1, 8, mesh)
+        pages = RowPages(1, 8, block_size=2)
+        cache = pages.cache(config, mesh)
         n = len(prompt)
-        attn = AttentionMetadata(rows=jnp.zeros(n - 1, jnp.int32), mode="prefill")
+        attn = pages.prefill(np.zeros(n - 1, np.int32), np.arange(n - 1))
         _, cache = model(jnp.asarray(prompt[:-1], jnp.int32), jnp.arange(n - 1, dtype=jnp.int32), cache, attn)
-        decode = AttentionMetadata(rows=jnp.zeros(1, jnp.int32), mode="decode")
+        decode = pages.decode([0], [n - 1])
         hidden, _ = model(jnp.asarray(prompt[-1:], jnp.int32), jnp.asarray([n - 1], jnp.int32), cache, decode)
         return np.asarray(hidden)
 

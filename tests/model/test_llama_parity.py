@@ -12,7 +12,7 @@ import pytest
 import torch
 from flax import nnx
 
-from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
+from tests.helpers.paged import RowPages
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.llama import rope_attention_factor, rope_inv_freq
 from lora_runtime.model.loader import load_model
@@ -55,7 +55,7 @@ def make_step(model):
     return functools.partial(step, state)
 
 
-def prefill_batch(seqs: list[list[int]]):
+def prefill_batch(pages: RowPages, seqs: list[list[int]]):
     tokens, positions, rows = [], [], []
     for seq, row in zip(seqs, ROWS):
         tokens += seq
@@ -65,17 +65,17 @@ def prefill_batch(seqs: list[list[int]]):
     positions += [0] * PAD
     rows += [-1] * PAD
     as_i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return as_i32(tokens), as_i32(positions), AttentionMetadata(rows=as_i32(rows), mode="prefill")
+    return as_i32(tokens), as_i32(positions), pages.prefill(rows, positions)
 
 
-def decode_batch(next_tokens: dict[int, int], lengths: dict[int, int]):
+def decode_batch(pages: RowPages, next_tokens: dict[int, int], lengths: dict[int, int]):
     """One token per cache row; rows absent from ``next_tokens`` are idle (-1)."""
     tokens = np.zeros(NUM_ROWS, np.int32)
     positions = np.zeros(NUM_ROWS, np.int32)
     rows = np.full(NUM_ROWS, -1, np.int32)
     for row, tok in next_tokens.items():
         tokens[row], positions[row], rows[row] = tok, lengths[row], row
-    return jnp.asarray(tokens), jnp.asarray(positions), AttentionMetadata(rows=jnp.asarray(rows), mode="decode")
+    return jnp.asarray(tokens), jnp.asarray(positions), pages.decode(rows, positions)
 
 
 def check_prefill_and_decode(hf_model, path, mesh, prompt_lens=PROMPT_LENS, max_seq=MAX_SEQ):
@@ -87,8 +87,9 @@ def check_prefill_and_decode(hf_model, path, mesh, prompt_lens=PROMPT_LENS, max_
     continuations = [rng.integers(3, config.vocab_size, DECODE_STEPS).tolist() for _ in seqs]
     refs = [hf_logits(hf_model, s + c) for s, c in zip(seqs, continuations)]
 
-    cache = KVCache.create(config, NUM_ROWS, max_seq, mesh)
-    logits, cache = step(*prefill_batch(seqs), cache)
+    pages = RowPages(NUM_ROWS, max_seq)
+    cache = pages.cache(config, mesh)
+    logits, cache = step(*prefill_batch(pages, seqs), cache)
     logits = np.asarray(logits)
     assert logits.shape == (sum(prompt_lens) + PAD, config.vocab_size) and logits.dtype == np.float32
     assert np.isfinite(logits).all()
@@ -99,7 +100,7 @@ def check_prefill_and_decode(hf_model, path, mesh, prompt_lens=PROMPT_LENS, max_
 
     lengths = {row: len(s) for row, s in zip(ROWS, seqs)}
     for t in range(DECODE_STEPS):
-        logits, cache = step(*decode_batch({row: c[t] for row, c in zip(ROWS, continuations)}, lengths), cache)
+        logits, cache = step(*decode_batch(pages, {row: c[t] for row, c in zip(ROWS, continuations)}, lengths), cache)
         logits = np.asarray(logits)
         for row, seq, ref in zip(ROWS, seqs, refs):
             assert rel_err(logits[row], ref[len(seq) + t]) < TOL, (t, row)
@@ -109,14 +110,15 @@ def check_prefill_and_decode(hf_model, path, mesh, prompt_lens=PROMPT_LENS, max_
 def greedy(config, model, mesh, seqs: list[list[int]], n: int) -> list[list[int]]:
     """Greedy generation of ``n`` tokens per prompt: one packed prefill, then batched decode."""
     step = make_step(model)
-    cache = KVCache.create(config, NUM_ROWS, MAX_SEQ, mesh)
-    logits, cache = step(*prefill_batch(seqs), cache)
+    pages = RowPages(NUM_ROWS, MAX_SEQ)
+    cache = pages.cache(config, mesh)
+    logits, cache = step(*prefill_batch(pages, seqs), cache)
     ends = np.cumsum([len(s) for s in seqs]) - 1
     next_tok = {row: int(np.argmax(logits[e])) for row, e in zip(ROWS, ends)}
     lengths = {row: len(s) for row, s in zip(ROWS, seqs)}
     out = {row: [tok] for row, tok in next_tok.items()}
     for _ in range(n - 1):
-        logits, cache = step(*decode_batch(next_tok, lengths), cache)
+        logits, cache = step(*decode_batch(pages, next_tok, lengths), cache)
         next_tok = {row: int(np.argmax(logits[row])) for row in next_tok}
         lengths = {row: n + 1 for row, n in lengths.items()}
         for row, tok in next_tok.items():

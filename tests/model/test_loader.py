@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from lora_runtime.engine.kv_cache import AttentionMetadata, KVCache
+from tests.helpers.paged import RowPages
 from lora_runtime.errors import CheckpointError
 from lora_runtime.model.loader import hf_name, load_model
 from lora_runtime.model.sharding import make_mesh
@@ -51,9 +51,10 @@ def assert_params_equal(model, hf_model, dtype=np.float32):
 
 
 def prefill_logits(config, model, mesh, tokens: list[int]) -> np.ndarray:
-    cache = KVCache.create(config, 1, 16, mesh)
+    pages = RowPages(1, 16)
+    cache = pages.cache(config, mesh)
     ids = jnp.asarray(tokens, jnp.int32)
-    attn = AttentionMetadata(rows=jnp.zeros(len(tokens), jnp.int32), mode="prefill")
+    attn = pages.prefill(np.zeros(len(tokens), np.int32), np.arange(len(tokens)))
     hidden, _ = model(ids, jnp.arange(len(tokens), dtype=jnp.int32), cache, attn)
     return np.asarray(model.logits(hidden))
 

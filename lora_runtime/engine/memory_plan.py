@@ -1,0 +1,192 @@
+"""The device-memory plan of a replica: weights + adapter pool + step workspace, the rest KV blocks.
+
+Computed from shapes alone, before anything is allocated, per device (each part divided as
+the mesh shards it). On GPU and TPU the budget is `kv_cache_memory_fraction` of the
+smallest device's memory limit (JAX's allocator limit, `memory_stats()["bytes_limit"]`);
+what weights, pool and workspace leave of it becomes KV blocks. On CPU, which reports no
+limit, `kv_cache_bytes` sizes the cache (default: what one row per sequence of
+`max_seq_len` tokens would hold). `kv_cache_bytes` overrides the fraction anywhere. A plan
+whose cache cannot hold one `max_seq_len` sequence is refused, naming the parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.model.config import ModelConfig
+from lora_runtime.model.kv_cache import block_bytes
+from lora_runtime.model.llama import LlamaModel
+from lora_runtime.model.sharding import TENSOR_AXIS, param_sharding
+
+GIB = float(1 << 30)
+# Workspace estimates below count the largest live buffers of a step; XLA fuses some and
+# keeps a few more, so the estimate carries this margin (tests/engine/test_memory_plan.py
+# checks it against XLA's own memory analysis of the compiled steps).
+WORKSPACE_MARGIN = 1.5
+# Sampling keeps a handful of [rows, vocab] f32 arrays live (penalties, top-k/p, log-softmax).
+SAMPLING_COPIES = 6
+CHUNK_KEYS = 128  # keys per chunk of the XLA paged attention (kernels/paged_attention/xla.py)
+
+
+class MemoryPlanError(ValueError):
+    """The configuration does not fit the device; the message names the parts and the shortfall."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device of each part, and the KV blocks they leave."""
+
+    platform: str
+    devices: int
+    device_bytes: int | None  # the smallest device's memory limit (None on CPU)
+    budget_bytes: int | None  # the fraction of it the replica may use
+    weights_bytes: int
+    adapter_pool_bytes: int
+    workspace_bytes: int
+    kv_cache_bytes: int  # num_blocks * block bytes
+    block_size: int
+    block_bytes: int  # one block of every layer's K and V, on one device
+    num_blocks: int  # including the null block
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the cache holds (every block but the null block)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    def describe(self) -> str:
+        """One log line: bytes per part, blocks, tokens that fit."""
+        budget = "" if self.budget_bytes is None else f" of {_gib(self.budget_bytes)} budget"
+        return (f"memory plan per device ({self.devices} x {self.platform}{budget}): weights "
+                f"{_gib(self.weights_bytes)}, adapter pool {_gib(self.adapter_pool_bytes)}, workspace "
+                f"{_gib(self.workspace_bytes)}, KV cache {_gib(self.kv_cache_bytes)} = {self.num_blocks - 1} "
+                f"blocks of {self.block_size} tokens ({self.kv_tokens} tokens)")
+
+    def stats(self) -> dict[str, int]:
+        """The plan as engine stats (and so as metrics)."""
+        return {"memory_weights_bytes": self.weights_bytes, "memory_adapter_pool_bytes": self.adapter_pool_bytes,
+                "memory_workspace_bytes": self.workspace_bytes, "memory_kv_cache_bytes": self.kv_cache_bytes,
+                "kv_capacity_tokens": self.kv_tokens}
+
+
+def _gib(n: int) -> str:
+    """Bytes in the unit that shows them best (GiB down to KiB)."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def weights_bytes(model_config: ModelConfig, mesh: jax.sharding.Mesh) -> int:
+    """Bytes of the model's parameters on one device, from their abstract shapes and shardings."""
+    abstract = nnx.eval_shape(lambda: LlamaModel(model_config, rngs=nnx.Rngs(0)))
+    total = 0
+    for path, value in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        arr = value.get_value()
+        shard = param_sharding(path, arr.shape, mesh).shard_shape(arr.shape)
+        total += math.prod(shard) * jnp.dtype(arr.dtype).itemsize
+    return total
+
+
+def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_lora_rank: int) -> int:
+    """Bytes of the adapter pool on one device (its layout: lora_runtime/lora/memory_pool.py)."""
+    from lora_runtime.lora.adapter import group_shapes
+    from lora_runtime.lora.memory_pool import COLUMN_GROUPS
+
+    if num_slots == 0:
+        return 0
+    itemsize = jnp.dtype(model_config.dtype).itemsize
+    per_layer_slot = 0
+    for group, (fan_in, outs) in group_shapes(model_config).items():
+        column = group in COLUMN_GROUPS
+        per_layer_slot += len(outs) * max_lora_rank * (fan_in if column else fan_in // tp)
+        per_layer_slot += sum(max_lora_rank * (o // tp if column else o) for o in outs)
+    return model_config.num_layers * num_slots * per_layer_slot * itemsize
+
+
+def workspace_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
+    """An upper estimate of the temporary bytes of the largest step on one device: packed
+    prefill at the full budget, a chunk over the cache, decode, or prompt log-probabilities."""
+    c, f = model_config, 4
+    a = jnp.dtype(c.dtype).itemsize
+    hq, hkv, d = c.num_heads // tp, c.num_kv_heads // tp, c.head_dim
+    vocab = c.vocab_size // tp if c.vocab_size % tp == 0 else c.vocab_size
+    rank = config.max_lora_rank if config.max_loras_per_batch else 0
+
+    def layer(tokens: int) -> int:  # one layer's activations and LoRA intermediates
+        width = 2 * c.hidden_size + (2 * hq + 2 * hkv) * d + 3 * c.intermediate_size // tp
+        return tokens * (width * a + 2 * (c.hidden_size + (hq + hkv) * d) * f + 6 * rank * f)
+
+    def sampling(rows: int) -> int:
+        return rows * c.vocab_size * f * SAMPLING_COPIES
+
+    t, rows = config.prefill_budget, config.max_batch
+    scores = hq * t * min(t, 512) * f * 3 + hq * t * d * f
+    prefill = layer(t) + scores + sampling(rows) + t * c.hidden_size * a
+    paged = layer(t) + 3 * hq * t * CHUNK_KEYS * f + 2 * t * CHUNK_KEYS * hkv * d * a + sampling(1)
+    decode = layer(rows) + 3 * hq * rows * CHUNK_KEYS * f + 2 * rows * CHUNK_KEYS * hkv * d * a + sampling(rows)
+    prompt_logprobs = t * vocab * f * 3
+    return int(WORKSPACE_MARGIN * max(prefill, paged, decode, prompt_logprobs))
+
+
+def device_memory_bytes(devices) -> int | None:
+    """The smallest memory limit among `devices`, or None if they report none (CPU)."""
+    limits = []
+    for device in devices:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.sharding.Mesh, *, platform: str,
+                block_size: int, device_bytes: int | None) -> MemoryPlan:
+    """Sizes the KV cache; raises MemoryPlanError (before anything is allocated) if it cannot fit."""
+    tp = mesh.shape.get(TENSOR_AXIS, 1)
+    weights = weights_bytes(model_config, mesh)
+    pool = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank)
+    workspace = workspace_bytes(model_config, config, tp)
+    per_block = block_bytes(model_config, block_size) // tp
+    blocks_per_seq = math.ceil(config.max_seq_len / block_size)
+    budget = None
+    if config.kv_cache_bytes is not None:
+        kv = config.kv_cache_bytes
+    elif device_bytes is not None:
+        budget = int(config.kv_cache_memory_fraction * device_bytes)
+        kv = budget - weights - pool - workspace
+    else:  # CPU: as much as one max_seq_len row per sequence would take
+        kv = config.max_batch * blocks_per_seq * per_block + per_block
+    if device_bytes is not None and config.kv_cache_bytes is not None:
+        budget = int(config.kv_cache_memory_fraction * device_bytes)
+        over = weights + pool + workspace + kv - budget
+        if over > 0:
+            raise MemoryPlanError(
+                f"kv_cache_bytes={kv} with weights {_gib(weights)}, adapter pool {_gib(pool)} and workspace "
+                f"{_gib(workspace)} exceeds {config.kv_cache_memory_fraction} x {_gib(device_bytes)} per device "
+                f"by {_gib(over)}")
+    num_blocks = max(kv // per_block, 0)
+    needed = (blocks_per_seq + 1) * per_block
+    if num_blocks < blocks_per_seq + 1:
+        parts = {"weights": weights, "adapter pool (max_loras_per_batch x max_lora_rank)": pool,
+                 "step workspace (max_prefill_tokens, max_batch)": workspace}
+        largest = max(parts, key=parts.get)
+        if config.kv_cache_bytes is not None or budget is None:
+            raise MemoryPlanError(
+                f"kv_cache_bytes={kv} holds {num_blocks} blocks of {block_size} tokens; one max_seq_len="
+                f"{config.max_seq_len} sequence needs {blocks_per_seq} plus the null block ({needed} bytes)")
+        raise MemoryPlanError(
+            f"the KV cache gets {_gib(max(kv, 0))} per device ({config.kv_cache_memory_fraction} x "
+            f"{_gib(device_bytes)} minus weights {_gib(weights)}, adapter pool {_gib(pool)} and workspace "
+            f"{_gib(workspace)}), short by {_gib(needed - kv)} of one max_seq_len={config.max_seq_len} "
+            f"sequence; the largest part is the {largest} ({_gib(parts[largest])})")
+    return MemoryPlan(
+        platform=platform, devices=mesh.size, device_bytes=device_bytes, budget_bytes=budget,
+        weights_bytes=weights, adapter_pool_bytes=pool, workspace_bytes=workspace,
+        kv_cache_bytes=num_blocks * per_block, block_size=block_size, block_bytes=per_block, num_blocks=num_blocks,
+    )

@@ -1,0 +1,119 @@
+"""Attention of one layer over the paged cache: writing K/V, and reading them per step mode.
+
+A prefill step of fresh sequences attends among its own tokens (nothing is in the cache
+yet); every other step reads pages through kernels/paged_attention, inside shard_map
+over the tensor axis for the Pallas kernels (XLA partitions its own formulation).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from kernels.paged_attention import paged_attention
+from kernels.paged_attention.xla import MASK_VALUE, online_softmax, online_softmax_step
+from lora_runtime.model.kv_cache import AttentionMetadata
+
+TENSOR_AXIS = "tensor"
+
+
+def _window_ok(delta: jax.Array, window: int | None) -> jax.Array:
+    """Key within the sliding window: ``delta`` = query position - key position."""
+    return jnp.ones_like(delta, bool) if window is None else delta < window
+
+
+def prefill_attention(
+    q: jax.Array,  # [T, Hkv, G, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    positions: jax.Array,  # i32[T]
+    token_seq: jax.Array,  # i32[T], -1 = padding
+    window: int | None,
+    block: int = 512,
+) -> jax.Array:  # [T, Hkv, G, D]
+    """Causal attention among the packed fresh sequences of one prefill step.
+
+    Up to `block` tokens, one [T, T] score matrix per head; past that, keys in blocks with an
+    online softmax, so a large prefill budget needs [T, block] scores, not [T, T].
+    """
+    t = token_seq.shape[0]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if t <= block:
+        same = (token_seq[:, None] == token_seq[None, :]) & (token_seq[:, None] >= 0)
+        delta = positions[:, None] - positions[None, :]
+        # The diagonal keeps padding rows finite; real tokens always see themselves anyway.
+        mask = (same & (delta >= 0) & _window_ok(delta, window)) | jnp.eye(t, dtype=bool)
+        scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) * scale
+        probs = jax.nn.softmax(jnp.where(mask, scores, MASK_VALUE), axis=-1)
+        return jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v)
+
+    q_seq = jnp.where(token_seq >= 0, token_seq, -2)  # padding matches no key: its output is 0
+
+    def body(i, carry):
+        start = i * block
+        first = jnp.minimum(start, t - block)  # the last block is clamped; earlier keys masked
+        kb = jax.lax.dynamic_slice_in_dim(k, first, block)
+        vb = jax.lax.dynamic_slice_in_dim(v, first, block)
+        k_pos = jax.lax.dynamic_slice_in_dim(positions, first, block)
+        k_seq = jax.lax.dynamic_slice_in_dim(token_seq, first, block)
+        delta = positions[:, None] - k_pos[None, :]  # [T, block]
+        mask = (((first + jnp.arange(block)) >= start)[None, :] & (q_seq[:, None] == k_seq[None, :])
+                & (delta >= 0) & _window_ok(delta, window))
+        s = jnp.einsum("tkgd,skd->kgts", q, kb, preferred_element_type=jnp.float32) * scale
+        return online_softmax_step(carry, s, mask, vb, "kgts,skd->kgtd")
+
+    _, hkv, g, d = q.shape
+    out = online_softmax(body, 0, -(-t // block), (hkv, g, t), d)
+    return jnp.transpose(out, (2, 0, 1, 3)).astype(v.dtype)
+
+
+def write_kv(
+    k_pages: jax.Array,  # [Hkv, N, bs, D]
+    v_pages: jax.Array,  # [Hkv, N, bs, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # i32[T]: block * bs + offset; out of range: dropped
+) -> tuple[jax.Array, jax.Array]:
+    """Writes each token's K/V at its slot; padding tokens (slot past the cache) write nothing."""
+    heads, n, bs, d = k_pages.shape
+
+    def write(pages, x):
+        flat = pages.reshape(heads, n * bs, d)
+        flat = flat.at[:, slot_mapping].set(jnp.swapaxes(x, 0, 1).astype(pages.dtype), mode="drop")
+        return flat.reshape(pages.shape)
+
+    return write(k_pages, k), write(v_pages, v)
+
+
+def _tensor_parallel() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.shape.get(TENSOR_AXIS, 1) > 1
+
+
+def paged_layer_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [Hkv, N, bs, D], this step's K/V already written
+    v_pages: jax.Array,  # [Hkv, N, bs, D]
+    positions: jax.Array,  # i32[T]
+    attn: AttentionMetadata,
+    window: int | None,
+) -> jax.Array:  # [T, Hq, D]
+    """Each group of C queries reads its sequence's pages up to its positions (see AttentionMetadata)."""
+    t, heads, d = q.shape
+    groups = attn.block_tables.shape[0]
+    c = t // groups
+    if groups * c != t:
+        raise ValueError(f"{t} tokens do not split into {groups} groups of equal size")
+    q_start = positions.reshape(groups, c)[:, 0]
+    fn = functools.partial(paged_attention, window=window, platform=attn.platform, interpret=attn.interpret)
+    qg = q.reshape(groups, c, heads, d)
+    if attn.platform != "xla" and _tensor_parallel():
+        # A Pallas kernel sees one device's heads: shard_map over the heads of q and the pages.
+        heads_spec, pages_spec = P(None, None, TENSOR_AXIS, None), P(TENSOR_AXIS, None, None, None)
+        fn = jax.shard_map(fn, in_specs=(heads_spec, pages_spec, pages_spec, P(), P()), out_specs=heads_spec,
+                           check_vma=False)
+    return fn(qg, k_pages, v_pages, attn.block_tables, q_start).reshape(t, heads, d)

@@ -1,0 +1,109 @@
+"""The paged key/value cache, and the metadata that says where each token's K/V go and what it reads.
+
+K and V of each layer are pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, a
+block of `block_size` consecutive positions of one sequence per page. A sequence's block
+table lists its pages in position order, so position p lives in page table[p // bs] at
+offset p % bs; sequences with a common prefix share its pages. Block 0 is the null
+block: never handed out, it is what unused table entries point at. The pages shard kv
+heads over the mesh's tensor axis, like the k/v projections that produce them, so
+attention needs no communication. This layout is what every attention formulation reads
+(kernels/paged_attention): tile-aligned [bs, D] pages for the TPU kernel, and JAX's GPU
+paged-attention layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from lora_runtime.model.config import ModelConfig
+from lora_runtime.model.sharding import DEFAULT_RULES
+
+MODES: tuple[str, ...] = ("prefill", "paged")
+NULL_BLOCK = 0
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """The sharding of each layer's K or V pages: kv heads over the tensor axis."""
+    return DEFAULT_RULES.sharding(mesh, "kv_heads", None, None, "head_dim")
+
+
+def block_bytes(config: ModelConfig, block_size: int, dtype=None) -> int:
+    """Bytes one block takes over all layers, K and V, all devices' shards together."""
+    itemsize = jnp.dtype(dtype or config.dtype).itemsize
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * itemsize
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer as pages, arrays a jitted step can donate."""
+
+    k: tuple[jax.Array, ...]  # per layer [Hkv, num_blocks, block_size, head_dim], model dtype
+    v: tuple[jax.Array, ...]  # per layer [Hkv, num_blocks, block_size, head_dim], model dtype
+
+    @classmethod
+    def create(cls, config: ModelConfig, num_blocks: int, block_size: int, mesh: Mesh) -> KVCache:
+        """A zeroed cache of `num_blocks` blocks (block 0 the null block), kv heads sharded."""
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError(f"{num_blocks=} must be >= 2 (block 0 is the null block) and {block_size=} >= 1")
+        shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, config.dtype), out_shardings=kv_cache_sharding(mesh))
+        return cls(
+            k=tuple(zeros() for _ in range(config.num_layers)),
+            v=tuple(zeros() for _ in range(config.num_layers)),
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes over all layers, K and V (all devices' shards together)."""
+        heads, _, bs, head_dim = self.k[0].shape
+        return 2 * len(self.k) * heads * bs * head_dim * self.k[0].dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a step's tokens write their K/V, and what their queries read.
+
+    prefill: whole fresh sequences packed back to back (positions from 0); each token
+    attends to earlier tokens of its own sequence (`token_seq`) computed in the same step,
+    so nothing is read from the cache.
+    paged: the T tokens are Q groups of C = T / Q consecutive positions of one sequence
+    each (decode: C = 1, a group per running sequence; a chunk over a cached prefix or
+    earlier chunks: C tokens, one group or several); group g's query c sits at position
+    positions[g * C] + c and reads its sequence's pages (`block_tables[g]`) up to there.
+    Padding tokens write nowhere (`slot_mapping` past the cache) and idle groups read the
+    null block: their outputs are finite and meaningless.
+    `platform` picks the attention formulation (kernels/paged_attention: xla, tpu, gpu);
+    `interpret` runs a kernel in Pallas interpret mode (tests on CPU).
+    """
+
+    slot_mapping: jax.Array  # i32[T]: block * block_size + offset; >= num_blocks * block_size: not written
+    token_seq: jax.Array | None = None  # i32[T], prefill: the token's sequence in the step, -1 = padding
+    block_tables: jax.Array | None = None  # i32[Q, P], paged: each group's blocks in position order
+    mode: str = dataclasses.field(default="prefill", metadata=dict(static=True))
+    platform: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"attention mode={self.mode!r} is not one of {MODES}")
+        needed = "token_seq" if self.mode == "prefill" else "block_tables"
+        if getattr(self, needed) is None:
+            raise ValueError(f"attention mode={self.mode!r} needs {needed}")

@@ -1,0 +1,129 @@
+"""The memory plan: each part computed from shapes equals what is then allocated, the workspace
+estimate bounds what XLA's compiled steps use, the KV cache takes the rest of the budget, and a
+configuration that does not fit is refused, naming the part, before any weight is read."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks.common import demo_tokenizer, synthetic_config
+from lora_runtime.engine import build
+from lora_runtime.engine.build import assemble_engine
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.engine import Engine
+from lora_runtime.engine.memory_plan import (
+    MemoryPlanError, adapter_pool_bytes, plan_memory, weights_bytes, workspace_bytes,
+)
+from lora_runtime.lora.memory_pool import LoRAMemoryPool
+from lora_runtime.model.kv_cache import block_bytes
+from lora_runtime.model.llama import LlamaModel
+from lora_runtime.model.sharding import make_mesh, shard_model
+from tests.helpers.checkpoints import save_tiny_llama
+
+MODEL = synthetic_config(hidden=256, layers=2, heads=8, kv_heads=2, intermediate=512, vocab=4096)
+GIB = 1 << 30
+
+
+def _device_bytes(arrays) -> int:
+    """Bytes of the arrays' shards on the first device."""
+    first = jax.devices()[0]
+    return sum(s.data.nbytes for a in jax.tree_util.tree_leaves(arrays) for s in a.addressable_shards
+               if s.device == first)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_weights_and_pool_are_what_gets_allocated(tp):
+    mesh = make_mesh(tp)
+    model = LlamaModel(MODEL, rngs=nnx.Rngs(0))
+    shard_model(model, mesh)
+    assert weights_bytes(MODEL, mesh) == _device_bytes(nnx.state(model, nnx.Param))
+    pool = LoRAMemoryPool.create(MODEL, mesh, num_slots=3, max_lora_rank=8, dtype=MODEL.dtype)
+    assert adapter_pool_bytes(MODEL, tp, 3, 8) == _device_bytes(pool)
+    assert adapter_pool_bytes(MODEL, tp, 0, 8) == 0
+
+
+def _temp_bytes(jitted, *args) -> int:
+    return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_the_workspace_estimate_bounds_every_compiled_step():
+    """XLA's own memory analysis of the largest packed prefill (blocked attention past 512
+    tokens), a one-sequence chunk, decode and prompt log-probabilities stays within the estimate."""
+    config = EngineConfig(max_batch=16, max_seq_len=1024, max_loras_per_batch=2, max_lora_rank=16)
+    mesh = make_mesh(1)
+    model = LlamaModel(MODEL, rngs=nnx.Rngs(0))
+    engine = assemble_engine(model, MODEL, demo_tokenizer(), config, mesh)
+    runner, t = engine.runner, config.prefill_budget
+    with engine._using_pool() as pool, jax.set_mesh(mesh):
+        def args(inputs):
+            return (runner.state, runner.kv_cache, runner.token_counts, runner.prompt_seen, pool, inputs.tokens,
+                    inputs.positions, inputs.attn)
+
+        prefill = engine._idle_inputs(t, prefill=True)
+        chunk = engine._idle_inputs(t, prefill=False, groups=1)
+        decode = engine._idle_inputs(config.max_batch, prefill=False, groups=config.max_batch)
+        used = {
+            "prefill": _temp_bytes(runner._prefill, *args(prefill), prefill.last_index, prefill.seq_rows,
+                                   prefill.sampling, prefill.lora),
+            "chunk": _temp_bytes(runner._extend, *args(chunk), chunk.last_index, chunk.seq_rows, chunk.sampling,
+                                 chunk.lora),
+            "decode": _temp_bytes(runner._decode, *args(decode), decode.rows, decode.sampling, decode.lora),
+            "prompt_logprobs": _temp_bytes(runner._prompt_logprobs, runner.state,
+                                           jax.ShapeDtypeStruct((t, MODEL.hidden_size), np.float32),
+                                           np.zeros(t, np.int32)),
+        }
+    estimate = workspace_bytes(MODEL, config, 1)
+    assert max(used.values()) <= estimate, (used, estimate)
+    assert estimate < 4 * max(used.values()), (used, estimate)  # an estimate, not a guess
+    assert engine.memory_plan.workspace_bytes == estimate
+
+
+def test_the_cache_takes_what_the_budget_leaves():
+    config = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=4, max_lora_rank=16,
+                          kv_cache_memory_fraction=0.5)
+    mesh = make_mesh(2)
+    plan = plan_memory(MODEL, config, mesh, platform="gpu", block_size=16, device_bytes=GIB)
+    parts = plan.weights_bytes + plan.adapter_pool_bytes + plan.workspace_bytes
+    per_block = block_bytes(MODEL, 16) // 2
+    assert plan.block_bytes == per_block and plan.budget_bytes == GIB // 2
+    assert plan.num_blocks == (GIB // 2 - parts) // per_block
+    assert plan.kv_cache_bytes == plan.num_blocks * per_block <= GIB // 2 - parts
+    assert plan.kv_tokens == (plan.num_blocks - 1) * 16
+    line = plan.describe()
+    assert "weights" in line and "adapter pool" in line and f"{plan.num_blocks - 1} blocks of 16 tokens" in line
+    assert plan.stats()["kv_capacity_tokens"] == plan.kv_tokens
+    # On CPU (no memory limit): one max_seq_len row per sequence, or exactly the bytes given.
+    cpu = plan_memory(MODEL, config, mesh, platform="cpu", block_size=16, device_bytes=None)
+    assert cpu.num_blocks == config.max_batch * math.ceil(512 / 16) + 1 and cpu.budget_bytes is None
+    given = plan_memory(MODEL, config.model_copy(update={"kv_cache_bytes": 100 * per_block}), mesh,
+                        platform="cpu", block_size=16, device_bytes=None)
+    assert given.num_blocks == 100
+
+
+def test_a_config_that_does_not_fit_is_refused_naming_the_part():
+    mesh = make_mesh(1)
+    big_pool = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=8, max_lora_rank=1024)
+    pool = adapter_pool_bytes(MODEL, 1, 8, 1024)
+    with pytest.raises(MemoryPlanError, match=r"short by .* the largest part is the adapter pool"):
+        plan_memory(MODEL, big_pool, mesh, platform="gpu", block_size=16, device_bytes=int(pool * 1.05))
+    small = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=0, kv_cache_bytes=1000)
+    with pytest.raises(MemoryPlanError, match="one max_seq_len=512 sequence needs 32"):
+        plan_memory(MODEL, small, mesh, platform="cpu", block_size=16, device_bytes=None)
+    too_much = small.model_copy(update={"kv_cache_bytes": GIB})
+    with pytest.raises(MemoryPlanError, match="exceeds 0.9 x"):
+        plan_memory(MODEL, too_much, mesh, platform="gpu", block_size=16, device_bytes=GIB)
+
+
+def test_a_refused_replica_reads_no_weights(tmp_path, monkeypatch):
+    path = save_tiny_llama(tmp_path / "tiny")
+    loaded = []
+    monkeypatch.setattr(build, "load_model", lambda *a, **k: loaded.append(a) or pytest.fail("weights read"))
+    config = EngineConfig(max_batch=2, max_seq_len=64, max_loras_per_batch=0, kv_cache_bytes=64)
+    with pytest.raises(MemoryPlanError, match="kv_cache_bytes=64 holds 0 blocks"):
+        Engine.from_pretrained(str(path), config)
+    assert loaded == []

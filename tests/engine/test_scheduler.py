@@ -1,0 +1,181 @@
+"""The scheduler over blocks, step by step: admission while blocks last, shared prefix blocks,
+waiting for a request that computes the same prompt, preemption and exact block accounting."""
+
+from __future__ import annotations
+
+import random
+
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.sampling import SamplingParams
+from lora_runtime.engine.scheduler import Scheduler
+from lora_runtime.engine.sequence import Sequence
+
+PROMPT = list(range(10, 50))  # 40 tokens: 2 full blocks of 16 before the last token
+CONFIG = EngineConfig(max_batch=3, max_seq_len=128, max_loras_per_batch=0)
+
+
+def _seq(prompt, rid="r", **params) -> Sequence:
+    return Sequence(request_id=rid, prompt_ids=list(prompt), params=SamplingParams(**params), seed=0,
+                    adapter=None, emit=lambda out: None, detokenizer=None, eos_token_ids=frozenset())
+
+
+def _sched(config=CONFIG, num_blocks=64) -> Scheduler:
+    return Scheduler(config, None, num_blocks=num_blocks, block_size=16)
+
+
+def _prefill(sched, seqs):
+    for s in seqs:
+        sched.computed(s, s.prefill_len - s.computed)
+
+
+def _check_accounting(sched):
+    """Every block is free or held, and each held block's refcount is its holders."""
+    holders = {}
+    for seq in sched.running.values():
+        for b in seq.blocks:
+            holders[b] = holders.get(b, 0) + 1
+    assert all(sched.pool.refcount(b) == n for b, n in holders.items())
+    assert sched.pool.num_free + len(holders) == sched.pool.usable
+    for row, seq in sched.running.items():
+        assert list(sched.block_table[row, :len(seq.blocks)]) == seq.blocks
+        assert not sched.block_table[row, len(seq.blocks):].any()
+
+
+def test_a_request_waits_for_one_computing_its_prompt_then_shares_its_blocks():
+    sched = _sched()
+    first, second = _seq(PROMPT, "a"), _seq(PROMPT + [7, 8], "b")
+    sched.add(first)
+    sched.add(second)
+    adm = sched.admit()
+    assert adm.packed == [first] and list(sched.waiting) == [second]
+    _prefill(sched, adm.packed)
+    sched.step += 1
+    adm = sched.admit()
+    assert adm.packed == [] and adm.placed == [second] and list(sched.extending) == [second]
+    assert second.cached_tokens == second.computed == 32
+    assert second.blocks[:2] == first.blocks[:2] and second.blocks[2] != first.blocks[2]
+    _check_accounting(sched)
+
+
+def test_a_starving_request_does_not_wait_for_a_sharer():
+    sched = _sched(CONFIG.model_copy(update={"max_wait_steps": 1}))
+    first, second = _seq(PROMPT, "a"), _seq(PROMPT, "b")
+    sched.add(first)
+    sched.admit()
+    sched.add(second)
+    sched.step += 5  # second has now waited past max_wait_steps
+    assert sched.admit().packed == [second] and second.cached_tokens == 0
+
+
+def test_short_shared_starts_and_log_probability_requests_do_not_wait():
+    sched = _sched()
+    short = list(range(10, 20))  # 10 tokens: not even a full block
+    seqs = [_seq(short, "a"), _seq(short + [1], "b"), _seq(PROMPT, "c"), _seq(PROMPT, "d", prompt_logprobs=1)]
+    sched.add(seqs[0])
+    sched.add(seqs[1])
+    assert sched.admit().packed == seqs[:2]
+    sched2 = _sched()
+    sched2.add(seqs[2])
+    sched2.add(seqs[3])
+    assert sched2.admit().packed == seqs[2:]
+
+
+def test_a_finished_requests_blocks_serve_its_next_turn_output_included():
+    sched = _sched()
+    first = _seq(PROMPT, "a")
+    sched.add(first)
+    sched.admit()
+    _prefill(sched, [first])
+    for t in range(10):  # decode 10 tokens: the 3rd block (tokens 32..47) fills
+        first.output_ids.append(100 + t)
+        sched.reserve_decode_blocks()
+        sched.computed(first, 1)
+    held = list(first.blocks)
+    sched.finish(first)
+    assert sched.pool.num_free == sched.pool.usable and sched.pool.num_cached == 3
+    turn = _seq(PROMPT + [100 + t for t in range(10)] + [60, 61], "c")
+    sched.add(turn)
+    adm = sched.admit()
+    assert adm.placed == [turn] and turn.cached_tokens == 48 and turn.blocks[:3] == held[:3]
+    _check_accounting(sched)
+
+
+def test_prefix_caching_off_caches_nothing():
+    sched = _sched(CONFIG.model_copy(update={"enable_prefix_caching": False}))
+    first, second = _seq(PROMPT, "a"), _seq(PROMPT, "b")
+    sched.add(first)
+    sched.add(second)
+    assert sched.admit().packed == [first, second]
+    _prefill(sched, [first, second])
+    assert first.cached_tokens == second.cached_tokens == 0 and sched.prefix_query_tokens == 0
+    assert sched.pool.num_cached == 0
+
+
+def test_admission_stops_when_blocks_run_out():
+    """A prompt of 3 blocks with one block kept per running sequence: the third request waits."""
+    sched = _sched(CONFIG.model_copy(update={"enable_prefix_caching": False}), num_blocks=8)  # 7 usable
+    seqs = [_seq([i] * 40, str(i)) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    adm = sched.admit()
+    assert adm.packed == seqs[:2] and list(sched.waiting) == seqs[2:]
+    _check_accounting(sched)
+
+
+def test_decode_preempts_the_newest_and_it_resumes_with_its_tokens():
+    sched = _sched(CONFIG.model_copy(update={"enable_prefix_caching": False}), num_blocks=5)  # 4 usable
+    old, new = _seq([1] * 31, "old"), _seq([2] * 15, "new")
+    sched.add(old)
+    sched.add(new)
+    assert sched.admit().packed == [old, new]  # 2 + 1 blocks, one spare
+    _prefill(sched, [old, new])
+    old.output_ids.append(7)
+    new.output_ids.append(8)
+    sched.reserve_decode_blocks()  # new's token 15 fits its block; old's 31 too
+    sched.computed(old, 1)
+    sched.computed(new, 1)
+    old.output_ids.append(7)
+    new.output_ids.append(8)
+    preempted = sched.reserve_decode_blocks()  # both need a block, one is left: the newest gives way
+    assert preempted == [new] and sched.decoding() == [old] and list(sched.waiting) == [new]
+    assert new.row is None and new.blocks == [] and new.prefill_len == 17 and new.preemptions == 1
+    assert sched.preemptions == 1
+    _check_accounting(sched)
+    sched.finish(old)
+    adm = sched.admit()
+    assert adm.placed == [new] and new.computed == 0 and new.token_ids() == [2] * 15 + [8, 8]
+    assert sched.pool.num_free + len(new.blocks) == sched.pool.usable
+
+
+def test_no_block_leaks_after_a_random_workload():
+    """Random prompts (many sharing prefixes) arriving, decoding, finishing and being preempted
+    on a small cache: accounting holds after every step, and every block is free at the end."""
+    rng = random.Random(0)
+    sched = _sched(EngineConfig(max_batch=6, max_seq_len=128, max_loras_per_batch=0), num_blocks=20)
+    stems = [[rng.randrange(100) for _ in range(40)] for _ in range(3)]
+    pending = [_seq(rng.choice(stems)[: rng.randrange(5, 40)] + [rng.randrange(100) for _ in range(rng.randrange(1, 30))],
+                    str(i)) for i in range(40)]
+    budget = {s.request_id: rng.randrange(1, 128 - len(s.prompt_ids)) for s in pending}  # some grow long
+    for _ in range(2000):
+        if pending and rng.random() < 0.3:
+            sched.add(pending.pop())
+        adm = sched.admit()
+        _prefill(sched, adm.packed)
+        for s in list(sched.extending):
+            sched.computed(s, min(16, s.prefill_len - s.computed))
+        for s in sched.decoding():
+            if s.computed == s.num_tokens:  # its prefill just ended: the first token
+                s.output_ids.append(rng.randrange(100))
+        sched.reserve_decode_blocks()
+        for s in sched.decoding():
+            sched.computed(s, 1)
+            s.output_ids.append(rng.randrange(100))
+            if len(s.output_ids) >= budget[s.request_id]:
+                sched.finish(s)
+        _check_accounting(sched)
+        sched.step += 1
+        if not pending and not sched.has_work():
+            break
+    assert not sched.has_work() and not pending
+    assert sched.pool.num_free == sched.pool.usable and sched.preemptions > 0 and sched.pool.num_cached > 0
+    assert not sched._pending
