@@ -161,8 +161,8 @@ def admit_ms(*, waiting: int = 1000, running: int = 256, prompt_len: int = 512, 
         for i in range(running):
             s = seq(rng.choice(stems)[: rng.randrange(100, prompt_len)] + [rng.randrange(1000)], f"run{i}")
             sched.add(s)
-            for p in sched.admit(packed_budget=10**9).packed:
-                sched.computed(p, p.prefill_len)
+            for p in sched.admit(packed_budget=10**9).placed:
+                sched.computed(p, p.prefill_len - p.computed)
         assert len(sched.running) == running
         for i in range(waiting):
             sched.add(seq(rng.choice(stems)[: rng.randrange(100, prompt_len)] + [rng.randrange(1000)], f"w{i}"))
