@@ -161,6 +161,10 @@ class OpenAIIngress:
         if a.is_demo:
             # Validated like any registration; ones already registered are left as they are.
             await self._admin.ensure_registered.remote(demo_adapter_sources())
+        # A first call through the server handle starts its router, which keeps what the
+        # replicas publish: /metrics shows every replica's series from here on, not from the
+        # first client request.
+        await self._base_name()
 
     async def _base_name(self) -> str:
         if self._model_name is None:
