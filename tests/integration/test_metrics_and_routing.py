@@ -23,20 +23,6 @@ ADAPTERS = ("reverse", "upper")
 REQUESTS_PER_ADAPTER = 4
 
 
-def _wait_running(cluster, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    status = None
-    while time.monotonic() < deadline:
-        out = cluster.cli("serve", "status", "-a", cluster.dashboard_url).stdout
-        status = (yaml.safe_load(out) or {}).get("applications", {}).get(APP, {}).get("status")
-        if status == "RUNNING":
-            return
-        if status == "DEPLOY_FAILED":
-            raise AssertionError(f"deploy failed:\n{out}")
-        time.sleep(1.0)
-    raise TimeoutError(f"application {APP!r} not RUNNING after {timeout}s (last status {status})")
-
-
 @pytest.fixture(scope="module")
 def two_replicas(cluster, tmp_path_factory):
     """The shipped serve_config.yaml with two model-server replicas."""
@@ -49,7 +35,7 @@ def two_replicas(cluster, tmp_path_factory):
     path = root / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     cluster.cli("serve", "deploy", str(path), "-a", cluster.dashboard_url)
-    _wait_running(cluster)
+    cluster.wait_running(APP)
     yield cluster
     cluster.cli("serve", "shutdown", "-y", "-a", cluster.dashboard_url)
     kill_actor(cluster, ADMIN_ACTOR, ADMIN_NAMESPACE, no_restart=True)
