@@ -18,7 +18,7 @@ import time
 
 import ray
 
-from cluster.base_model import BaseModel, entry_base, fingerprint
+from cluster.base_model import BaseModel, config_fingerprint, entry_base
 from cluster.registry_store import RegistryDoc, RegistryStore
 from lora_runtime.errors import AdapterNotFoundError, InvalidRequestError, ServingError
 
@@ -65,7 +65,7 @@ class AdapterValidator:
 
     def base(self) -> BaseModel:
         """The base model adapters are validated against: its name and config fingerprint."""
-        return BaseModel(self.base_name, fingerprint(self.model_config()))
+        return BaseModel(self.base_name, config_fingerprint(self.model_config()))
 
     def validate(self, name: str, source: str) -> dict:
         """Fetches, parses and validates the adapter; returns facts to record (its rank and

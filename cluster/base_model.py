@@ -68,7 +68,7 @@ def short(fingerprint: str) -> str:
     return fingerprint.removeprefix("sha256:")[:12]
 
 
-def fingerprint(config: Any) -> str:
+def config_fingerprint(config: Any) -> str:
     """The fingerprint of a ``ModelConfig`` (see the module docstring for what it covers)."""
     fields = {name: _canonical(getattr(config, name)) for name in FINGERPRINT_FIELDS}
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
@@ -147,7 +147,7 @@ __all__ = [
     "FINGERPRINT_KEY",
     "NAME_KEY",
     "census",
+    "config_fingerprint",
     "entry_base",
-    "fingerprint",
     "short",
 ]

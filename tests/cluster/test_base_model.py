@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from cluster.base_model import FINGERPRINT_FIELDS, BaseModel, census, entry_base, fingerprint, short
+from cluster.base_model import FINGERPRINT_FIELDS, BaseModel, census, config_fingerprint, entry_base, short
 from lora_runtime.model.config import ModelConfig
 
 LLAMA = {
@@ -29,12 +29,12 @@ def _config(**changes) -> ModelConfig:
 
 
 def test_fingerprint_is_a_sha256_that_ignores_dtype_and_special_tokens():
-    fp = fingerprint(_config())
+    fp = config_fingerprint(_config())
     assert fp.startswith("sha256:") and len(fp) == len("sha256:") + 64
-    assert fingerprint(_config(torch_dtype="bfloat16")) == fp
-    assert fingerprint(ModelConfig.from_hf_dict(LLAMA, dtype="bfloat16")) == fp
-    assert fingerprint(_config(eos_token_id=[2, 3], bos_token_id=0)) == fp
-    assert fingerprint(_config(rope_theta=10000)) == fp  # an int spelling of the same value
+    assert config_fingerprint(_config(torch_dtype="bfloat16")) == fp
+    assert config_fingerprint(ModelConfig.from_hf_dict(LLAMA, dtype="bfloat16")) == fp
+    assert config_fingerprint(_config(eos_token_id=[2, 3], bos_token_id=0)) == fp
+    assert config_fingerprint(_config(rope_theta=10000)) == fp  # an int spelling of the same value
     assert short(fp) == fp[7:19]
 
 
@@ -54,7 +54,7 @@ def test_fingerprint_is_a_sha256_that_ignores_dtype_and_special_tokens():
     ],
 )
 def test_fingerprint_changes_with_what_fixes_shapes_and_meaning(changes):
-    assert fingerprint(_config(**changes)) != fingerprint(_config())
+    assert config_fingerprint(_config(**changes)) != config_fingerprint(_config())
 
 
 def test_every_model_config_field_is_either_fingerprinted_or_deliberately_left_out():
@@ -66,8 +66,8 @@ def test_every_model_config_field_is_either_fingerprinted_or_deliberately_left_o
 
 
 def test_entry_base_and_census_split_entries_by_base_model():
-    mine = BaseModel("demo", fingerprint(_config()))
-    other = BaseModel("tiny", fingerprint(_config(hidden_size=128)))
+    mine = BaseModel("demo", config_fingerprint(_config()))
+    other = BaseModel("tiny", config_fingerprint(_config(hidden_size=128)))
     adapters = {
         "a": {"source": "/a", "version": 1, "pinned": False, **mine.entry_fields()},
         "b": {"source": "/b", "version": 2, "pinned": False, **other.entry_fields()},
@@ -78,7 +78,8 @@ def test_entry_base_and_census_split_entries_by_base_model():
     got = census(adapters, mine)
     assert got.own == 1 and got.others == {str(other): 2} and got.unassigned == ("old",)
     line = got.line(mine, "/r.json")
-    assert line.startswith(f"adapter registry /r.json: serving 1 adapters of base model 'demo' ({short(mine.fingerprint)})")
+    serving = f"adapter registry /r.json: serving 1 adapters of base model 'demo' ({short(mine.fingerprint)})"
+    assert line.startswith(serving)
     assert f"skipped 3: 2 validated against other base models (2 of 'tiny' ({short(other.fingerprint)}))" in line
     assert "1 with no base model recorded that do not fit this one (old): re-register them" in line
     assert census({"a": adapters["a"]}, mine).line(mine, "/r.json").endswith("; none skipped")
