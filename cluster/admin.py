@@ -3,6 +3,11 @@
 Registration validates an adapter against the base model before it becomes visible;
 every change is written to the registry store and bumps the registry version, which
 replicas long-poll (``wait_for_change``) so they see a change within milliseconds.
+
+One actor owns one registry, which deployments of several base models may share. Every
+call names the caller's base model (writes pass the caller's validator, which knows it):
+reads return that base model's entries only, and since an adapter name means one adapter
+across the registry, a change to a name another base model holds is refused (409).
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import time
 
 import ray
 
+from cluster.base_model import BaseModel, config_fingerprint, entry_base
 from cluster.registry_store import RegistryDoc, RegistryStore
-from lora_runtime.errors import AdapterNotFoundError, InvalidRequestError
+from lora_runtime.errors import AdapterNotFoundError, InvalidRequestError, ServingError
 
 ADMIN_NAMESPACE = "multilora"
 # Names travel in URL paths and as Serve multiplexed ids: no slashes or spaces.
@@ -30,12 +36,20 @@ def check_adapter_name(name: str) -> str:
     return name
 
 
+class AdapterConflictError(ServingError):
+    """An admin call names an adapter that is registered for another base model."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+
 class AdapterValidator:
     """Checks an adapter's files against the base model and the server's limits."""
 
     def __init__(self, model: str, max_lora_rank: int, adapter_roots: list[str] | None,
-                 max_adapter_bytes: int):
+                 max_adapter_bytes: int, *, base_name: str):
         self.model = model
+        self.base_name = base_name
         self.max_lora_rank = max_lora_rank
         self.adapter_roots = adapter_roots
         self.max_adapter_bytes = max_adapter_bytes
@@ -49,13 +63,18 @@ class AdapterValidator:
             self._model_config = ModelConfig.from_pretrained(resolve_model_path(self.model, weights=False))
         return self._model_config
 
+    def base(self) -> BaseModel:
+        """The base model adapters are validated against: its name and config fingerprint."""
+        return BaseModel(self.base_name, config_fingerprint(self.model_config()))
+
     def validate(self, name: str, source: str) -> dict:
-        """Fetches, parses and validates the adapter; returns facts to record; raises ServingError."""
+        """Fetches, parses and validates the adapter; returns facts to record (its rank and
+        base model); raises ServingError."""
         from lora_runtime.lora.sources import SourcePolicy, load_adapter
 
         policy = SourcePolicy(allowed_roots=self.adapter_roots, max_adapter_bytes=self.max_adapter_bytes)
         adapter = load_adapter(name, source, policy, self.model_config(), self.max_lora_rank)
-        return {"rank": int(adapter.rank)}
+        return {"rank": int(adapter.rank), **self.base().entry_fields()}
 
 
 def resolve_model_path(model: str, *, weights: bool = True) -> str:
@@ -90,43 +109,65 @@ def demo_adapter_sources() -> dict[str, str]:
 class AdminActor:
     """Registry owner: register / unregister / list / pin, durable and versioned."""
 
-    def __init__(self, registry_url: str, validator: AdapterValidator):
+    def __init__(self, registry_url: str):
+        self._url = registry_url
         self._store = RegistryStore(registry_url)
         self._doc: RegistryDoc = self._store.load()
-        self._validator = validator
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
 
     # --- reads -------------------------------------------------------------------
 
-    def snapshot(self) -> dict:
-        """``{"version", "adapters": {name: entry}}`` as of now."""
+    def registry_url(self) -> str:
+        return self._url
+
+    def snapshot(self, fingerprint: str | None) -> dict:
+        """``{"version", "adapters": {name: entry}}`` as of now: the entries of the base model
+        with this fingerprint, or every entry for None."""
         doc = self._doc.copy()
-        return {"version": doc.version, "adapters": doc.adapters}
+        adapters = doc.adapters if fingerprint is None else {
+            name: e for name, e in doc.adapters.items()
+            if (owner := entry_base(e)) is not None and owner.fingerprint == fingerprint
+        }
+        return {"version": doc.version, "adapters": adapters}
 
-    def list_adapters(self) -> dict:
-        return self.snapshot()
-
-    async def wait_for_change(self, known_version: int, timeout_s: float) -> dict:
-        """Long-poll: returns as soon as the version differs from ``known_version``."""
+    async def wait_for_change(self, known_version: int, timeout_s: float, fingerprint: str | None) -> dict:
+        """Long-poll: returns ``snapshot(fingerprint)`` as soon as the version differs from
+        ``known_version`` (a change for any base model), or after ``timeout_s``."""
         if self._doc.version == known_version:
             event = self._changed
             try:
                 await asyncio.wait_for(event.wait(), timeout_s)
             except TimeoutError:
                 pass
-        return self.snapshot()
+        return self.snapshot(fingerprint)
 
     # --- writes ------------------------------------------------------------------
 
-    async def register(self, name: str, source: str, pinned: bool = False) -> dict:
-        """Validates then stores adapter ``name``; re-registering replaces the entry."""
+    def _changeable(self, name: str, base: BaseModel) -> dict | None:
+        """The entry of ``name`` if ``base``'s deployments may change it (it is theirs or
+        records no base model), None if there is none; another base model's raises."""
+        entry = self._doc.adapters.get(name)
+        owner = None if entry is None else entry_base(entry)
+        if owner is not None and owner.fingerprint != base.fingerprint:
+            raise AdapterConflictError(
+                f"adapter {name!r} is registered for base model {owner}, not for this deployment's "
+                f"base model {base}; unregister it from a deployment of {owner.name!r} or use another name"
+            )
+        return entry
+
+    async def register(self, name: str, source: str, pinned: bool, validator: AdapterValidator) -> dict:
+        """Validates adapter ``name`` against ``validator``'s base model, then stores it;
+        re-registering replaces the entry. A name held by another base model is refused."""
         check_adapter_name(name)
         if not isinstance(source, str) or not source.strip():
             raise InvalidRequestError(f"adapter source={source!r} must be a path or URL")
+        base = validator.base()
+        self._changeable(name, base)  # refused before any file is read
         # Validation reads files (maybe remote): off the event loop so long-polls keep going.
-        facts = await asyncio.to_thread(self._validator.validate, name, source)
+        facts = await asyncio.to_thread(validator.validate, name, source)
         async with self._lock:
+            self._changeable(name, base)  # another base model may have taken it meanwhile
             doc = self._doc.copy()
             doc.version += 1
             doc.adapters[name] = {
@@ -139,18 +180,55 @@ class AdminActor:
             self._commit(doc)
             return dict(doc.adapters[name], name=name)
 
-    async def ensure_registered(self, adapters: dict[str, str]) -> list[str]:
-        """Registers each ``name -> source`` not yet in the registry; returns the names added."""
-        added = []
+    async def ensure_registered(self, adapters: dict[str, str], validator: AdapterValidator) -> dict:
+        """Registers each ``name -> source`` the registry lacks. Returns ``{"added": [names],
+        "skipped": {name: why}}``: names registered for another base model, or recorded with
+        no base model and not fitting this one, are left as they are."""
+        base = validator.base()
+        added, skipped = [], {}
         for name, source in adapters.items():
-            if name not in self._doc.adapters:
-                await self.register(name, source)
+            entry = self._doc.adapters.get(name)
+            owner = None if entry is None else entry_base(entry)
+            if entry is None:
+                await self.register(name, source, False, validator)
                 added.append(name)
-        return added
+            elif owner is None:
+                skipped[name] = "registered with no base model recorded, and not adopted by this one"
+            elif owner.fingerprint != base.fingerprint:
+                skipped[name] = f"registered for base model {owner}"
+        return {"added": added, "skipped": skipped}
 
-    async def unregister(self, name: str) -> dict:
+    async def adopt_unassigned(self, validator: AdapterValidator) -> dict:
+        """Validates every entry with no base model recorded (written before entries recorded
+        one) against ``validator``'s base model, and records it for the entries that fit.
+        Returns ``{"adopted": [names], "refused": {name: why}}``; refused entries stay as they
+        are, served by no deployment, for a deployment of their own base model to adopt."""
+        unassigned = {n: e for n, e in self._doc.adapters.items() if entry_base(e) is None}
+        facts, refused = {}, {}
+        for name, entry in unassigned.items():
+            try:
+                facts[name] = await asyncio.to_thread(validator.validate, name, entry["source"])
+            except ServingError as e:
+                refused[name] = str(e)
+        if not facts:
+            return {"adopted": [], "refused": refused}
         async with self._lock:
-            if name not in self._doc.adapters:
+            doc = self._doc.copy()
+            adopted = []
+            for name, found in facts.items():
+                entry = doc.adapters.get(name)
+                # Skipped if it changed while its files were being read.
+                if entry is not None and entry_base(entry) is None and entry["version"] == unassigned[name]["version"]:
+                    entry.update(found)
+                    adopted.append(name)
+            if adopted:
+                doc.version += 1  # entries' own versions stay: their files did not change
+                self._commit(doc)
+        return {"adopted": adopted, "refused": refused}
+
+    async def unregister(self, name: str, base: BaseModel) -> dict:
+        async with self._lock:
+            if self._changeable(name, base) is None:
                 raise AdapterNotFoundError(f"adapter {name!r} is not registered")
             doc = self._doc.copy()
             entry = doc.adapters.pop(name)
@@ -158,9 +236,9 @@ class AdminActor:
             self._commit(doc)
             return dict(entry, name=name)
 
-    async def set_pinned(self, name: str, pinned: bool) -> dict:
+    async def set_pinned(self, name: str, pinned: bool, base: BaseModel) -> dict:
         async with self._lock:
-            if name not in self._doc.adapters:
+            if self._changeable(name, base) is None:
                 raise AdapterNotFoundError(f"adapter {name!r} is not registered")
             doc = self._doc.copy()
             doc.adapters[name]["pinned"] = bool(pinned)
@@ -179,14 +257,12 @@ class AdminActor:
         return self._doc.version
 
 
-def get_or_create_admin(
-    name: str,
-    registry_url: str,
-    validator: AdapterValidator,
-) -> "ray.actor.ActorHandle":
-    """The named detached admin actor, created on first use; restarts on failure."""
-    actor_cls = ray.remote(AdminActor)
-    return actor_cls.options(
+async def connect_admin(name: str, registry_url: str) -> "ray.actor.ActorHandle":
+    """The named detached admin actor of the registry at ``registry_url``, created on first
+    use; it restarts on failure. One actor owns one registry: an actor of this name that owns
+    another registry is refused, as deployments over different registries need different
+    ``admin_actor_name`` values."""
+    handle = ray.remote(AdminActor).options(
         name=name,
         namespace=ADMIN_NAMESPACE,
         lifetime="detached",
@@ -194,7 +270,21 @@ def get_or_create_admin(
         max_restarts=-1,
         num_cpus=0,
         max_concurrency=1000,
-    ).remote(registry_url, validator)
+    ).remote(registry_url)
+    try:
+        method = handle.registry_url
+    except AttributeError:
+        raise RuntimeError(
+            f"admin actor {name!r} (namespace {ADMIN_NAMESPACE!r}) was started by an older version of this "
+            "server: kill it (ray.kill) or restart the Ray cluster, then deploy again"
+        ) from None
+    theirs = await method.remote()
+    if theirs != registry_url:
+        raise ValueError(
+            f"admin actor {name!r} owns the registry at {theirs!r}, not {registry_url!r}: give deployments "
+            "over different registries different admin_actor_name values"
+        )
+    return handle
 
 
 def unwrap_error(e: BaseException) -> BaseException:
@@ -218,11 +308,12 @@ def sync_entries(adapters: dict[str, dict]) -> list:
 
 __all__ = [
     "ADMIN_NAMESPACE",
+    "AdapterConflictError",
     "AdapterValidator",
     "AdminActor",
     "check_adapter_name",
+    "connect_admin",
     "demo_adapter_sources",
-    "get_or_create_admin",
     "resolve_model_path",
     "resolve_tokenizer_path",
     "sync_entries",

@@ -24,6 +24,7 @@ from prometheus_client.core import (
 PREFIX = "multilora"
 BASE_LABEL = "base"  # requests for the base model, no adapter
 OTHER_LABEL = "other"  # adapters past the label budget
+STATUSES = ("ok", "error", "aborted")  # how a request ended
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -107,6 +108,8 @@ class RequestTrace:
         self._last = now
 
     def finish(self, status: str, prompt_tokens: int, completion_tokens: int) -> None:
+        if status not in STATUSES:
+            raise ValueError(f"request {status=} is not one of {STATUSES}")
         if self._done:
             return
         self._done = True
@@ -119,14 +122,21 @@ class RequestTrace:
 
 
 class ReplicaMetrics:
-    """One replica's request counters and latency histograms."""
+    """One replica's request counters and latency histograms.
+
+    Every series a replica exports exists from its start: the base model's request and
+    token counters start at 0, like the engine and adapter counters, so a replica that has
+    served nothing yet reads as zeros rather than as missing series. Adapter series appear
+    when the adapter is first served (their labels are not known before).
+    """
 
     def __init__(self, max_adapter_labels: int = 20, clock: Callable[[], float] = time.monotonic):
         self.labels = AdapterLabels(max_adapter_labels)
         self._clock = clock
-        self.requests: dict[tuple[str, str], int] = {}  # (adapter label, status) -> count
-        self.prompt_tokens: dict[str, int] = {}
-        self.generation_tokens: dict[str, int] = {}
+        # (adapter label, status) -> count
+        self.requests: dict[tuple[str, str], int] = {(BASE_LABEL, s): 0 for s in STATUSES}
+        self.prompt_tokens: dict[str, int] = {BASE_LABEL: 0}
+        self.generation_tokens: dict[str, int] = {BASE_LABEL: 0}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -226,5 +236,6 @@ __all__ = [
     "Histogram",
     "ReplicaMetrics",
     "RequestTrace",
+    "STATUSES",
     "render",
 ]

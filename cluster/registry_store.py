@@ -1,9 +1,15 @@
 """Durable adapter registry: one versioned JSON document at an fsspec URL.
 
-The document is ``{"version": int, "adapters": {name: {"source", "version",
-"pinned"}}}``. Every change bumps ``version``; an adapter's own ``version`` is the
-registry version of its last (re-)registration, so a replica that sees a new entry
-version knows the adapter's files may have changed.
+The document is ``{"format": 2, "version": int, "adapters": {name: {"source", "version",
+"pinned", "base_model", "base_fingerprint", ...}}}``. Every change bumps ``version``; an
+adapter's own ``version`` is the registry version of its last (re-)registration, so a
+replica that sees a new entry version knows the adapter's files may have changed.
+``base_model`` and ``base_fingerprint`` name the base model the adapter was validated
+against (cluster/base_model.py).
+
+Format 1 documents (entries without a base model) still load; their entries have no base
+model until a deployment re-validates them (``AdminActor.adopt_unassigned``). Saving
+writes format 2, which older versions of this server refuse to read.
 """
 
 from __future__ import annotations
@@ -16,7 +22,11 @@ from dataclasses import dataclass, field
 
 import fsspec
 
-FORMAT = 1
+from cluster.base_model import FINGERPRINT_KEY
+
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
+_REQUIRED = ("source", "version", "pinned")
 
 
 @dataclass
@@ -39,19 +49,24 @@ class RegistryDoc:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"registry at {url!r} is not valid JSON: {e}") from e
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in READABLE_FORMATS:
             raise ValueError(
                 f"registry at {url!r} has format={data.get('format') if isinstance(data, dict) else None!r}, "
-                f"expected {FORMAT}"
+                f"expected one of {READABLE_FORMATS}"
             )
         version = data.get("version")
         adapters = data.get("adapters")
         if not isinstance(version, int) or not isinstance(adapters, dict):
             raise ValueError(f"registry at {url!r} lacks an int version and an adapters map")
         for name, entry in adapters.items():
-            missing = {"source", "version", "pinned"} - set(entry)
+            if not isinstance(entry, dict):
+                raise ValueError(f"registry at {url!r}: adapter {name!r} is {entry!r}, not a map")
+            missing = set(_REQUIRED) - set(entry)
             if missing:
                 raise ValueError(f"registry at {url!r}: adapter {name!r} lacks {sorted(missing)}")
+            fingerprint = entry.get(FINGERPRINT_KEY)
+            if fingerprint is not None and not (isinstance(fingerprint, str) and fingerprint.startswith("sha256:")):
+                raise ValueError(f"registry at {url!r}: adapter {name!r} has {FINGERPRINT_KEY}={fingerprint!r}")
         return cls(version=version, adapters=adapters)
 
     def copy(self) -> "RegistryDoc":

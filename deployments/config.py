@@ -74,14 +74,17 @@ class AppArgs(BaseModel):
     registry_url: str = Field(
         DEFAULT_REGISTRY_URL,
         description="Where the adapter registry lives: a local path (~ expanded) or an "
-        "fsspec URL such as gs://bucket/registry.json.",
+        "fsspec URL such as gs://bucket/registry.json. Deployments of different base models "
+        "may share one: each serves the entries validated against its own base model.",
     )
     admin_token_env: str = Field(
         "LORA_ADMIN_TOKEN",
         description="Env var holding the admin bearer token; if unset, admin calls are refused.",
     )
     admin_actor_name: str = Field(
-        "lora_admin", description="Name of the detached admin actor (namespace 'multilora')."
+        "lora_admin",
+        description="Name of the detached admin actor (namespace 'multilora') that owns the registry: "
+        "deployments sharing a registry share it; another registry needs another name.",
     )
     max_ongoing_requests: int = Field(
         64, description="Requests Serve sends one model-server replica at a time."
@@ -255,6 +258,13 @@ class AppArgs(BaseModel):
             adapter_roots=self.adapter_roots,
             max_adapter_bytes=self.max_adapter_bytes,
         )
+
+    def adapter_validator(self):
+        """The AdapterValidator for these arguments: this base model, these limits."""
+        from cluster.admin import AdapterValidator
+
+        return AdapterValidator(self.model, self.max_lora_rank, self.adapter_roots, self.max_adapter_bytes,
+                                base_name=self.served_model_name)
 
     @property
     def served_model_name(self) -> str:

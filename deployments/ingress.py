@@ -9,6 +9,7 @@ stream from a LoRAModelServer replica, and shape OpenAI responses and errors.
 
 import asyncio
 import json
+import logging
 import time
 
 from fastapi import FastAPI, Header, Request
@@ -18,14 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from cluster.admin import (
-    AdapterValidator,
-    check_adapter_name,
-    demo_adapter_sources,
-    get_or_create_admin,
-    unwrap_error,
-)
+from cluster.admin import check_adapter_name, connect_admin, demo_adapter_sources, unwrap_error
 from cluster.auth import AdminAuth, AuthError
+from cluster.base_model import census
 from cluster.metrics import render
 from cluster.serve_router import replica_metrics
 from deployments.config import AppArgs
@@ -56,6 +52,7 @@ from deployments.openai_protocol import (
 from lora_runtime.errors import ServingError
 
 app = FastAPI(title="multilora-serve")
+logger = logging.getLogger("ray.serve")
 
 _HEALTH_TIMEOUT_S = 10.0
 
@@ -151,16 +148,33 @@ class OpenAIIngress:
         self._args = AppArgs(**args)
         a = self._args
         self._auth = AdminAuth.from_env(a.admin_token_env)
-        self._admin = get_or_create_admin(
-            a.admin_actor_name,
-            a.resolved_registry_url,
-            AdapterValidator(a.model, a.max_lora_rank, a.adapter_roots, a.max_adapter_bytes),
-        )
+        self._validator = a.adapter_validator()
+        self._base = await asyncio.to_thread(self._validator.base)  # reads the checkpoint's config once
+        self._admin = await connect_admin(a.admin_actor_name, a.resolved_registry_url)
         self._model_name: str | None = None
         self._created = int(time.time())
-        if a.is_demo:
+        await self._start_registry()
+        # A first call through the server handle starts its router, which keeps what the
+        # replicas publish: /metrics shows every replica's series from here on, not from the
+        # first client request.
+        await self._base_name()
+
+    async def _start_registry(self) -> None:
+        """Adopts the registry's entries that record no base model and fit this one, registers
+        the demo adapters for the demo model, and logs what this deployment serves and skips."""
+        adoption = await self._admin.adopt_unassigned.remote(self._validator)
+        if adoption["adopted"]:
+            logger.info("adapters with no base model recorded, validated against base model %s and adopted: %s",
+                        self._base, ", ".join(sorted(adoption["adopted"])))
+        for name, why in sorted(adoption["refused"].items()):
+            logger.info("adapter %r (no base model recorded) does not fit base model %s: %s", name, self._base, why)
+        if self._args.is_demo:
             # Validated like any registration; ones already registered are left as they are.
-            await self._admin.ensure_registered.remote(demo_adapter_sources())
+            report = await self._admin.ensure_registered.remote(demo_adapter_sources(), self._validator)
+            for name, why in sorted(report["skipped"].items()):
+                logger.warning("demo adapter %r not registered: %s", name, why)
+        snap = await self._admin.snapshot.remote(None)
+        logger.info(census(snap["adapters"], self._base).line(self._base, self._args.resolved_registry_url))
 
     async def _base_name(self) -> str:
         if self._model_name is None:
@@ -343,9 +357,9 @@ class OpenAIIngress:
     # --- models and health ---------------------------------------------------------
 
     async def _model_cards(self) -> list[dict]:
-        """OpenAI model objects: the base model, then every registered adapter by name."""
+        """OpenAI model objects: the base model, then every adapter registered for it, by name."""
         base = await self._base_name()
-        snap = await self._call_admin("snapshot")
+        snap = await self._call_admin("snapshot", self._base.fingerprint)
         data = [{"id": base, "object": "model", "created": self._created, "owned_by": "multilora-serve",
                  "root": base, "parent": None}]
         for name, entry in sorted(snap["adapters"].items()):
@@ -414,7 +428,7 @@ class OpenAIIngress:
 
     async def _register(self, name: str, source: str, pinned: bool) -> dict:
         check = _admin_name_check(name, await self._base_name())
-        return await self._call_admin("register", check, source, pinned)
+        return await self._call_admin("register", check, source, pinned, self._validator)
 
     @app.post("/v1/adapters", status_code=201)
     async def register_adapter(self, body: AdapterRegisterRequest, authorization: str | None = Header(None)):
@@ -424,19 +438,19 @@ class OpenAIIngress:
     @app.get("/v1/adapters")
     async def list_adapters(self, authorization: str | None = Header(None)):
         self._check_auth(authorization)
-        snap = await self._call_admin("snapshot")
+        snap = await self._call_admin("snapshot", self._base.fingerprint)
         data = [dict(e, name=n) for n, e in sorted(snap["adapters"].items())]
         return {"object": "list", "version": snap["version"], "data": data}
 
     @app.delete("/v1/adapters/{name}")
     async def unregister_adapter(self, name: str, authorization: str | None = Header(None)):
         self._check_auth(authorization)
-        return await self._call_admin("unregister", name)
+        return await self._call_admin("unregister", name, self._base)
 
     @app.patch("/v1/adapters/{name}")
     async def pin_adapter(self, name: str, body: AdapterPinRequest, authorization: str | None = Header(None)):
         self._check_auth(authorization)
-        return await self._call_admin("set_pinned", name, body.pinned)
+        return await self._call_admin("set_pinned", name, body.pinned, self._base)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, authorization: str | None = Header(None)):
@@ -447,6 +461,6 @@ class OpenAIIngress:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, authorization: str | None = Header(None)):
         self._check_auth(authorization)
-        await self._call_admin("unregister", body.lora_name)
+        await self._call_admin("unregister", body.lora_name, self._base)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

@@ -12,9 +12,7 @@ import logging
 
 from ray import serve
 
-from cluster.admin import (
-    AdapterValidator, get_or_create_admin, resolve_model_path, resolve_tokenizer_path, sync_entries, unwrap_error,
-)
+from cluster.admin import connect_admin, resolve_model_path, resolve_tokenizer_path, sync_entries, unwrap_error
 from cluster.metrics import ReplicaMetrics
 from cluster.serve_router import routing_stats
 from deployments.config import AppArgs
@@ -51,15 +49,13 @@ class LoRAModelServer:
             tokenizer_path=resolve_tokenizer_path(a.tokenizer),
         )
         self._engine.start()
-        self._admin = get_or_create_admin(
-            a.admin_actor_name,
-            a.resolved_registry_url,
-            AdapterValidator(a.model, a.max_lora_rank, a.adapter_roots, a.max_adapter_bytes),
-        )
+        # The registry may hold other base models' adapters: this replica sees only its own.
+        self._fingerprint = (await asyncio.to_thread(a.adapter_validator().base)).fingerprint
+        self._admin = await connect_admin(a.admin_actor_name, a.resolved_registry_url)
         self._version = -1
         self._apply_lock = asyncio.Lock()
         self._adapters: dict[str, dict] = {}
-        await self._apply(await self._admin.snapshot.remote())
+        await self._apply(await self._admin.snapshot.remote(self._fingerprint))
         self._sync_task = asyncio.create_task(self._sync_loop())
         # Multiplexing is wired per instance so its capacity follows max_cpu_loras; Serve
         # then reports the adapters this replica holds to the router.
@@ -90,7 +86,7 @@ class LoRAModelServer:
     async def _sync_loop(self) -> None:
         while True:
             try:
-                snap = await self._admin.wait_for_change.remote(self._version, _POLL_TIMEOUT_S)
+                snap = await self._admin.wait_for_change.remote(self._version, _POLL_TIMEOUT_S, self._fingerprint)
                 await self._apply(snap)
             except asyncio.CancelledError:
                 raise
@@ -102,11 +98,11 @@ class LoRAModelServer:
         if name not in self._adapters:
             # Registered a moment ago and the long-poll has not landed yet: read it now,
             # so a client that registers and then calls at once is served.
-            await self._apply(await self._admin.snapshot.remote())
+            await self._apply(await self._admin.snapshot.remote(self._fingerprint))
         if name not in self._adapters:
             raise AdapterNotFoundError(
                 f"model {name!r} is neither the base model {self._engine.model_name!r} "
-                "nor a registered adapter"
+                "nor an adapter registered for it"
             )
 
     def _make_loader(self):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.admin import AdapterValidator, AdminActor
+from cluster.admin import AdapterConflictError, AdapterValidator, AdminActor
 from lora_runtime.errors import AdapterNotFoundError, AdapterSourceError, InvalidAdapterError, InvalidRequestError
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.integration.adapters import save_peft_adapter
@@ -15,34 +15,129 @@ from tests.integration.adapters import save_peft_adapter
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("admin")
     base = save_tiny_llama(root / "base")
+    other_base = save_tiny_llama(root / "other_base", hidden_size=32, intermediate_size=64)
     return {
         "base": base,
+        "other_base": other_base,
         "good": save_peft_adapter(base, root / "good", seed=1, rank=4),
         "good2": save_peft_adapter(base, root / "good2", seed=2, rank=2, targets=("q_proj", "v_proj")),
         "big": save_peft_adapter(base, root / "big", seed=3, rank=32),
-        "other": save_peft_adapter(
-            save_tiny_llama(root / "other_base", hidden_size=32, intermediate_size=64), root / "other", seed=4
-        ),
+        "other": save_peft_adapter(other_base, root / "other", seed=4),
     }
 
 
-def _actor(files, registry, **kw) -> AdminActor:
-    validator = AdapterValidator(str(files["base"]), kw.get("max_lora_rank", 16), kw.get("roots"), 1 << 30)
-    return AdminActor(str(registry), validator)
+def _validator(files, base: str = "base", **kw) -> AdapterValidator:
+    """A deployment's validator: base model ``files[base]``, named after that key."""
+    return AdapterValidator(str(files[base]), kw.get("max_lora_rank", 16), kw.get("roots"), 1 << 30, base_name=base)
+
+
+def _actor(registry) -> AdminActor:
+    return AdminActor(str(registry))
 
 
 def test_register_persists_and_bumps_version(files, tmp_path):
     async def run():
         reg = tmp_path / "r.json"
-        actor = _actor(files, reg)
-        entry = await actor.register("good", str(files["good"]), True)
+        actor, v = _actor(reg), _validator(files)
+        entry = await actor.register("good", str(files["good"]), True, v)
         assert entry["name"] == "good" and entry["pinned"] is True and entry["rank"] == 4
-        snap = actor.snapshot()
+        snap = actor.snapshot(v.base().fingerprint)
         assert snap["version"] == 1 and set(snap["adapters"]) == {"good"}
         on_disk = json.loads(reg.read_text())
         assert on_disk["version"] == 1 and on_disk["adapters"]["good"]["source"] == str(files["good"])
         # A fresh actor (a restart) reads the same registry back.
-        assert _actor(files, reg).snapshot() == snap
+        assert _actor(reg).snapshot(v.base().fingerprint) == snap
+
+    asyncio.run(run())
+
+
+def test_entries_record_the_base_model_they_were_validated_against(files, tmp_path):
+    async def run():
+        actor, v = _actor(tmp_path / "r.json"), _validator(files)
+        base = v.base()
+        assert base.name == "base" and base.fingerprint.startswith("sha256:")
+        entry = await actor.register("good", str(files["good"]), False, v)
+        assert entry["base_model"] == "base" and entry["base_fingerprint"] == base.fingerprint
+        on_disk = json.loads((tmp_path / "r.json").read_text())
+        assert on_disk["format"] == 2 and on_disk["adapters"]["good"]["base_fingerprint"] == base.fingerprint
+        assert set(actor.snapshot(None)["adapters"]) == {"good"}
+        assert actor.snapshot(_validator(files, "other_base").base().fingerprint)["adapters"] == {}
+
+    asyncio.run(run())
+
+
+def test_two_base_models_share_one_registry_each_seeing_its_own(files, tmp_path):
+    async def run():
+        actor = _actor(tmp_path / "r.json")
+        va, vb = _validator(files), _validator(files, "other_base")
+        fa, fb = va.base().fingerprint, vb.base().fingerprint
+        assert fa != fb
+        await actor.register("a1", str(files["good"]), False, va)
+        waiter = asyncio.create_task(actor.wait_for_change(1, 30.0, fa))
+        await asyncio.sleep(0.05)
+        await actor.register("b1", str(files["other"]), False, vb)
+        # A change for any base model wakes the long-poll; it returns only the caller's entries.
+        woke = await asyncio.wait_for(waiter, 1.0)
+        assert woke["version"] == 2 and set(woke["adapters"]) == {"a1"}
+        assert set(actor.snapshot(fb)["adapters"]) == {"b1"}
+        assert set(actor.snapshot(None)["adapters"]) == {"a1", "b1"}
+
+    asyncio.run(run())
+
+
+def test_a_name_held_by_another_base_model_is_refused_and_kept(files, tmp_path):
+    async def run():
+        reg = tmp_path / "r.json"
+        actor = _actor(reg)
+        va, vb = _validator(files), _validator(files, "other_base")
+        await actor.register("shared", str(files["good"]), False, va)
+        before, on_disk = actor.snapshot(None), reg.read_text()
+        # Refused before its files are read: this source does not even exist.
+        with pytest.raises(AdapterConflictError, match="adapter 'shared' is registered for base model 'base'") as e:
+            await actor.register("shared", str(tmp_path / "missing"), False, vb)
+        assert e.value.status_code == 409 and "'other_base'" in str(e.value)
+        with pytest.raises(AdapterConflictError, match="'base'"):
+            await actor.register("shared", str(files["other"]), False, vb)
+        with pytest.raises(AdapterConflictError, match="'base'"):
+            await actor.unregister("shared", vb.base())
+        with pytest.raises(AdapterConflictError, match="'base'"):
+            await actor.set_pinned("shared", True, vb.base())
+        assert actor.snapshot(None) == before and reg.read_text() == on_disk
+        # Its own base model's deployments still change it.
+        assert (await actor.set_pinned("shared", True, va.base()))["pinned"] is True
+
+    asyncio.run(run())
+
+
+def test_format_1_entries_are_adopted_by_the_base_model_they_fit(files, tmp_path):
+    """Entries written before entries recorded a base model are validated by the first
+    deployment that starts; those that fit are recorded for its base model, the others
+    wait for a deployment of theirs."""
+    async def run():
+        reg = tmp_path / "r.json"
+        old = {
+            "fits": {"source": str(files["good"]), "version": 1, "pinned": True, "rank": 4},
+            "elsewhere": {"source": str(files["other"]), "version": 2, "pinned": False, "rank": 4},
+        }
+        reg.write_text(json.dumps({"format": 1, "version": 2, "adapters": old}))
+        actor = _actor(reg)
+        va, vb = _validator(files), _validator(files, "other_base")
+        assert actor.snapshot(va.base().fingerprint)["adapters"] == {}  # nobody's until adopted
+        got = await actor.adopt_unassigned(va)
+        assert got["adopted"] == ["fits"] and set(got["refused"]) == {"elsewhere"}
+        assert "shape" in got["refused"]["elsewhere"]
+        snap = actor.snapshot(va.base().fingerprint)
+        assert snap["version"] == 3 and set(snap["adapters"]) == {"fits"}
+        fits = snap["adapters"]["fits"]
+        assert fits["version"] == 1 and fits["pinned"] is True and fits["base_model"] == "base"
+        # The demo-style start: a name left unadopted is reported, not replaced.
+        report = await actor.ensure_registered({"elsewhere": str(files["good"]), "new": str(files["good2"])}, va)
+        assert report["added"] == ["new"] and set(report["skipped"]) == {"elsewhere"}
+        assert (await actor.adopt_unassigned(vb))["adopted"] == ["elsewhere"]
+        assert set(actor.snapshot(vb.base().fingerprint)["adapters"]) == {"elsewhere"}
+        assert (await actor.adopt_unassigned(vb)) == {"adopted": [], "refused": {}}
+        on_disk = json.loads(reg.read_text())
+        assert on_disk["format"] == 2 and on_disk["adapters"]["elsewhere"]["base_model"] == "other_base"
 
     asyncio.run(run())
 
@@ -57,13 +152,13 @@ def test_register_persists_and_bumps_version(files, tmp_path):
 )
 def test_bad_adapter_changes_nothing(files, tmp_path, key, error, match):
     async def run():
-        actor = _actor(files, tmp_path / "r.json")
-        await actor.register("good", str(files["good"]))
-        before = actor.snapshot()
+        actor, v = _actor(tmp_path / "r.json"), _validator(files)
+        await actor.register("good", str(files["good"]), False, v)
+        before = actor.snapshot(None)
         source = str(files.get(key, tmp_path / "missing"))
         with pytest.raises(error, match=match):
-            await actor.register("bad", source)
-        assert actor.snapshot() == before
+            await actor.register("bad", source, False, v)
+        assert actor.snapshot(None) == before
         assert json.loads((tmp_path / "r.json").read_text())["version"] == before["version"]
 
     asyncio.run(run())
@@ -71,10 +166,10 @@ def test_bad_adapter_changes_nothing(files, tmp_path, key, error, match):
 
 def test_source_outside_allowed_roots_is_refused(files, tmp_path):
     async def run():
-        actor = _actor(files, tmp_path / "r.json", roots=["gs://only-here/"])
+        actor = _actor(tmp_path / "r.json")
         with pytest.raises(AdapterSourceError):
-            await actor.register("good", str(files["good"]))
-        assert actor.snapshot()["adapters"] == {}
+            await actor.register("good", str(files["good"]), False, _validator(files, roots=["gs://only-here/"]))
+        assert actor.snapshot(None)["adapters"] == {}
 
     asyncio.run(run())
 
@@ -83,54 +178,57 @@ def test_source_outside_allowed_roots_is_refused(files, tmp_path):
 def test_bad_names_rejected(files, tmp_path, name):
     async def run():
         with pytest.raises(InvalidRequestError, match="adapter name="):
-            await _actor(files, tmp_path / "r.json").register(name, str(files["good"]))
+            await _actor(tmp_path / "r.json").register(name, str(files["good"]), False, _validator(files))
 
     asyncio.run(run())
 
 
 def test_unregister_pin_and_unknown(files, tmp_path):
     async def run():
-        actor = _actor(files, tmp_path / "r.json")
-        await actor.register("good", str(files["good"]))
-        await actor.register("good2", str(files["good2"]))
-        pinned = await actor.set_pinned("good2", True)
-        assert pinned["pinned"] is True and actor.snapshot()["version"] == 3
-        removed = await actor.unregister("good")
-        assert removed["name"] == "good" and set(actor.snapshot()["adapters"]) == {"good2"}
+        actor, v = _actor(tmp_path / "r.json"), _validator(files)
+        base = v.base()
+        await actor.register("good", str(files["good"]), False, v)
+        await actor.register("good2", str(files["good2"]), False, v)
+        pinned = await actor.set_pinned("good2", True, base)
+        assert pinned["pinned"] is True and actor.snapshot(None)["version"] == 3
+        removed = await actor.unregister("good", base)
+        assert removed["name"] == "good" and set(actor.snapshot(None)["adapters"]) == {"good2"}
         with pytest.raises(AdapterNotFoundError, match="'good'"):
-            await actor.unregister("good")
+            await actor.unregister("good", base)
         with pytest.raises(AdapterNotFoundError, match="'nope'"):
-            await actor.set_pinned("nope", False)
+            await actor.set_pinned("nope", False, base)
 
     asyncio.run(run())
 
 
 def test_reregister_replaces_with_new_entry_version(files, tmp_path):
     async def run():
-        actor = _actor(files, tmp_path / "r.json")
-        first = await actor.register("a", str(files["good"]))
-        second = await actor.register("a", str(files["good2"]))
+        actor, v = _actor(tmp_path / "r.json"), _validator(files)
+        first = await actor.register("a", str(files["good"]), False, v)
+        second = await actor.register("a", str(files["good2"]), False, v)
         assert second["version"] > first["version"] and second["source"] == str(files["good2"])
-        assert await actor.ensure_registered({"a": str(files["good"]), "b": str(files["good"])}) == ["b"]
-        assert actor.snapshot()["adapters"]["a"]["source"] == str(files["good2"])
+        report = await actor.ensure_registered({"a": str(files["good"]), "b": str(files["good"])}, v)
+        assert report == {"added": ["b"], "skipped": {}}
+        assert actor.snapshot(None)["adapters"]["a"]["source"] == str(files["good2"])
 
     asyncio.run(run())
 
 
 def test_long_poll_wakes_on_change_and_times_out_otherwise(files, tmp_path):
     async def run():
-        actor = _actor(files, tmp_path / "r.json")
+        actor, v = _actor(tmp_path / "r.json"), _validator(files)
+        fp = v.base().fingerprint
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        idle = await actor.wait_for_change(0, 0.2)
+        idle = await actor.wait_for_change(0, 0.2, fp)
         assert idle["version"] == 0 and loop.time() - t0 >= 0.19
-        waiter = asyncio.create_task(actor.wait_for_change(0, 30.0))
+        waiter = asyncio.create_task(actor.wait_for_change(0, 30.0, fp))
         await asyncio.sleep(0.05)
         assert not waiter.done()
-        await actor.register("good", str(files["good"]))
+        await actor.register("good", str(files["good"]), False, v)
         snap = await asyncio.wait_for(waiter, 1.0)
         assert snap["version"] == 1 and "good" in snap["adapters"]
         # A caller that is behind returns at once.
-        assert (await asyncio.wait_for(actor.wait_for_change(0, 30.0), 1.0))["version"] == 1
+        assert (await asyncio.wait_for(actor.wait_for_change(0, 30.0, fp), 1.0))["version"] == 1
 
     asyncio.run(run())

@@ -65,9 +65,32 @@ def test_trace_records_ttft_inter_token_e2e_and_tokens():
     assert m.ttft.sum == pytest.approx(0.3) and sum(m.ttft.counts) == 1
     assert sum(m.inter_token.counts) == 2 and m.inter_token.sum == pytest.approx(0.04)
     assert m.e2e.sum == pytest.approx(0.34 + 0.0)
-    assert m.requests == {("a1", "ok"): 1, ("other", "error"): 1}
-    assert m.prompt_tokens == {"a1": 5, "other": 0}
-    assert m.generation_tokens == {"a1": 3, "other": 0}
+    base = {("base", "ok"): 0, ("base", "error"): 0, ("base", "aborted"): 0}
+    assert m.requests == {**base, ("a1", "ok"): 1, ("other", "error"): 1}
+    assert m.prompt_tokens == {"base": 0, "a1": 5, "other": 0}
+    assert m.generation_tokens == {"base": 0, "a1": 3, "other": 0}
+    with pytest.raises(ValueError, match="status='done'"):
+        m.start(None).finish("done", 1, 1)
+
+
+def test_a_replica_that_served_nothing_exports_every_series_at_zero():
+    """The series a replica exports do not depend on what it has served: an idle replica
+    shows the same request, token, engine and adapter series as a busy one, at 0."""
+    idle, busy = ReplicaMetrics(), ReplicaMetrics()
+    busy.start(None).finish("ok", prompt_tokens=7, completion_tokens=2)
+    engine = {"running": 0, "waiting": 0, "prefix_cache_query_tokens": 0}
+
+    def series(m: ReplicaMetrics) -> dict[tuple, float]:
+        return samples(render(lambda: {"r": m.snapshot(engine, LoRAStats(), 0, 4)}))
+
+    idle_series, busy_series = series(idle), series(busy)
+    assert set(idle_series) == set(busy_series)
+    prompt = ("multilora_prompt_tokens_total", (("adapter", "base"), ("replica", "r")))
+    query = ("multilora_prefix_cache_query_tokens_total", (("replica", "r"),))
+    assert idle_series[prompt] == 0 and idle_series[query] == 0 and busy_series[prompt] == 7
+    for status in ("ok", "error", "aborted"):
+        key = ("multilora_requests_total", (("adapter", "base"), ("replica", "r"), ("status", status)))
+        assert idle_series[key] == 0
 
 
 def test_render_aggregates_replicas_in_prometheus_text():

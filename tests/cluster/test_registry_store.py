@@ -52,6 +52,9 @@ def test_copy_is_deep():
         ('{"format": 99, "version": 1, "adapters": {}}', "format=99"),
         ('{"format": 1, "version": "x", "adapters": {}}', "int version"),
         ('{"format": 1, "version": 1, "adapters": {"b": {"source": "s"}}}', "adapter 'b' lacks"),
+        ('{"format": 2, "version": 1, "adapters": {"b": 3}}', "adapter 'b' is 3, not a map"),
+        ('{"format": 2, "version": 1, "adapters": {"b": {"source": "s", "version": 1, "pinned": false, '
+         '"base_fingerprint": "md5:x"}}}', "base_fingerprint='md5:x'"),
     ],
 )
 def test_corrupt_registry_names_the_problem(tmp_path, text, match):
@@ -64,3 +67,18 @@ def test_corrupt_registry_names_the_problem(tmp_path, text, match):
 def test_empty_url_rejected():
     with pytest.raises(ValueError, match="url=''"):
         RegistryStore("")
+
+
+def test_format_1_registry_loads_and_is_saved_as_format_2(tmp_path):
+    """A registry written before entries recorded their base model still loads; its entries
+    have no base model until a deployment adopts them (cluster/admin.py)."""
+    path = tmp_path / "r.json"
+    old = {"source": "/tmp/a", "version": 3, "pinned": False, "rank": 4}
+    path.write_text(json.dumps({"format": 1, "version": 3, "adapters": {"a": old}}))
+    doc = RegistryStore(str(path)).load()
+    assert doc.version == 3 and doc.adapters == {"a": old}
+    doc.adapters["a"].update(base_model="demo", base_fingerprint="sha256:" + "0" * 64)
+    RegistryStore(str(path)).save(doc)
+    on_disk = json.loads(path.read_text())
+    assert on_disk["format"] == 2 and on_disk["adapters"]["a"]["base_model"] == "demo"
+    assert RegistryStore(str(path)).load().adapters == doc.adapters

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 ADMIN_TOKEN = "integration-admin-token"
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +55,21 @@ class Cluster:
         if proc.returncode != 0:
             raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc
+
+    def wait_running(self, *apps: str, timeout: float = 300.0) -> None:
+        """Waits until every Serve application in ``apps`` is RUNNING; a failed deploy raises."""
+        deadline = time.monotonic() + timeout
+        statuses: dict = {}
+        while time.monotonic() < deadline:
+            out = self.cli("serve", "status", "-a", self.dashboard_url).stdout
+            found = (yaml.safe_load(out) or {}).get("applications", {})
+            statuses = {app: found.get(app, {}).get("status") for app in apps}
+            if all(s == "RUNNING" for s in statuses.values()):
+                return
+            if "DEPLOY_FAILED" in statuses.values():
+                raise AssertionError(f"deploy failed:\n{out}")
+            time.sleep(1.0)
+        raise TimeoutError(f"applications not RUNNING after {timeout}s (last statuses {statuses})")
 
 
 def kill_actor(cluster: Cluster, name: str, namespace: str, *, no_restart: bool) -> None:

@@ -23,20 +23,6 @@ ADAPTERS = ("reverse", "upper")
 REQUESTS_PER_ADAPTER = 4
 
 
-def _wait_running(cluster, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    status = None
-    while time.monotonic() < deadline:
-        out = cluster.cli("serve", "status", "-a", cluster.dashboard_url).stdout
-        status = (yaml.safe_load(out) or {}).get("applications", {}).get(APP, {}).get("status")
-        if status == "RUNNING":
-            return
-        if status == "DEPLOY_FAILED":
-            raise AssertionError(f"deploy failed:\n{out}")
-        time.sleep(1.0)
-    raise TimeoutError(f"application {APP!r} not RUNNING after {timeout}s (last status {status})")
-
-
 @pytest.fixture(scope="module")
 def two_replicas(cluster, tmp_path_factory):
     """The shipped serve_config.yaml with two model-server replicas."""
@@ -49,7 +35,7 @@ def two_replicas(cluster, tmp_path_factory):
     path = root / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     cluster.cli("serve", "deploy", str(path), "-a", cluster.dashboard_url)
-    _wait_running(cluster)
+    cluster.wait_running(APP)
     yield cluster
     cluster.cli("serve", "shutdown", "-y", "-a", cluster.dashboard_url)
     kill_actor(cluster, ADMIN_ACTOR, ADMIN_NAMESPACE, no_restart=True)
@@ -154,6 +140,9 @@ def test_prefix_cache_counters_reach_prometheus(two_replicas, prometheus):
     base = two_replicas.base_url
     adapter = "caesar"  # no other test here sends it: its two requests are the only hits
     shared = "the quick brown fox jumps over "  # 32 tokens with BOS (the demo tokenizer reads characters)
+    # Every replica's series are scraped before the requests (each replica exports them from
+    # its start, whatever it serves), so Prometheus sees the counters rise.
+    _wait_for(prometheus, "multilora_adapter_slots", 8)
     cached = []
     for word in ("hello=", "serving="):
         r = httpx.post(f"{base}/v1/completions", timeout=120,
@@ -171,9 +160,11 @@ def test_prefix_cache_counters_reach_prometheus(two_replicas, prometheus):
         return {s["metric"]["replica"]: float(s["value"][1]) for s in _query(prometheus, expr)}
 
     # Every request here could use the cache (none asked for prompt log-probabilities) and
-    # all finished: the tokens looked up are the prompt tokens served.
+    # all finished: on every replica, whatever it served (maybe nothing), the tokens looked
+    # up are the prompt tokens served. Both series exist on a replica from its start.
     query = by_replica("sum by (replica) (multilora_prefix_cache_query_tokens_total)")
-    assert query == by_replica("sum by (replica) (multilora_prompt_tokens_total)")
+    prompt = by_replica("sum by (replica) (multilora_prompt_tokens_total)")
+    assert len(query) == 2 and query == prompt, (query, prompt)
     hits = by_replica("multilora_prefix_cache_hit_tokens_total")
     assert hits[replica] == sum(cached) and all(hits[r] <= query[r] for r in hits)
     # The second request computed the rest of its prompt over the cached prefix.

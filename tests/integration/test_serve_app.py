@@ -56,23 +56,9 @@ def _write_config(cluster, files) -> Path:
     return path
 
 
-def _wait_running(cluster, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    status = None
-    while time.monotonic() < deadline:
-        out = cluster.cli("serve", "status", "-a", cluster.dashboard_url).stdout
-        status = (yaml.safe_load(out) or {}).get("applications", {}).get(APP, {}).get("status")
-        if status == "RUNNING":
-            return
-        if status == "DEPLOY_FAILED":
-            raise AssertionError(f"deploy failed:\n{out}")
-        time.sleep(2.0)
-    raise TimeoutError(f"application {APP!r} not RUNNING after {timeout}s (last status {status})")
-
-
 def _deploy(cluster, files) -> None:
     cluster.cli("serve", "deploy", str(_write_config(cluster, files)), "-a", cluster.dashboard_url)
-    _wait_running(cluster)
+    cluster.wait_running(APP)
 
 
 @pytest.fixture(scope="session")

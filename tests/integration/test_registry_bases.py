@@ -1,0 +1,148 @@
+"""Two deployments of different base models over one adapter registry (the demo model and a
+tiny random Llama): each lists and serves only the adapters validated against its own base
+model, says at start what it skipped, and a name the other holds is refused with the reason."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from cluster.admin import ADMIN_NAMESPACE, demo_adapter_sources
+from tests.helpers.checkpoints import save_tiny_llama
+from tests.integration.adapters import save_peft_adapter
+from tests.integration.conftest import ADMIN_TOKEN, REPO, kill_actor
+
+pytestmark = pytest.mark.integration
+
+ADMIN_ACTOR = "lora_admin_bases"  # its own registry, apart from the other integration tests
+DEMO_APP, TINY_APP = "demo-base", "tiny-base"
+DEMO, TINY = "/demo", "/tiny"  # route prefixes
+DEMO_ADAPTERS = {"reverse", "upper", "sort", "caesar"}
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("registry_bases")
+    tiny = save_tiny_llama(root / "tiny")
+    return {"root": root, "tiny": tiny, "tiny_adapter": save_peft_adapter(tiny, root / "tiny-ad", seed=5)}
+
+
+def _deploy(cluster, path: Path, apps: list[dict]) -> None:
+    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": cluster.http_port}
+    config["applications"] = apps
+    path.write_text(yaml.safe_dump(config))
+    cluster.cli("serve", "deploy", str(path), "-a", cluster.dashboard_url)
+    cluster.wait_running(*(a["name"] for a in apps))
+
+
+@pytest.fixture(scope="module")
+def bases(cluster, files):
+    """The shipped config's application twice, one registry: the demo model at /demo, the
+    tiny Llama (served as 'tiny') at /tiny."""
+    [template] = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"]
+    shared = dict(registry_url=str(files["root"] / "registry.json"), admin_actor_name=ADMIN_ACTOR,
+                  drain_timeout_s=1.0)
+    demo = {**template, "name": DEMO_APP, "route_prefix": DEMO, "args": {**template["args"], **shared}}
+    tiny = {**template, "name": TINY_APP, "route_prefix": TINY,
+            "args": {**template["args"], **shared, "model": str(files["tiny"]), "model_name": "tiny"}}
+    # The demo app first: the tiny app then starts over a registry holding the demo adapters.
+    _deploy(cluster, files["root"] / "demo.yaml", [demo])
+    _deploy(cluster, files["root"] / "both.yaml", [demo, tiny])
+    r = httpx.post(f"{cluster.base_url}{TINY}/v1/adapters", headers=AUTH, timeout=120,
+                   json={"name": "tiny-ad", "source": str(files["tiny_adapter"])})
+    assert r.status_code == 201, r.text
+    yield cluster
+    cluster.cli("serve", "shutdown", "-y", "-a", cluster.dashboard_url)
+    kill_actor(cluster, ADMIN_ACTOR, ADMIN_NAMESPACE, no_restart=True)
+
+
+def _models(cluster, prefix: str) -> set[str]:
+    r = httpx.get(f"{cluster.base_url}{prefix}/v1/models", timeout=30)
+    assert r.status_code == 200, r.text
+    return {m["id"] for m in r.json()["data"]}
+
+
+def _admin_list(cluster, prefix: str) -> dict[str, dict]:
+    r = httpx.get(f"{cluster.base_url}{prefix}/v1/adapters", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return {e["name"]: e for e in r.json()["data"]}
+
+
+def _complete(cluster, prefix: str, model: str) -> httpx.Response:
+    return httpx.post(f"{cluster.base_url}{prefix}/v1/completions", timeout=120,
+                      json={"model": model, "prompt": "hello=", "max_tokens": 8, "temperature": 0})
+
+
+def test_each_deployment_lists_and_serves_only_its_own_base_models_adapters(bases):
+    assert _models(bases, DEMO) == {"demo"} | DEMO_ADAPTERS
+    assert _models(bases, TINY) == {"tiny", "tiny-ad"}
+    demo_entries, tiny_entries = _admin_list(bases, DEMO), _admin_list(bases, TINY)
+    assert set(demo_entries) == DEMO_ADAPTERS and set(tiny_entries) == {"tiny-ad"}
+    # Each entry records the base model it was validated against.
+    assert {e["base_model"] for e in demo_entries.values()} == {"demo"}
+    assert tiny_entries["tiny-ad"]["base_model"] == "tiny"
+    demo_fingerprints = {e["base_fingerprint"] for e in demo_entries.values()}
+    assert len(demo_fingerprints) == 1 and tiny_entries["tiny-ad"]["base_fingerprint"] not in demo_fingerprints
+
+    assert _complete(bases, TINY, "tiny-ad").status_code == 200
+    r = _complete(bases, DEMO, "reverse")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "olleh", r.text
+    # Another base model's adapter is unknown here: a 404 naming it, not a shape error.
+    for prefix, model in ((DEMO, "tiny-ad"), (TINY, "reverse")):
+        r = _complete(bases, prefix, model)
+        assert r.status_code == 404 and repr(model) in r.json()["error"]["message"], r.text
+
+
+def test_a_name_registered_for_another_base_model_is_refused_with_the_reason(bases, files):
+    before = _admin_list(bases, DEMO)
+    attempts = [
+        ("POST", f"{TINY}/v1/adapters", {"name": "reverse", "source": str(files["tiny_adapter"])}),
+        ("POST", f"{TINY}/v1/load_lora_adapter", {"lora_name": "reverse", "lora_path": str(files["tiny_adapter"])}),
+        ("DELETE", f"{TINY}/v1/adapters/reverse", None),
+        ("PATCH", f"{TINY}/v1/adapters/reverse", {"pinned": True}),
+    ]
+    for method, path, body in attempts:
+        r = httpx.request(method, f"{bases.base_url}{path}", json=body, headers=AUTH, timeout=120)
+        assert r.status_code == 409, (method, path, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "conflict_error", error
+        assert "adapter 'reverse' is registered for base model 'demo'" in error["message"], error
+        assert "'tiny'" in error["message"], error
+    assert _admin_list(bases, DEMO) == before  # untouched
+    assert _complete(bases, DEMO, "reverse").json()["choices"][0]["text"] == "olleh"
+
+    r = httpx.post(f"{bases.base_url}{DEMO}/v1/adapters", headers=AUTH, timeout=120,
+                   json={"name": "tiny-ad", "source": demo_adapter_sources()["upper"]})
+    assert r.status_code == 409 and "base model 'tiny'" in r.json()["error"]["message"], r.text
+    assert _models(bases, TINY) == {"tiny", "tiny-ad"}
+
+
+def test_each_deployment_says_at_start_what_it_skipped(bases):
+    logs = Path(bases.temp_dir) / "session_latest" / "logs" / "serve"
+    tiny_logs = "".join(f.read_text(errors="replace") for f in logs.glob(f"replica_{TINY_APP}_OpenAIIngress_*.log"))
+    assert "serving 0 adapters of base model 'tiny'" in tiny_logs, tiny_logs[-2000:]
+    assert "skipped 4: 4 validated against other base models (4 of 'demo' (" in tiny_logs, tiny_logs[-2000:]
+    demo_logs = "".join(f.read_text(errors="replace") for f in logs.glob(f"replica_{DEMO_APP}_OpenAIIngress_*.log"))
+    assert "serving 4 adapters of base model 'demo'" in demo_logs and "none skipped" in demo_logs, demo_logs[-2000:]
+
+
+def test_an_admin_actor_serves_one_registry(bases):
+    """A deployment naming this registry's admin actor with another registry is refused."""
+    code = (
+        "import asyncio, ray\n"
+        "from cluster.admin import connect_admin\n"
+        f"ray.init(address={bases.gcs_address!r}, log_to_driver=False)\n"
+        "try:\n"
+        f"    asyncio.run(connect_admin({ADMIN_ACTOR!r}, '/elsewhere/registry.json'))\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = bases.cli(sys.executable, "-c", code).stdout
+    assert f"refused: admin actor {ADMIN_ACTOR!r} owns the registry at" in out, out
+    assert "'/elsewhere/registry.json'" in out and "admin_actor_name" in out, out
