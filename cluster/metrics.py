@@ -36,6 +36,19 @@ ENGINE_COUNTERS = {
     "prefix_cache_query_tokens": "Prompt tokens of requests that looked up the prefix cache",
     "prefix_cache_hit_tokens": "Prompt tokens found in the prefix cache (not recomputed)",
     "extend_steps": "Engine steps that computed a prompt chunk over a cached prefix or earlier chunks",
+    "preemptions": "Running sequences whose KV blocks were taken back (recomputed later) when blocks ran out",
+}
+# Engine.stats() gauges exported as they are: the KV cache's blocks and the memory plan (bytes per device).
+ENGINE_GAUGES = {
+    "kv_blocks": "KV cache blocks (the null block excluded)",
+    "kv_blocks_free": "KV cache blocks no sequence holds (cached prefixes among them)",
+    "kv_blocks_cached": "KV cache blocks holding a shareable prefix block",
+    "kv_block_size": "Tokens per KV cache block",
+    "kv_capacity_tokens": "Tokens the KV cache holds",
+    "memory_weights_bytes": "Memory plan: model weights per device",
+    "memory_adapter_pool_bytes": "Memory plan: adapter pool per device",
+    "memory_workspace_bytes": "Memory plan: largest step's workspace per device",
+    "memory_kv_cache_bytes": "Memory plan: KV cache per device",
 }
 
 
@@ -157,6 +170,7 @@ class ReplicaMetrics:
             "running": engine_stats.get("running", 0),
             "waiting": engine_stats.get("waiting", 0),
             "engine": {k: engine_stats.get(k, 0) for k in ENGINE_COUNTERS},
+            "engine_gauges": {k: engine_stats.get(k, 0) for k in ENGINE_GAUGES},
             "lora": {} if lora_stats is None else {k: dataclasses.asdict(lora_stats)[k] for k in LORA_COUNTERS},
             "slots_used": slots_used,
             "slots_total": slots_total,
@@ -202,6 +216,7 @@ class ClusterCollector:
         engine = {
             k: CounterMetricFamily(f"{PREFIX}_{k}", doc, labels=["replica"]) for k, doc in ENGINE_COUNTERS.items()
         }
+        gauges = {k: GaugeMetricFamily(f"{PREFIX}_{k}", doc, labels=["replica"]) for k, doc in ENGINE_GAUGES.items()}
         for replica, s in snaps.items():
             for adapter, status, n in s["requests"]:
                 req.add_metric([replica, adapter, status], n)
@@ -217,7 +232,10 @@ class ClusterCollector:
                 lora[k].add_metric([replica], v)
             for k, v in s["engine"].items():
                 engine[k].add_metric([replica], v)
-        yield from (req, p_tok, g_tok, running, waiting, used, total, *lora.values(), *engine.values())
+            for k, v in s["engine_gauges"].items():
+                gauges[k].add_metric([replica], v)
+        yield from (req, p_tok, g_tok, running, waiting, used, total, *lora.values(), *engine.values(),
+                    *gauges.values())
         yield _histogram("time_to_first_token_seconds", "Time to first token", snaps, "ttft")
         yield _histogram("inter_token_seconds", "Time between output tokens", snaps, "inter_token")
         yield _histogram("request_seconds", "End-to-end request time", snaps, "e2e")

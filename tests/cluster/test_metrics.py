@@ -105,7 +105,8 @@ def test_render_aggregates_replicas_in_prometheus_text():
             t.finish("ok", prompt_tokens=4, completion_tokens=1)
         stats = LoRAStats(loads=3 + i, evictions=1, host_hits=2, host_misses=1)
         engine = {"running": i, "waiting": 2, "prefix_cache_query_tokens": 40 + i, "prefix_cache_hit_tokens": 16 * i,
-                  "extend_steps": 3 * i, "decode_steps": 7}
+                  "extend_steps": 3 * i, "decode_steps": 7, "preemptions": 5 * i, "kv_blocks": 100,
+                  "kv_blocks_free": 60 + i, "kv_capacity_tokens": 1600, "memory_kv_cache_bytes": 1 << 20}
         snaps[rid] = m.snapshot(engine, stats, slots_used=i + 1, slots_total=4)
     got = samples(render(lambda: snaps))
     assert got[("multilora_requests_total", (("adapter", "a1"), ("replica", "r1"), ("status", "ok")))] == 2
@@ -120,6 +121,11 @@ def test_render_aggregates_replicas_in_prometheus_text():
     assert got[("multilora_prefix_cache_hit_tokens_total", (("replica", "r1"),))] == 16
     assert got[("multilora_extend_steps_total", (("replica", "r1"),))] == 3
     assert not any(name.startswith("multilora_decode_steps") for name, _ in got)  # only the listed counters
+    assert got[("multilora_preemptions_total", (("replica", "r1"),))] == 5
+    assert got[("multilora_kv_blocks", (("replica", "r0"),))] == 100
+    assert got[("multilora_kv_blocks_free", (("replica", "r1"),))] == 61
+    assert got[("multilora_kv_capacity_tokens", (("replica", "r0"),))] == 1600
+    assert got[("multilora_memory_kv_cache_bytes", (("replica", "r1"),))] == 1 << 20
     assert got[("multilora_time_to_first_token_seconds_count", (("replica", "r1"),))] == 2
     # 0.2 s falls in le=0.25, not in le=0.1.
     assert got[("multilora_time_to_first_token_seconds_bucket", (("le", "0.25"), ("replica", "r1")))] == 2
