@@ -2,10 +2,11 @@
 
     python -m benchmarks.kv_capacity [--quick]
 
-1. Capacity: requests whose prompt + output lengths are spread over 64..max_seq_len (64 plus
-   an exponential tail, mean max_seq_len / 8) arrive at once; the engine's KV cache is the
-   bytes that `dense_rows` rows of max_seq_len tokens take. Reports the most sequences
-   running at once (the dense layout holds exactly `dense_rows`) and the preemptions.
+1. Capacity: more requests than fit, with prompt + output lengths spread over 64..max_seq_len
+   (64 plus an exponential tail, mean max_seq_len / 8), arrive at once; the engine's KV cache
+   is the bytes that `dense_rows` rows of max_seq_len tokens take. Reports the sequences
+   running while requests still queue (mean; the cache is then what bounds them, where the
+   dense layout holds exactly `dense_rows`), the peak, and the preemptions.
 2. Decode tokens/s at equal batch against the dense-row engine of the commit before paging
    (DENSE_COMMIT, extracted with `git archive` and run in a subprocess; the same script
    times both, each in its own process).
@@ -99,7 +100,7 @@ def capacity(model_config, tokenizer, *, max_seq_len: int, dense_rows: int, requ
     engine = synthetic_engine(model_config, config, tokenizer).start()
     rng = random.Random(seed)
     done = threading.Semaphore(0)
-    peak, outs = 0, []
+    peak, outs, loaded = 0, [], []
     try:
         for i, total in enumerate(lengths(requests, max_seq_len, rng)):
             prompt_len = max(16, total // 4)
@@ -110,12 +111,14 @@ def capacity(model_config, tokenizer, *, max_seq_len: int, dense_rows: int, requ
         while finished < requests:
             if done.acquire(timeout=0.002):
                 finished += 1
-            peak = max(peak, len(engine.scheduler.running))
+            running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+            peak = max(peak, running)
+            if waiting:  # requests queue: the cache, not the arrivals, bounds the running set
+                loaded.append(running)
         stats = engine.stats()
     finally:
         engine.shutdown()
-    mean_batch = stats["decode_row_steps"] / max(stats["decode_steps"], 1)
-    return peak, mean_batch, stats["preemptions"], engine.scheduler.pool.usable * 16
+    return peak, statistics.mean(loaded), stats["preemptions"], engine.scheduler.pool.usable * 16
 
 
 def chat_trace(model_config, tokenizer, *, conversations: int, turns: int, seed: int = 1) -> float:
@@ -179,39 +182,43 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         shape = dict(hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1408)
-        max_seq_len, dense_rows, requests = 1024, 8, 96
-        decode = dict(batch=8, prompt=96, new_tokens=32, repeats=2)
+        max_seq_len, dense_rows, requests = 1024, 8, 160
+        decode = dict(batch=8, prompt=96, new_tokens=48, repeats=3)
         conversations, turns = 4, 4
     else:
         shape = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816)
-        max_seq_len, dense_rows, requests = 2048, 16, 256
+        max_seq_len, dense_rows, requests = 2048, 16, 400
         decode = dict(batch=16, prompt=256, new_tokens=64, repeats=3)
         conversations, turns = 8, 6
     tokenizer = demo_tokenizer()
     model_config = synthetic_config(vocab=tokenizer.vocab_size, **shape)
 
-    peak, mean_batch, preemptions, kv_tokens = capacity(
+    peak, loaded, preemptions, kv_tokens = capacity(
         model_config, tokenizer, max_seq_len=max_seq_len, dense_rows=dense_rows, requests=requests)
     decode_args = dict(shape=shape, max_seq_len=max_seq_len, **decode)
-    paged_rate = decode_rate(REPO, decode_args)
+    paged, dense = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tree = dense_tree(tmp)
-        dense_rate = decode_rate(tree, decode_args) if tree is not None else float("nan")
+        for _ in range(2):  # alternated, best of each: both see the machine's quiet and busy moments
+            paged.append(decode_rate(REPO, decode_args))
+            if tree is not None:
+                dense.append(decode_rate(tree, decode_args))
+    paged_rate, dense_rate = max(paged), max(dense, default=float("nan"))
     hit_rate = chat_trace(model_config, tokenizer, conversations=conversations, turns=turns)
     admit = admit_ms()
 
     print(f"model: {shape} max_seq_len={max_seq_len} KV cache: {kv_tokens} tokens "
           f"(= {dense_rows} dense rows); {requests} requests, lengths 64..{max_seq_len}, mean ~{max_seq_len // 8}")
     print_table(["measure", "paged", "dense rows", "ratio"], [
-        ("sequences at once (peak)", peak, dense_rows, round(peak / dense_rows, 2)),
-        ("mean decode batch", round(mean_batch, 1), dense_rows, round(mean_batch / dense_rows, 2)),
+        ("running while requests queue (mean)", round(loaded, 1), dense_rows, round(loaded / dense_rows, 2)),
+        ("running at once (peak)", peak, dense_rows, round(peak / dense_rows, 2)),
         ("preemptions", preemptions, "-", "-"),
         (f"decode tok/s at batch {decode['batch']}", round(paged_rate, 1), round(dense_rate, 1),
          round(paged_rate / dense_rate, 3)),
         (f"chat prefix hit rate ({conversations}x{turns} turns)", round(hit_rate, 3), "-", "-"),
         ("admit ms, 1000 waiting / 256 running", round(admit, 2), "-", "-"),
     ])
-    print(f"concurrent_seqs_vs_dense={peak / dense_rows:.2f} decode_vs_dense={paged_rate / dense_rate:.3f} "
+    print(f"concurrent_seqs_vs_dense={loaded / dense_rows:.2f} decode_vs_dense={paged_rate / dense_rate:.3f} "
           f"prefix_hit_rate={hit_rate:.3f} admit_ms_1000_waiting={admit:.2f}")
 
 

@@ -35,9 +35,10 @@ def block_hashes(tokens: Sequence[int], block_size: int, key: bytes, *, start: i
             raise ValueError(f"block {start=} needs its parent's hash")
         parent = hashlib.blake2b(b"kv:" + key, digest_size=16).digest()
     hashes = []
-    for i in range(start, stop):
-        block = np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+    data = np.asarray(tokens[start * block_size:stop * block_size], np.int64).tobytes()
+    width = 8 * block_size
+    for i in range(stop - start):
+        parent = hashlib.blake2b(parent + data[i * width:(i + 1) * width], digest_size=16).digest()
         hashes.append(parent)
     return hashes
 

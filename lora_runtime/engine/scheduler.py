@@ -33,6 +33,12 @@ from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.sequence import Sequence
 
 BASE_KEY = b""  # the K/V key of the base model (no adapter)
+# Admission keeps blocks for the running sequences' growth: `growth_ratio` of each one's
+# remaining max_tokens. The ratio starts at GROWTH_RATIO_START, is raised after every
+# preemption (growth was underestimated) and decays each admission step towards
+# GROWTH_RATIO_MIN (max_tokens is usually a loose bound), as SGLang's new-token ratio does.
+GROWTH_RATIO_START, GROWTH_RATIO_MIN, GROWTH_RATIO_DECAY = 0.5, 0.1, 0.002
+GROWTH_RATIO_STEP = 0.2
 
 
 class AdapterSlots(Protocol):
@@ -80,6 +86,7 @@ class Scheduler:
         self.prefix_query_tokens = 0  # prompt tokens of admissions that looked up the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens found cached
         self.preemptions = 0
+        self.growth_ratio = GROWTH_RATIO_START
         self.step = 0
 
     # ---- arrival and admission -----------------------------------------------------------
@@ -102,7 +109,8 @@ class Scheduler:
         At most `packed_budget` prompt tokens (default the whole prefill budget) go to this
         step's packed prefill; sequences starting from cached blocks, or longer than the
         budget, are placed in `extending`. A sequence is admitted only if its prefill's blocks
-        fit with one block to spare per running sequence (so decode rarely has to preempt).
+        fit beside the blocks the running sequences are expected to grow into (`growth_ratio`
+        of their remaining max_tokens, at least a block each), so decode rarely preempts.
         """
         out = Admission()
         if not self.waiting or not self.free_rows:
@@ -116,6 +124,8 @@ class Scheduler:
         else:
             candidates = sorted(self.waiting, key=lambda s: (not self._is_warm(s), s.arrival, s.order))
         used = 0
+        self.growth_ratio = max(GROWTH_RATIO_MIN, self.growth_ratio - GROWTH_RATIO_DECAY)
+        reserve = sum(self._growth(s) for s in self.running.values())
         for seq in candidates:
             if not self.free_rows:
                 break
@@ -125,7 +135,7 @@ class Scheduler:
             packed = not hits and seq.prefill_len <= budget
             if packed and used + seq.prefill_len > packed_budget:
                 continue  # waits for the next packed step rather than computing alone
-            if not self._fits(seq, hits):
+            if not self._fits(seq, hits, reserve):
                 break  # the blocks come back as running requests finish; keep the queue's order
             try:
                 if not self._take_slot(seq):
@@ -138,11 +148,12 @@ class Scheduler:
             if key != seq.kv_key:  # the adapter's content was unknown or changed: look again
                 hits = self._lookup(seq, key)
                 packed = not hits and seq.prefill_len <= budget
-                if not self._fits(seq, hits) or (packed and used + seq.prefill_len > packed_budget):
+                if not self._fits(seq, hits, reserve) or (packed and used + seq.prefill_len > packed_budget):
                     self._release_slot(seq)
                     continue
             self.waiting.remove(seq)
             self._place(seq, hits)
+            reserve += self._growth(seq)
             out.placed.append(seq)
             if packed:
                 used += seq.prefill_len
@@ -151,10 +162,16 @@ class Scheduler:
                 self.extending.append(seq)
         return out
 
-    def _fits(self, seq: Sequence, hits: list[int]) -> bool:
+    def _fits(self, seq: Sequence, hits: list[int], reserve: int) -> bool:
         free_hits = sum(self.pool.refcount(b) == 0 for b in hits)  # taking them removes them from the free queue
         need = math.ceil(seq.prefill_len / self.block_size) - len(hits)
-        return need + free_hits + len(self.running) <= self.pool.num_free
+        return need + free_hits + reserve <= self.pool.num_free
+
+    def _growth(self, seq: Sequence) -> int:
+        """Blocks a running sequence is expected to take beyond those it holds (at least one)."""
+        remaining = seq.params.max_tokens - len(seq.output_ids)
+        expected = min(seq.num_tokens + math.ceil(self.growth_ratio * remaining), self.config.max_seq_len)
+        return max(1, math.ceil(expected / self.block_size) - len(seq.blocks))
 
     def _predicted_key(self, seq: Sequence) -> bytes | None:
         """The K/V key the sequence will have, if known before taking its adapter's slot."""
@@ -283,6 +300,7 @@ class Scheduler:
             if index < len(seq.blocks):
                 continue
             while self.pool.num_free == 0:
+                self.growth_ratio = min(1.0, self.growth_ratio + GROWTH_RATIO_STEP)
                 victim = max(self.running.values(), key=lambda s: s.order)
                 self.preempt(victim)
                 preempted.append(victim)
