@@ -162,13 +162,13 @@ def admit_ms(*, waiting: int = 1000, running: int = 256, prompt_len: int = 512, 
     for r in range(repeats):
         sched = Scheduler(config, None, num_blocks=(running + 64) * 2048 // 16 + 1, block_size=16)
         for i in range(running):
-            s = seq(rng.choice(stems)[: rng.randrange(100, prompt_len)] + [rng.randrange(1000)], f"run{i}")
+            s = seq(rng.choice(stems)[: rng.randrange(prompt_len // 5, prompt_len)] + [rng.randrange(1000)], f"run{i}")
             sched.add(s)
             for p in sched.admit(packed_budget=10**9).placed:
                 sched.computed(p, p.prefill_len - p.computed)
         assert len(sched.running) == running
         for i in range(waiting):
-            sched.add(seq(rng.choice(stems)[: rng.randrange(100, prompt_len)] + [rng.randrange(1000)], f"w{i}"))
+            sched.add(seq(rng.choice(stems)[: rng.randrange(prompt_len // 5, prompt_len)] + [rng.randrange(1000)], f"w{i}"))
         sched.step += 1
         start = time.perf_counter()
         sched.admit(packed_budget=16)
