@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
@@ -400,9 +399,8 @@ class Engine:
             seq_rows[i] = seq.row
             sampling_rows[i] = (seq.params, seq.seed, len(seq.output_ids))
             offset += n
-        token_seq = np.where(rows >= 0, rows, -1).astype(np.int32)
         inputs = StepInputs(
-            tokens, positions, rows, self.runner.prefill_metadata(slot_mapping, token_seq),
+            tokens, positions, rows, self.runner.prefill_metadata(slot_mapping, rows),  # rows tell sequences apart
             SamplingBatch.from_rows(sampling_rows, self._eos), last_index, self._lora_info(slots), seq_rows,
         )
         start = time.perf_counter()
@@ -626,11 +624,8 @@ class Engine:
             return StepInputs(np.zeros(n, np.int32), np.zeros(n, np.int32), none, attn,
                               SamplingBatch.from_rows([None] * p), np.zeros(p, np.int32),
                               self._lora_info(none), np.full(p, -1, np.int32))
-        inputs = self._paged_inputs(groups, n // groups, [], [None] * groups)
-        if groups == self.config.max_batch and n == groups:
-            return inputs  # decode: no sampled-row arrays
-        return dataclasses.replace(inputs, last_index=np.zeros(groups, np.int32),
-                                   seq_rows=np.full(groups, -1, np.int32))
+        return self._paged_inputs(groups, n // groups, [], [None] * groups, np.zeros(groups, np.int32),
+                                  np.full(groups, -1, np.int32))
 
 
 def _token_logprob(sampled: Sampled, i: int, n: int) -> TokenLogprob:
