@@ -4,7 +4,10 @@ XLA reads the device count once, at the first JAX operation, so it is set here,
 before any test module imports jax.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -14,3 +17,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # gcsfs reads this once, at import: with it on, recent gcsfs first makes a gRPC
 # bucket-type probe that hangs against the GCS emulator. Any test may import gcsfs first.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+# One persistent compilation cache for the whole session (this process and the Ray workers
+# it starts inherit it): engines built alike in different tests read each other's compiled
+# steps instead of compiling them again. Removed at exit; a test that needs its own sets
+# compilation_cache_dir.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="multilora-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

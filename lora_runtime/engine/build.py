@@ -6,6 +6,7 @@ import logging
 import os
 
 from kernels.common import default_platform
+from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.memory_plan import MemoryPlan, device_memory_bytes, plan_memory
@@ -65,6 +66,10 @@ def assemble_engine(
     config's (tests run the TPU or GPU kernel in interpret mode on CPU).
     """
     model_config.check_max_seq_len(config.max_seq_len)
+    cache_dir = compile_events.enable_persistent_cache(config.compilation_cache_path(),
+                                                       config.compilation_cache_min_compile_s)
+    if cache_dir:
+        logger.info("persistent compilation cache: %s", cache_dir)
     plan = plan or make_plan(model_config, config, mesh)
     platform, interpret = attention or (config.attention_platform(plan.platform), False)
     backend = manager = None

@@ -65,6 +65,13 @@ class EngineConfig(BaseModel):
         None, description="URL prefixes adapters may be loaded from; None allows any."
     )
     max_adapter_bytes: int = Field(1 << 30, ge=1, description="Largest adapter accepted, in bytes.")
+    compilation_cache_dir: str | None = Field(
+        "auto", description="JAX's persistent compilation cache, so a restarted replica loads its "
+        "compiled steps instead of compiling them: a directory, 'auto' (JAX_COMPILATION_CACHE_DIR if set, "
+        "else multilora/jax-compile under the user's cache directory) or None/'' for none.")
+    compilation_cache_min_compile_s: float | None = Field(
+        None, ge=0.0, description="Only executables that took this long to compile are cached; None "
+        "keeps JAX's setting (1 s unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise).")
     max_wait_steps: int = Field(
         32,
         ge=1,
@@ -95,6 +102,14 @@ class EngineConfig(BaseModel):
         if platform == "cpu":
             raise ValueError("attention_backend='pallas' needs a GPU or TPU (on CPU: auto or xla)")
         return platform
+
+    def compilation_cache_path(self) -> str | None:
+        """The persistent compilation cache directory this config asks for (None: none)."""
+        if self.compilation_cache_dir == "auto":
+            from lora_runtime.engine.compile_events import default_cache_dir
+
+            return default_cache_dir()
+        return self.compilation_cache_dir or None
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Token counts a prefill step is padded to: powers of two from 16, capped."""

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable, Sequence as Seq
 
 import numpy as np
 
+from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.runner import ModelRunner, Sampled, StepInputs, history_bucket
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
@@ -72,7 +73,8 @@ class Engine:
             "extend_steps": 0,  # chunks of prompts computed over a cached prefix or earlier chunks
         }
         self.memory_plan = None  # the MemoryPlan the cache was sized by (set by the builder)
-        self.warm_traces: int | None = None
+        self.warm_compiles: int | None = None  # executables warm-up built (JAX's compile events)
+        self._loop_builds = 0
 
     @classmethod
     def from_pretrained(
@@ -95,12 +97,15 @@ class Engine:
         return self
 
     def warmup(self) -> None:
-        """Compiles every step shape once, with every row idle: packed prefill and one-sequence
-        extend per prefill bucket, several-sequence extend per bucket up to ROWS_CHUNK_MAX,
-        decode, and the row-state reset per history bucket."""
+        """Compiles every step shape once, with every row idle: packed prefill, prompt
+        log-probabilities and one-sequence extend per prefill bucket, several-sequence extend
+        per bucket up to ROWS_CHUNK_MAX, decode, the row-state reset per history bucket and
+        the adapter slot write."""
+        before = compile_events.counts()
         with self._using_pool() as pool:
             for bucket in self.config.prefill_buckets():
                 self.runner.prefill(self._idle_inputs(bucket, prefill=True), pool)
+                self.runner.prompt_logprobs(np.zeros(bucket, np.int32))
                 self.runner.extend(self._idle_inputs(bucket, prefill=False, groups=1), pool)
             e = self._rows_sequences
             for c in self._rows_buckets():
@@ -113,11 +118,17 @@ class Engine:
             if size >= self.config.max_seq_len:
                 break
             size *= 2
-        self.warm_traces = self.runner.traces
+        if self.lora_manager is not None:
+            self.lora_manager.warm_up()
+        self.warm_compiles = compile_events.counts().builds - before.builds
 
     @property
     def compiles_after_warmup(self) -> int:
-        return self.runner.traces - (self.warm_traces or 0)
+        """Executables built on the engine's loop thread (compiled, or read from the persistent
+        cache), counted from JAX's own compile events: after warm-up, none should be."""
+        if self._thread is None or self._thread.ident is None:
+            return 0
+        return compile_events.counts(self._thread.ident).builds - self._loop_builds
 
     def is_alive(self) -> bool:
         """Whether the loop thread runs (requests would hang if it had died)."""
@@ -309,6 +320,7 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------
 
     def _loop(self) -> None:
+        self._loop_builds = compile_events.counts().builds  # thread ids are reused: count from here
         while not self._stopping:
             try:
                 self._drain_inbox()

@@ -87,7 +87,6 @@ class ModelRunner:
         self.interpret = interpret
         self.graphdef, self.state = nnx.split(model)
         self._create_state()
-        self.traces = 0  # how many times a step was traced, i.e. compiled
         self._prefill = jax.jit(functools.partial(self._prefill_impl, mode="prefill"), donate_argnums=(1, 2, 3))
         self._extend = jax.jit(functools.partial(self._prefill_impl, mode="paged"), donate_argnums=(1, 2, 3))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2, 3))
@@ -143,7 +142,6 @@ class ModelRunner:
     # ---- traced steps ------------------------------------------------------------------
 
     def _forward(self, state, kv_cache, pool, tokens, positions, attn, lora_info, prefill: bool):
-        self.traces += 1  # runs only while tracing
         model = nnx.merge(self.graphdef, state)
         hook = None
         if pool is not None:

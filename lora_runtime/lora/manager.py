@@ -24,7 +24,7 @@ from lora_runtime.errors import AdapterNotFoundError, CapacityError, ServingErro
 from lora_runtime.lora.adapter import LoRAAdapter
 from lora_runtime.lora.batch_info import LoRABatchInfo, build_batch_info
 from lora_runtime.lora.host_cache import HostAdapterCache
-from lora_runtime.lora.memory_pool import LoRAMemoryPool, write_slot
+from lora_runtime.lora.memory_pool import GROUPS, LoRAMemoryPool, write_slot
 from lora_runtime.lora.sources import SourcePolicy, load_adapter
 
 Key = tuple[str, int]  # (adapter name, version)
@@ -361,6 +361,19 @@ class LoRAManager:
                 return i
         candidates = [i for i, s in enumerate(self._slots) if s.refcount == 0 and not self._is_pinned(s)]
         return min(candidates, key=lambda i: self._slots[i].last_used, default=None)
+
+    def warm_up(self) -> None:
+        """Compiles the slot write (one program serves every slot) by writing zeros into an
+        empty slot, so the first adapter load after warm-up compiles nothing."""
+        with self._lock:
+            slot = next((i for i, s in enumerate(self._slots) if s.key is None), None)
+            if slot is None:
+                return  # every slot already written: the write is compiled
+            pool = self._pool
+            zeros = {g: (np.zeros((a.shape[0], *a.shape[2:]), np.float32),
+                         tuple(np.zeros((b.shape[0], *b.shape[2:]), np.float32) for b in bs))
+                     for g, a, bs in zip(GROUPS, pool.a, pool.b)}
+            self._pool = write_slot(pool, slot, zeros)
 
     def _pool_weights(self, adapter: LoRAAdapter) -> dict:
         """The adapter padded to the pool layout; host work kept out of the lock where it can be."""

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lora_runtime.lora.adapter import group_shapes
 from lora_runtime.model.lora_hook import GROUPS
+from lora_runtime.model.sharding import zeros_on
 
 TENSOR_AXIS = "tensor"
 COLUMN_GROUPS = ("qkv", "gate_up")
@@ -57,8 +58,8 @@ class LoRAMemoryPool:
                 if dim % tp:
                     raise ValueError(f"group {g!r} dimension {dim} is not divisible by tensor parallel size {tp}")
             a_spec, b_spec = pool_specs(g)
-            a.append(_zeros((L, num_slots, len(outs) * max_lora_rank, fan_in), dtype, NamedSharding(mesh, a_spec)))
-            b.append(tuple(_zeros((L, num_slots, max_lora_rank, o), dtype, NamedSharding(mesh, b_spec)) for o in outs))
+            a.append(zeros_on((L, num_slots, len(outs) * max_lora_rank, fan_in), dtype, NamedSharding(mesh, a_spec)))
+            b.append(tuple(zeros_on((L, num_slots, max_lora_rank, o), dtype, NamedSharding(mesh, b_spec)) for o in outs))
         return cls(a=tuple(a), b=tuple(b), mesh=mesh, num_slots=num_slots, max_lora_rank=max_lora_rank)
 
     def group(self, layer, group: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
@@ -115,10 +116,6 @@ def pool_specs(group: str) -> tuple[P, P]:
 
 def _without_slot_axis(spec: P) -> P:
     return P(spec[0], *spec[2:])
-
-
-def _zeros(shape, dtype, sharding: NamedSharding) -> jax.Array:
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
 def put_slot_weights(pool: LoRAMemoryPool,

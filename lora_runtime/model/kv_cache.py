@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from lora_runtime.model.config import ModelConfig
-from lora_runtime.model.sharding import DEFAULT_RULES
+from lora_runtime.model.sharding import DEFAULT_RULES, zeros_on
 
 MODES: tuple[str, ...] = ("prefill", "paged")
 NULL_BLOCK = 0
@@ -51,10 +51,10 @@ class KVCache:
         if num_blocks < 2 or block_size < 1:
             raise ValueError(f"{num_blocks=} must be >= 2 (block 0 is the null block) and {block_size=} >= 1")
         shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, config.dtype), out_shardings=kv_cache_sharding(mesh))
+        sharding = kv_cache_sharding(mesh)
         return cls(
-            k=tuple(zeros() for _ in range(config.num_layers)),
-            v=tuple(zeros() for _ in range(config.num_layers)),
+            k=tuple(zeros_on(shape, config.dtype, sharding) for _ in range(config.num_layers)),
+            v=tuple(zeros_on(shape, config.dtype, sharding) for _ in range(config.num_layers)),
         )
 
     @property

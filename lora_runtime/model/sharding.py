@@ -9,9 +9,11 @@ norms are replicated. The KV cache splits kv heads, matching k/v projections.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -19,6 +21,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from lora_runtime.model.config import ModelConfig
 
 TENSOR_AXIS = "tensor"
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_fn(shape: tuple[int, ...], dtype, sharding: NamedSharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def zeros_on(shape: Sequence[int], dtype, sharding: NamedSharding) -> jax.Array:
+    """A zeroed array laid out by `sharding`, made on the devices (never whole on one). The
+    program is kept per shape, dtype and sharding, so making the same array again (a cache
+    recreated after a failed step) compiles nothing."""
+    return _zeros_fn(tuple(int(d) for d in shape), jnp.dtype(dtype), sharding)()
 
 
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -72,12 +72,26 @@ def test_concurrent_requests_equal_their_single_runs(engine):
         assert out.text == alone[i % len(PROMPTS)].text
 
 
-def test_no_recompilation_after_warmup(engine):
-    engine.generate_batch(PROMPTS, [SamplingParams(max_tokens=n, temperature=0.7, seed=n) for n in (1, 3, 5, 7, 9, 11)])
+def test_nothing_compiles_after_warmup(engine):
+    """Counted from JAX's own compile events on the engine's thread: every sampling option,
+    prompt log-probabilities and prefix-cache hits (extend steps) run on warmed programs."""
+    options = [SamplingParams(max_tokens=n, temperature=0.7, seed=n) for n in (1, 3, 5, 7, 9, 11)] + [
+        SamplingParams(max_tokens=4, top_p=0.5, top_k=3, seed=1),
+        SamplingParams(max_tokens=4, logprobs=3, prompt_logprobs=2),
+        SamplingParams(max_tokens=4, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
+                       logit_bias=((5, 3.0),)),
+        SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(7,)),
+    ]
+    prompts = PROMPTS + PROMPTS[2:6]
+    extends = engine.stats()["extend_steps"]
+    for _ in range(2):  # the second time, prompts start from cached blocks
+        engine.generate_batch(prompts, options)
+    assert engine.stats()["extend_steps"] > extends
     assert engine.compiles_after_warmup == 0
     buckets = engine.config.prefill_buckets()
-    # prefill and extend per bucket, several-row extend per bucket up to 64, decode
-    assert engine.warm_traces == 2 * len(buckets) + len([b for b in buckets if b <= 64]) + 1
+    # at least: prefill, prompt log-probabilities and extend per bucket, several-row extend per
+    # bucket up to 64, decode
+    assert engine.warm_compiles >= 3 * len(buckets) + len([b for b in buckets if b <= 64]) + 1
 
 
 def test_streamed_deltas_add_up_to_the_whole_text(engine):

@@ -1,0 +1,104 @@
+"""XLA compilations counted from JAX's own monitoring events, per thread, and JAX's
+persistent compilation cache.
+
+Every executable JAX builds goes through one backend-compile event; one served from the
+persistent cache also records a cache hit. A real compilation is the difference. Counts
+are kept per thread so an engine counts what its own loop compiled, whatever other
+engines in the process do.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import threading
+
+import jax
+from jax import monitoring
+from jax.experimental.compilation_cache import compilation_cache
+
+logger = logging.getLogger(__name__)
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+_lock = threading.Lock()
+_compiles: collections.Counter = collections.Counter()  # thread id -> backend compiles (hits included)
+_hits: collections.Counter = collections.Counter()  # thread id -> persistent-cache hits
+_installed = False
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+    if event == BACKEND_COMPILE_EVENT:
+        with _lock:
+            _compiles[threading.get_ident()] += 1
+
+
+def _on_event(event: str, **_) -> None:
+    if event == CACHE_HIT_EVENT:
+        with _lock:
+            _hits[threading.get_ident()] += 1
+
+
+def install() -> None:
+    """Registers the listeners (once per process)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        monitoring.register_event_duration_secs_listener(_on_duration)
+        monitoring.register_event_listener(_on_event)
+        _installed = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCounts:
+    builds: int  # executables built: compiled, or read from the persistent cache
+    cache_hits: int  # of which read from the persistent cache
+
+    @property
+    def compiled(self) -> int:
+        """Executables XLA really compiled."""
+        return self.builds - self.cache_hits
+
+
+def counts(thread_id: int | None = None) -> CompileCounts:
+    """What JAX built on a thread (default: this one) since the listeners were installed."""
+    install()
+    tid = threading.get_ident() if thread_id is None else thread_id
+    with _lock:
+        return CompileCounts(_compiles[tid], _hits[tid])
+
+
+def default_cache_dir() -> str:
+    """JAX_COMPILATION_CACHE_DIR if set, else multilora/jax-compile under the user's cache
+    (XDG_CACHE_HOME, else ~/.cache)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "multilora", "jax-compile")
+
+
+def enable_persistent_cache(path: str | None, min_compile_seconds: float | None = None) -> str | None:
+    """Points JAX's persistent compilation cache at `path` (created if missing); None or ""
+    leaves the cache off. Executables that took at least `min_compile_seconds` to compile
+    are written (None: JAX's setting, 1 s unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says
+    otherwise); a restarted replica reads them instead of compiling. Returns the path used.
+
+    The cache is trusted code: it must be writable by the serving user only."""
+    if not path:
+        return None
+    path = os.path.expanduser(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:  # a read-only home must not stop the replica: it compiles instead
+        logger.warning("compilation cache %s unusable (%s); compiling without it", path, exc)
+        return None
+    if jax.config.jax_compilation_cache_dir != path:
+        compilation_cache.set_cache_dir(path)
+        compilation_cache.reset_cache()  # JAX opens its cache once: a new path needs a reset
+    if min_compile_seconds is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    return path

@@ -1,0 +1,85 @@
+"""Compilations counted from JAX's compile events, and the persistent compilation cache
+across engine restarts (each run a fresh process, as a restarted replica is)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lora_runtime.engine import compile_events
+from lora_runtime.engine.config import EngineConfig
+from tests.helpers.checkpoints import save_tiny_llama
+
+
+def test_a_compile_counts_on_the_thread_that_compiled_it():
+    here = compile_events.counts()
+    seen = {}
+
+    def other():
+        before = compile_events.counts()
+        jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(np.arange(5.0))
+        seen["delta"] = compile_events.counts().builds - before.builds
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen["delta"] == 1
+    assert compile_events.counts().builds == here.builds  # this thread compiled nothing
+
+
+def test_the_cache_directory_defaults_under_the_users_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert EngineConfig().compilation_cache_path() == str(tmp_path / "multilora" / "jax-compile")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert EngineConfig().compilation_cache_path() == str(tmp_path / "jax")
+    assert EngineConfig(compilation_cache_dir=None).compilation_cache_path() is None
+    assert EngineConfig(compilation_cache_dir="").compilation_cache_path() is None
+    assert EngineConfig(compilation_cache_dir="/x/y").compilation_cache_path() == "/x/y"
+
+
+_RUN = textwrap.dedent("""
+    import json, sys, time
+    from lora_runtime.engine import compile_events
+    from lora_runtime.engine.config import EngineConfig
+    from lora_runtime.engine.engine import Engine
+    from lora_runtime.engine.sampling import SamplingParams
+    config = EngineConfig(max_batch=2, max_seq_len=32, max_loras_per_batch=0,
+                          compilation_cache_dir=sys.argv[2], compilation_cache_min_compile_s=0)
+    start = time.perf_counter()
+    engine = Engine.from_pretrained(sys.argv[1], config).start()
+    ready = time.perf_counter() - start
+    out = engine.generate_batch(["hello there"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    c = compile_events.counts()
+    print(json.dumps({"compiled": c.compiled, "hits": c.cache_hits, "ready_s": ready,
+                      "tokens": out[0].token_ids, "after": engine.compiles_after_warmup}))
+    engine.shutdown()
+""")
+
+
+def test_a_restarted_engine_reads_its_steps_from_the_persistent_cache(tmp_path):
+    checkpoint = save_tiny_llama(tmp_path / "ckpt")
+    cache = tmp_path / "compile-cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+
+    def run() -> dict:
+        proc = subprocess.run([sys.executable, "-c", _RUN, str(checkpoint), str(cache)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    cold = run()
+    assert cold["compiled"] > 0 and cold["after"] == 0
+    assert any(cache.iterdir())  # executables were written
+    warm = run()
+    assert warm["tokens"] == cold["tokens"]
+    # Every step program is read back; at most a few tiny eager ops are compiled.
+    assert warm["hits"] >= cold["compiled"] - 3 and warm["compiled"] <= 3, (cold, warm)
+    assert warm["after"] == 0
