@@ -68,6 +68,10 @@ class AppArgs(BaseModel):
     max_adapter_bytes: int = Field(1 << 30, description="Largest adapter accepted, in bytes.")
     lora_backend: str = Field("auto", description="LoRA backend: auto, reference, xla or pallas.")
     dtype: str | None = Field(None, description="float32, bfloat16, or None for the checkpoint's.")
+    compilation_cache_dir: str | None = Field(
+        "auto", description="JAX's persistent compilation cache, so a restarted replica reads its compiled "
+        "steps instead of compiling them: a directory, 'auto' (JAX_COMPILATION_CACHE_DIR if set, else "
+        "multilora/jax-compile under the user's cache directory) or None for none.")
     adapter_roots: list[str] | None = Field(
         None, description="URL prefixes adapters may be registered from; None allows any."
     )
@@ -257,6 +261,7 @@ class AppArgs(BaseModel):
             dtype=self.dtype,
             adapter_roots=self.adapter_roots,
             max_adapter_bytes=self.max_adapter_bytes,
+            compilation_cache_dir=self.compilation_cache_dir,
         )
 
     def adapter_validator(self):

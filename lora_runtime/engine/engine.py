@@ -100,18 +100,21 @@ class Engine:
         """Compiles every step shape once, with every row idle: packed prefill, prompt
         log-probabilities and one-sequence extend per prefill bucket, several-sequence extend
         per bucket up to ROWS_CHUNK_MAX, decode, the row-state reset per history bucket and
-        the adapter slot write."""
+        the adapter slot write. With adapters, each step twice: a step where no token uses
+        an adapter runs the base model alone and pays nothing for LoRA."""
         before = compile_events.counts()
-        with self._using_pool() as pool:
-            for bucket in self.config.prefill_buckets():
-                self.runner.prefill(self._idle_inputs(bucket, prefill=True), pool)
-                self.runner.prompt_logprobs(np.zeros(bucket, np.int32))
-                self.runner.extend(self._idle_inputs(bucket, prefill=False, groups=1), pool)
-            e = self._rows_sequences
-            for c in self._rows_buckets():
-                self.runner.extend(self._idle_inputs(e * c, prefill=False, groups=e), pool)
-            self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False,
-                                                 groups=self.config.max_batch), pool)
+        for lora in (False, True) if self.lora_manager is not None else (False,):
+            with self._using_pool() as pool:
+                for bucket in self.config.prefill_buckets():
+                    self.runner.prefill(self._idle_inputs(bucket, prefill=True, lora=lora), pool)
+                    if not lora:
+                        self.runner.prompt_logprobs(np.zeros(bucket, np.int32))
+                    self.runner.extend(self._idle_inputs(bucket, prefill=False, groups=1, lora=lora), pool)
+                e = self._rows_sequences
+                for c in self._rows_buckets():
+                    self.runner.extend(self._idle_inputs(e * c, prefill=False, groups=e, lora=lora), pool)
+                self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False,
+                                                     groups=self.config.max_batch, lora=lora), pool)
         size = history_bucket(1)
         while True:
             self.runner.init_row(0, [0] * size, size)
@@ -473,7 +476,7 @@ class Engine:
 
     def _paged_inputs(self, groups: int, c: int, members: list[tuple[int, Sequence, int, int]],
                       sampling_rows: list, last_index: np.ndarray | None = None,
-                      seq_rows: np.ndarray | None = None) -> StepInputs:
+                      seq_rows: np.ndarray | None = None, lora: bool | None = None) -> StepInputs:
         """A paged step of `groups` groups of `c` tokens; member (g, seq, start, n) puts tokens
         [start, start + n) of `seq` in group g, reading and extending its blocks."""
         t = groups * c
@@ -493,7 +496,7 @@ class Engine:
             tables[g] = self.scheduler.block_table[seq.row]
         return StepInputs(
             tokens, positions, rows, self.runner.paged_metadata(slot_mapping, tables),
-            SamplingBatch.from_rows(sampling_rows, self._eos), last_index, self._lora_info(slots), seq_rows,
+            SamplingBatch.from_rows(sampling_rows, self._eos), last_index, self._lora_info(slots, lora), seq_rows,
         )
 
     def _extend_rows(self, seqs: list[Sequence]) -> None:
@@ -622,22 +625,27 @@ class Engine:
             return contextlib.nullcontext(None)
         return self.lora_manager.using_pool()
 
-    def _lora_info(self, slots: np.ndarray):
-        if self.lora_manager is None:
+    def _lora_info(self, slots: np.ndarray, lora: bool | None = None):
+        """The step's adapter batch, or None for a step of the base model alone: when no
+        token uses an adapter (or `lora` is False); `lora` True forces one (warm-up)."""
+        if self.lora_manager is None or lora is False:
+            return None
+        if lora is None and not (slots >= 0).any():
             return None
         return self.lora_manager.prepare_lora_batch(slots)
 
-    def _idle_inputs(self, n: int, *, prefill: bool, groups: int | None = None) -> StepInputs:
-        """A step of `n` padding tokens (warm-up): a packed prefill, or `groups` idle groups."""
+    def _idle_inputs(self, n: int, *, prefill: bool, groups: int | None = None, lora: bool = False) -> StepInputs:
+        """A step of `n` padding tokens (warm-up): a packed prefill, or `groups` idle groups;
+        with `lora`, the variant that runs the adapter pool."""
         if prefill:
             p = self.config.max_batch
             none = np.full(n, -1, np.int32)
             attn = self.runner.prefill_metadata(np.full(n, self.runner.no_slot, np.int32), none)
             return StepInputs(np.zeros(n, np.int32), np.zeros(n, np.int32), none, attn,
                               SamplingBatch.from_rows([None] * p), np.zeros(p, np.int32),
-                              self._lora_info(none), np.full(p, -1, np.int32))
+                              self._lora_info(none, lora), np.full(p, -1, np.int32))
         return self._paged_inputs(groups, n // groups, [], [None] * groups, np.zeros(groups, np.int32),
-                                  np.full(groups, -1, np.int32))
+                                  np.full(groups, -1, np.int32), lora)
 
 
 def _token_logprob(sampled: Sampled, i: int, n: int) -> TokenLogprob:

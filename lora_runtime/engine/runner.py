@@ -203,7 +203,8 @@ class ModelRunner:
     def _run_prefill(self, step, inputs: StepInputs, pool) -> Sampled:
         with jax.set_mesh(self.mesh):
             tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen, self._last_hidden = step(
-                self.state, self.kv_cache, self.token_counts, self.prompt_seen, pool, inputs.tokens, inputs.positions,
+                self.state, self.kv_cache, self.token_counts, self.prompt_seen, _pool_for(inputs, pool),
+                inputs.tokens, inputs.positions,
                 inputs.attn, inputs.last_index, inputs.seq_rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)
@@ -229,7 +230,14 @@ class ModelRunner:
         """Runs one decode step, a token per batch row; returns a token per row."""
         with jax.set_mesh(self.mesh):
             tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen = self._decode(
-                self.state, self.kv_cache, self.token_counts, self.prompt_seen, pool, inputs.tokens, inputs.positions,
+                self.state, self.kv_cache, self.token_counts, self.prompt_seen, _pool_for(inputs, pool),
+                inputs.tokens, inputs.positions,
                 inputs.attn, inputs.rows, inputs.sampling, inputs.lora,
             )
         return Sampled.from_device(tokens, logprobs)
+
+
+def _pool_for(inputs: StepInputs, pool):
+    """The adapter pool a step reads: none when no token of it uses an adapter, so base
+    traffic runs the base model's own program."""
+    return pool if inputs.lora is not None else None

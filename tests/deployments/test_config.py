@@ -95,3 +95,10 @@ def test_router_knobs_reach_the_router():
     plain = router_config(AppArgs(adapter_affinity_routing=False))
     assert plain.request_router_class.endswith(MultiplexMetricsRouter.__name__)
     assert plain.request_router_kwargs == {}
+
+
+def test_compilation_cache_dir_reaches_the_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "from-env"))
+    assert AppArgs().engine_config().compilation_cache_path() == str(tmp_path / "from-env")
+    assert AppArgs(compilation_cache_dir=str(tmp_path)).engine_config().compilation_cache_path() == str(tmp_path)
+    assert AppArgs(compilation_cache_dir=None).engine_config().compilation_cache_path() is None

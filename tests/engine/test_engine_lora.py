@@ -74,12 +74,26 @@ def _engine(checkpoint, adapters, **overrides):
 )
 def test_mixed_adapter_batch_matches_peft(checkpoint, adapters, peft_greedy, backend, tp):
     engine = _engine(checkpoint, adapters, lora_backend=backend, tensor_parallel_size=tp)
+    decode = engine.runner.decode
+    reads_pool = []  # per decode step: whether it ran the adapter pool
+
+    def spy(inputs, pool):
+        reads_pool.append(inputs.lora is not None)
+        return decode(inputs, pool)
+
+    engine.runner.decode = spy
     try:
+        # Base traffic alone runs the base model's program: no pool, no adapter work.
+        outs = engine.generate_batch(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == [peft_greedy[None, p] for p in PROMPTS]
+        assert reads_pool and not any(reads_pool)
+        reads_pool.clear()
         names = [None, *adapters]
         jobs = [(n, p) for p in PROMPTS for n in names]  # 20 requests, 5 adapters mixed
         outs = engine.generate_batch([p for _, p in jobs], GREEDY, [n for n, _ in jobs])
         for (name, prompt), out in zip(jobs, outs):
             assert out.token_ids == peft_greedy[name, prompt], (name, prompt)
+        assert any(reads_pool)
         assert engine.compiles_after_warmup == 0
     finally:
         engine.shutdown()
