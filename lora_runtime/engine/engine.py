@@ -10,13 +10,13 @@ and the LoRA pool.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Callable, Sequence as Seq
+from typing import AsyncIterator, Callable, Sequence as Seq, TypeVar
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequ
 from lora_runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 
@@ -60,6 +61,8 @@ class Engine:
         self.scheduler = Scheduler(self.config, lora_manager, num_blocks=runner.num_blocks,
                                    block_size=runner.block_size)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls_lock = threading.Lock()  # orders calls handed to the loop with its end
+        self._loop_done = True
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -93,8 +96,26 @@ class Engine:
         if self._thread is None:
             self.warmup()
             self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._loop_done = False
+            if self.lora_manager is not None:
+                self.lora_manager.set_device_owner(self._call_on_loop)
             self._thread.start()
         return self
+
+    def _call_on_loop(self, fn: Callable[[], T]) -> T:
+        """Runs `fn` on the loop thread between steps and returns its result (or raises its
+        error): how other threads reach state the loop owns, such as the adapter pool."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._calls_lock:
+            inline = self._loop_done
+            if not inline:
+                self._inbox.put(("call", (fn, future)))
+        if inline:  # the loop has stopped: nothing else touches its state
+            return fn()
+        self._wake.set()
+        return future.result()
 
     def warmup(self) -> None:
         """Compiles every step shape once, with every row idle: packed prefill, prompt
@@ -104,17 +125,17 @@ class Engine:
         an adapter runs the base model alone and pays nothing for LoRA."""
         before = compile_events.counts()
         for lora in (False, True) if self.lora_manager is not None else (False,):
-            with self._using_pool() as pool:
-                for bucket in self.config.prefill_buckets():
-                    self.runner.prefill(self._idle_inputs(bucket, prefill=True, lora=lora), pool)
-                    if not lora:
-                        self.runner.prompt_logprobs(np.zeros(bucket, np.int32))
-                    self.runner.extend(self._idle_inputs(bucket, prefill=False, groups=1, lora=lora), pool)
-                e = self._rows_sequences
-                for c in self._rows_buckets():
-                    self.runner.extend(self._idle_inputs(e * c, prefill=False, groups=e, lora=lora), pool)
-                self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False,
-                                                     groups=self.config.max_batch, lora=lora), pool)
+            pool = self._pool()
+            for bucket in self.config.prefill_buckets():
+                self.runner.prefill(self._idle_inputs(bucket, prefill=True, lora=lora), pool)
+                if not lora:
+                    self.runner.prompt_logprobs(np.zeros(bucket, np.int32))
+                self.runner.extend(self._idle_inputs(bucket, prefill=False, groups=1, lora=lora), pool)
+            e = self._rows_sequences
+            for c in self._rows_buckets():
+                self.runner.extend(self._idle_inputs(e * c, prefill=False, groups=e, lora=lora), pool)
+            self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False,
+                                                 groups=self.config.max_batch, lora=lora), pool)
         size = history_bucket(1)
         while True:
             self.runner.init_row(0, [0] * size, size)
@@ -243,7 +264,9 @@ class Engine:
         request_id: str | None = None,
         adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams a request's outputs; closing the iterator early aborts the request."""
+        """Streams a request's outputs; closing the iterator early aborts the request. An
+        item carries everything produced since the previous one: outputs that queued up
+        while the consumer was busy are merged, so a slow consumer gets fewer, larger items."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         def emit(out: RequestOutput) -> None:
@@ -252,12 +275,21 @@ class Engine:
 
         request_id = self.submit(prompt, params, emit, request_id=request_id, adapter=adapter)
         finished = False
+        held: RequestOutput | None = None  # an error taken while merging: raised after what came before
         try:
             while True:
-                out = await outputs.get()
+                out, held = (held, None) if held is not None else (await outputs.get(), None)
                 if out.error is not None:
                     finished = True
                     raise out.error
+                parts = [out]
+                while not parts[-1].finished and not outputs.empty():
+                    more = outputs.get_nowait()
+                    if more.error is not None:
+                        held = more
+                        break
+                    parts.append(more)
+                out = parts[0] if len(parts) == 1 else _merge(parts)
                 yield out
                 if out.finished:
                     finished = True
@@ -346,6 +378,11 @@ class Engine:
         for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
             seq.abort()
             self._finish(seq)
+        with self._calls_lock:
+            self._loop_done = True  # later calls run on their caller's thread
+        if self.lora_manager is not None:
+            self.lora_manager.set_device_owner(None)
+        self._drain_inbox()  # calls handed over before the end
 
     def _drain_inbox(self) -> None:
         while True:
@@ -356,6 +393,12 @@ class Engine:
             if kind == "add":
                 self.counters["requests"] += 1
                 self.scheduler.add(item)
+            elif kind == "call":
+                fn, future = item
+                try:
+                    future.set_result(fn())
+                except Exception as err:  # the caller's error, raised on its thread
+                    future.set_exception(err)
             else:
                 seq = self.scheduler.find(item)
                 if seq is not None:
@@ -419,8 +462,7 @@ class Engine:
             SamplingBatch.from_rows(sampling_rows, self._eos), last_index, self._lora_info(slots), seq_rows,
         )
         start = time.perf_counter()
-        with self._using_pool() as pool:
-            sampled = self.runner.prefill(inputs, pool)
+        sampled = self.runner.prefill(inputs, self._pool())
         if any(seq.wants_prompt_logprobs for seq in seqs):
             self._read_prompt_logprobs(seqs, tokens)
         self.counters["prefill_seconds"] += time.perf_counter() - start
@@ -515,8 +557,7 @@ class Engine:
         members = [(i, seq, seq.computed, n) for i, (seq, n) in enumerate(zip(seqs, rest))]
         inputs = self._paged_inputs(e, c, members, sampling_rows, last_index, seq_rows)
         t0 = time.perf_counter()
-        with self._using_pool() as pool:
-            sampled = self.runner.extend(inputs, pool)
+        sampled = self.runner.extend(inputs, self._pool())
         self.counters["prefill_seconds"] += time.perf_counter() - t0
         self.counters["extend_steps"] += 1
         for i, (seq, n) in enumerate(zip(seqs, rest)):
@@ -533,8 +574,7 @@ class Engine:
         inputs = self._paged_inputs(1, bucket, [(0, seq, start, n)], [(seq.params, seq.seed, len(seq.output_ids))],
                                     np.array([n - 1], np.int32), np.array([seq.row if final else -1], np.int32))
         t0 = time.perf_counter()
-        with self._using_pool() as pool:
-            sampled = self.runner.extend(inputs, pool)
+        sampled = self.runner.extend(inputs, self._pool())
         k = seq.params.prompt_logprobs
         if seq.wants_prompt_logprobs:
             prompt = seq.prompt_ids
@@ -574,8 +614,7 @@ class Engine:
             members.append((seq.row, seq, seq.num_tokens - 1, 1))
         inputs = self._paged_inputs(b, 1, members, sampling_rows)
         start = time.perf_counter()
-        with self._using_pool() as pool:
-            sampled = self.runner.decode(inputs, pool)
+        sampled = self.runner.decode(inputs, self._pool())
         self.counters["decode_seconds"] += time.perf_counter() - start
         self.counters["decode_steps"] += 1
         self.counters["decode_row_steps"] += len(active)
@@ -619,11 +658,9 @@ class Engine:
             ),
         )
 
-    def _using_pool(self):
-        """The adapter pool, with other threads' slot writes held off while a step uses it."""
-        if self.lora_manager is None:
-            return contextlib.nullcontext(None)
-        return self.lora_manager.using_pool()
+    def _pool(self):
+        """The adapter pool; only this thread writes it (the manager hands writes here)."""
+        return None if self.lora_manager is None else self.lora_manager.pool
 
     def _lora_info(self, slots: np.ndarray, lora: bool | None = None):
         """The step's adapter batch, or None for a step of the base model alone: when no

@@ -46,7 +46,7 @@ class AdapterSlots(Protocol):
 
     def is_resident(self, name: str) -> bool: ...
     def is_host_cached(self, name: str) -> bool: ...
-    def is_fetching(self, name: str) -> bool: ...
+    def is_ready(self, name: str) -> bool: ...
     def can_acquire(self, name: str) -> bool: ...
     def acquire_slot(self, name: str) -> int: ...
     def release_slot(self, name: str, slot: int) -> None: ...
@@ -252,11 +252,11 @@ class Scheduler:
             seq.slot = -1
             return True
         adapters = self.adapters
-        if adapters.is_fetching(seq.adapter):
-            return False  # its files are still on the way; decode goes on meanwhile
         if not adapters.can_acquire(seq.adapter):
-            return False
-        seq.slot = adapters.acquire_slot(seq.adapter)
+            return False  # every slot is held: wait for one
+        if not adapters.is_ready(seq.adapter):
+            return False  # fetched and padded off this thread meanwhile; decode goes on
+        seq.slot = adapters.acquire_slot(seq.adapter)  # the slot write alone
         return True
 
     def _release_slot(self, seq: Sequence) -> None:

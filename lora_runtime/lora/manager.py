@@ -1,21 +1,22 @@
 """Host bookkeeping of a replica's adapters: registry view → host LRU cache → device slots.
 
-Thread-safe plain Python (no Ray). One lock guards the bookkeeping and every pool
-update; fetches (I/O and parsing) run outside it, one in-flight future per adapter
-version, so concurrent requests for a cold adapter fetch it once. The pool is
-functional and donated on every write, so a pool read before a write is deleted by
-it: a step dispatched from another thread than the one writing slots (sync and
-set_pinned may write) should run `with manager.using_pool() as pool:`.
+Plain Python (no Ray). One lock guards the bookkeeping, held only for short host work and
+never across a device step. The pool has one owner: the thread that dispatches the steps
+(the engine's loop, once it calls `set_device_owner`). Every slot write runs there; a
+write asked for on another thread (register or sync of a pinned adapter, set_pinned) is
+handed to the owner and waited for. Fetches, parsing and the padding to the slot layout
+run on fetch threads, one in-flight future per adapter version, so concurrent requests
+for a cold adapter fetch it once and the owner only issues the slot write.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
@@ -28,6 +29,8 @@ from lora_runtime.lora.memory_pool import GROUPS, LoRAMemoryPool, write_slot
 from lora_runtime.lora.sources import SourcePolicy, load_adapter
 
 Key = tuple[str, int]  # (adapter name, version)
+Weights = dict  # group -> (A [L, n*R, in], (B_i [L, R, out_i], ...)) in the pool's dtype (LoRAAdapter.pool_weights)
+STAGED_TTL_S = 5.0  # a staged adapter nobody took for this long may make room for another
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,15 @@ class _Slot:
     content: bytes | None = None  # the adapter's content id (LoRAAdapter.content_id)
 
 
+@dataclasses.dataclass
+class _Staged:
+    """An adapter padded to the slot layout, waiting for its slot write."""
+
+    adapter: LoRAAdapter
+    weights: Weights
+    since: float
+
+
 class LoRAManager:
     """Which adapters a replica knows, caches on the host, and holds in device slots."""
 
@@ -82,6 +94,12 @@ class LoRAManager:
         self._slot_of: dict[Key, int] = {}
         self._registry: dict[str, RegistryEntry] = {}
         self._inflight: dict[Key, concurrent.futures.Future] = {}
+        # Adapters padded for a slot write ahead of admission (a few at a time: they are large).
+        self._staged: collections.OrderedDict[Key, _Staged] = collections.OrderedDict()
+        self._staging: set[Key] = set()
+        self.max_staged = max(1, min(num_slots, 4))
+        self._fetch_failed: dict[Key, Exception] = {}  # background fetches that failed, told once
+        self._owner: Callable[[Callable], object] | None = None
         self._lock = threading.RLock()
         self._tick = 0
         self._stats = LoRAStats()
@@ -94,11 +112,14 @@ class LoRAManager:
         with self._lock:
             return self._pool
 
-    @contextlib.contextmanager
-    def using_pool(self) -> Iterator[LoRAMemoryPool]:
-        """The current pool, with slot writes held off until the block ends (dispatch a step in it)."""
-        with self._lock:
-            yield self._pool
+    def set_device_owner(self, run: Callable[[Callable], object] | None) -> None:
+        """Hands every later slot write to `run(fn)`, which runs fn on the thread that
+        dispatches the steps and returns its result (None: writes run on the caller)."""
+        self._owner = run
+
+    def _run_owned(self, fn: Callable[[], object]):
+        owner = self._owner
+        return fn() if owner is None else owner(fn)
 
     @property
     def num_slots(self) -> int:
@@ -152,6 +173,31 @@ class LoRAManager:
             entry = self._registry.get(name)
             return entry is not None and (name, entry.version) in self._inflight
 
+    def is_ready(self, name: str) -> bool:
+        """Whether acquire_slot(name) would only issue a slot write (resident, or fetched and
+        padded); if not, starts that work in the background. Raises the error of a failed
+        background fetch once, so the request that waited on it fails with it."""
+        with self._lock:
+            entry = self._registry.get(name)
+            if entry is None:
+                return True  # acquire_slot says it is not registered
+            key = (name, entry.version)
+            if key in self._slot_of or key in self._staged:
+                return True
+            err = self._fetch_failed.pop(key, None)
+            if err is not None:
+                raise err
+            if key in self._staging or key in self._inflight:
+                return False
+            if len(self._staged) + len(self._staging) >= self.max_staged:
+                oldest = next(iter(self._staged.values()), None)
+                if oldest is None or time.monotonic() - oldest.since < STAGED_TTL_S:
+                    return False  # room comes as staged adapters get their slots
+                self._staged.popitem(last=False)
+            self._staging.add(key)
+        self._executor.submit(self._stage, entry)
+        return False
+
     def check_request(self, name: str) -> None:
         """AdapterNotFoundError unless `name` is registered."""
         self._entry(name)
@@ -168,11 +214,11 @@ class LoRAManager:
             return out
 
     def can_acquire(self, name: str) -> bool:
-        """Whether acquire_slot(name) would find a slot now (no I/O)."""
+        """Whether acquire_slot(name) would not wait for a slot now (no I/O)."""
         with self._lock:
             entry = self._registry.get(name)
             if entry is None:
-                return False
+                return True  # acquire_slot fails at once: the request learns it is not registered
             return (name, entry.version) in self._slot_of or self._free_slot() is not None
 
     # ---- registry ----------------------------------------------------------------------
@@ -190,13 +236,20 @@ class LoRAManager:
         entry = RegistryEntry(name=name, source=source, version=version, pinned=pinned)
         adapter = self._fetch_now(entry)
         weights = self._pool_weights(adapter) if pinned else None
-        with self._lock:
-            if pinned and self._free_slot() is None:
-                raise CapacityError(f"cannot pin adapter {name!r}: all {self.num_slots} slots are held or pinned")
-            self._apply_entry(entry)
-            self._host.put((name, version), adapter)
-            if pinned:
-                self._make_resident(entry, adapter, weights)
+
+        def apply() -> None:
+            with self._lock:
+                if pinned and self._free_slot() is None:
+                    raise CapacityError(f"cannot pin adapter {name!r}: all {self.num_slots} slots are held or pinned")
+                self._apply_entry(entry)
+                self._host.put((name, version), adapter)
+                if pinned:
+                    self._make_resident(entry, adapter, weights)
+
+        if pinned:
+            self._run_owned(apply)
+        else:
+            apply()
         return entry
 
     def unregister(self, name: str) -> None:
@@ -242,19 +295,23 @@ class LoRAManager:
     # ---- slots -------------------------------------------------------------------------
 
     def acquire_slot(self, name: str) -> int:
-        """Makes `name` resident (fetching if needed) and takes a reference on its slot."""
+        """Makes `name` resident and takes a reference on its slot; call it on the device
+        owner's thread. Fetches and pads here only what is_ready did not prepare."""
         while True:
             entry = self._entry(name)
+            key = (name, entry.version)
             with self._lock:
-                slot = self._slot_of.get((name, entry.version))
+                slot = self._slot_of.get(key)
                 if slot is not None:
                     return self._ref(slot)
-            adapter = self._host_adapter(entry)
-            weights = self._pool_weights(adapter)
+                staged = self._staged.pop(key, None)
+            if staged is None:
+                adapter = self._host_adapter(entry)
+                staged = _Staged(adapter, self._pool_weights(adapter), time.monotonic())
             with self._lock:
                 if not self._is_current(entry):
                     continue  # unregistered or replaced meanwhile: look again
-                slot = self._make_resident(entry, adapter, weights)
+                slot = self._make_resident(entry, staged.adapter, staged.weights)
                 return self._ref(slot)
 
     def release_slot(self, name: str, slot: int | None = None) -> None:
@@ -283,11 +340,12 @@ class LoRAManager:
                 if entry is None:
                     continue
                 key = (name, entry.version)
-                if key in self._slot_of or key in self._host or key in self._inflight:
+                if (key in self._slot_of or key in self._host or key in self._inflight
+                        or key in self._staging or key in self._staged):
                     continue
                 future = concurrent.futures.Future()
                 self._inflight[key] = future
-            self._executor.submit(self._run_fetch, entry, future)
+            self._executor.submit(self._run_fetch, entry, future, True)
 
     def prepare_lora_batch(self, token_slots: np.ndarray) -> LoRABatchInfo:  # i32[T], -1 = none
         """The step's LoRABatchInfo: token slots plus each slot's scaling and rank."""
@@ -328,6 +386,10 @@ class LoRAManager:
         """Drops every cached or resident version of `name`; held slots go when released."""
         for key in [k for k in self._host.keys() if k[0] == name]:
             self._host.pop(key)
+        for key in [k for k in self._staged if k[0] == name]:
+            del self._staged[key]
+        for key in [k for k in self._fetch_failed if k[0] == name]:
+            del self._fetch_failed[key]
         for key in [k for k in self._slot_of if k[0] == name]:
             slot = self._slot_of.pop(key)
             if self._slots[slot].refcount == 0:
@@ -409,10 +471,33 @@ class LoRAManager:
                 return slot
         adapter = self._host_adapter(entry)
         weights = self._pool_weights(adapter)
+
+        def write() -> int:
+            with self._lock:
+                if not self._is_current(entry):
+                    raise AdapterNotFoundError(
+                        f"adapter {entry.name!r} version {entry.version} is no longer registered")
+                return self._make_resident(entry, adapter, weights)
+
+        return self._run_owned(write)
+
+    def _stage(self, entry: RegistryEntry) -> None:
+        """Fetch thread: fetches (or takes from the host cache) and pads an adapter for its
+        slot write."""
+        key = (entry.name, entry.version)
+        try:
+            adapter = self._host_adapter(entry)
+            weights = self._pool_weights(adapter)
+        except Exception as err:
+            with self._lock:
+                self._staging.discard(key)
+                if self._is_current(entry):
+                    self._fetch_failed[key] = err
+            return
         with self._lock:
-            if not self._is_current(entry):
-                raise AdapterNotFoundError(f"adapter {entry.name!r} version {entry.version} is no longer registered")
-            return self._make_resident(entry, adapter, weights)
+            self._staging.discard(key)
+            if self._is_current(entry) and key not in self._slot_of:
+                self._staged[key] = _Staged(adapter, weights, time.monotonic())
 
     def _host_adapter(self, entry: RegistryEntry) -> LoRAAdapter:
         """The parsed adapter from the host cache, or fetched once however many ask."""
@@ -446,13 +531,15 @@ class LoRAManager:
             self._stats.fetch_seconds += time.perf_counter() - start
         return adapter
 
-    def _run_fetch(self, entry: RegistryEntry, future: concurrent.futures.Future) -> None:
+    def _run_fetch(self, entry: RegistryEntry, future: concurrent.futures.Future, background: bool = False) -> None:
         key = (entry.name, entry.version)
         try:
             adapter = self._fetch_now(entry)
         except Exception as e:  # handed to every waiter through the future
             with self._lock:
                 self._inflight.pop(key, None)
+                if background and self._is_current(entry):
+                    self._fetch_failed[key] = e  # told to the next is_ready
             future.set_exception(e)
             return
         with self._lock:

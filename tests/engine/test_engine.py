@@ -111,6 +111,26 @@ def test_streamed_deltas_add_up_to_the_whole_text(engine):
     assert full.text == engine.tokenizer.decode(full.token_ids)
 
 
+def test_a_slow_consumer_gets_merged_items(engine):
+    """Outputs that queue up while the consumer is busy come as one item with all of them."""
+    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    async def run():
+        parts = []
+        async for out in engine.generate(PROMPTS[0], long):
+            parts.append(out)
+            await asyncio.sleep(0.2)  # a consumer slower than the steps
+        return parts
+
+    parts = asyncio.run(run())
+    full = engine.generate_batch([PROMPTS[0]], long)[0]
+    assert parts[-1].finished and len(parts) < long.max_tokens
+    assert [t for p in parts for t in p.token_ids] == full.token_ids
+    assert "".join(p.text for p in parts) == full.text
+    assert [lp.logprob for p in parts for lp in p.logprobs] == pytest.approx([lp.logprob for lp in full.logprobs])
+    assert parts[-1].completion_tokens == long.max_tokens
+
+
 def test_stop_string_cuts_the_text(engine):
     full = engine.generate_batch([PROMPTS[0]], GREEDY)[0]
     text = full.text

@@ -1,6 +1,7 @@
 """The engine with adapters: mixed-adapter batches against PEFT, slot limits, fairness."""
 
 import threading
+import time
 
 import pytest
 
@@ -9,6 +10,7 @@ from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.sampling import SamplingParams
 from lora_runtime.engine.scheduler import Admission
 from lora_runtime.errors import AdapterNotFoundError
+from lora_runtime.lora.adapter import LoRAAdapter
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.lora.peft_adapters import make_peft_adapter
 
@@ -177,6 +179,14 @@ def test_unregister_while_in_flight(checkpoint, adapters, peft_greedy):
 def test_waiting_request_prefetches_its_adapter_off_the_step_loop(checkpoint, adapters, peft_greedy):
     # A host cache of one adapter: registering four leaves only the last one cached.
     engine = _engine(checkpoint, adapters, max_cpu_loras=1)
+    padded_on = []
+    pool_weights = LoRAAdapter.pool_weights
+
+    def spy(self, *args):
+        padded_on.append(threading.get_ident())
+        return pool_weights(self, *args)
+
+    LoRAAdapter.pool_weights = spy
     try:
         assert not engine.lora_manager.is_host_cached("r4")
         before = engine.lora_manager.stats()
@@ -191,7 +201,51 @@ def test_waiting_request_prefetches_its_adapter_off_the_step_loop(checkpoint, ad
         assert after.fetches - before.fetches == 1
         assert after.host_misses - before.host_misses == 0
         assert after.host_hits - before.host_hits == 1
+        # Padding to the slot layout ran on a fetch thread too: the loop only wrote the slot.
+        assert padded_on and engine._thread.ident not in padded_on
     finally:
+        LoRAAdapter.pool_weights = pool_weights
+        engine.shutdown()
+
+
+def test_submit_and_pinning_do_not_wait_for_a_running_step(checkpoint, adapters, peft_greedy):
+    """While a step runs, submit returns at once; a slot write asked for on another thread
+    (pinning) waits for the loop and runs between steps, never under a running step."""
+    engine = _engine(checkpoint, adapters)
+    decode = engine.runner.decode
+    in_step, release = threading.Event(), threading.Event()
+
+    def held(inputs, pool):
+        in_step.set()
+        release.wait(60)
+        return decode(inputs, pool)
+
+    engine.runner.decode = held
+    try:
+        outs = []
+        engine.submit(PROMPTS[0], GREEDY, outs.append, adapter="r4")
+        assert in_step.wait(60)
+        submitted, pinned = threading.Event(), threading.Event()
+        threading.Thread(target=lambda: (engine.submit(PROMPTS[1], GREEDY, outs.append, adapter="r16"),
+                                         submitted.set())).start()
+        threading.Thread(target=lambda: (engine.lora_manager.set_pinned("r8_qv", True), pinned.set())).start()
+        assert submitted.wait(10)  # the step is still held: submit did not wait for it
+        assert not pinned.wait(0.5)  # the pool write waits for the loop
+        release.set()
+        assert pinned.wait(60) and engine.lora_manager.is_resident("r8_qv")
+        got = {}
+        deadline = time.monotonic() + 60
+        while len(got) < 2 and time.monotonic() < deadline:
+            got = {o.request_id: o for o in outs if o.finished}
+            time.sleep(0.01)
+        assert len(got) == 2 and all(o.error is None for o in got.values())
+        done = engine.generate_batch([PROMPTS[0], PROMPTS[1], PROMPTS[2]], GREEDY, ["r4", "r16", "r8_qv"])
+        assert [o.token_ids for o in done] == [peft_greedy[n, p] for n, p in
+                                               (("r4", PROMPTS[0]), ("r16", PROMPTS[1]), ("r8_qv", PROMPTS[2]))]
+        assert engine.compiles_after_warmup == 0
+    finally:
+        release.set()
+        engine.runner.decode = decode
         engine.shutdown()
 
 

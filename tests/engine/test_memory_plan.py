@@ -59,14 +59,15 @@ def test_the_workspace_estimate_bounds_every_compiled_step():
     model = LlamaModel(MODEL, rngs=nnx.Rngs(0))
     engine = assemble_engine(model, MODEL, demo_tokenizer(), config, mesh)
     runner, t = engine.runner, config.prefill_budget
-    with engine._using_pool() as pool, jax.set_mesh(mesh):
+    pool = engine._pool()
+    with jax.set_mesh(mesh):
         def args(inputs):
             return (runner.state, runner.kv_cache, runner.token_counts, runner.prompt_seen, pool, inputs.tokens,
                     inputs.positions, inputs.attn)
 
-        prefill = engine._idle_inputs(t, prefill=True)
-        chunk = engine._idle_inputs(t, prefill=False, groups=1)
-        decode = engine._idle_inputs(config.max_batch, prefill=False, groups=config.max_batch)
+        prefill = engine._idle_inputs(t, prefill=True, lora=True)
+        chunk = engine._idle_inputs(t, prefill=False, groups=1, lora=True)
+        decode = engine._idle_inputs(config.max_batch, prefill=False, groups=config.max_batch, lora=True)
         used = {
             "prefill": _temp_bytes(runner._prefill, *args(prefill), prefill.last_index, prefill.seq_rows,
                                    prefill.sampling, prefill.lora),

@@ -156,7 +156,8 @@ def test_unregister_while_in_flight(manager, adapter_dirs):
         manager.acquire_slot("r4")
     with pytest.raises(AdapterNotFoundError):
         manager.check_request("r4")
-    assert not manager.is_resident("r4") and not manager.can_acquire("r4")
+    assert not manager.is_resident("r4")
+    assert manager.can_acquire("r4") and manager.is_ready("r4")  # a waiting request tries, and fails: not registered
     # The request still holding r4 keeps its slot: only one slot is free for others.
     manager.acquire_slot("r8_rslora")
     with pytest.raises(CapacityError):
@@ -332,21 +333,65 @@ def test_prepare_lora_batch(manager, adapter_dirs):
         manager.prepare_lora_batch(np.array([s4], np.int32))
 
 
-def test_using_pool_holds_off_writes(manager, adapter_dirs):
+def test_slot_writes_run_on_the_device_owner(manager, adapter_dirs):
+    """Once an owner is set, a slot write asked for on another thread (pinning, a pinned
+    sync or register) runs through it; its errors reach the caller."""
     manager.sync(entries(adapter_dirs))
-    manager.prefetch(["r4"])  # so only the slot write is left for the background thread
-    wait_for(lambda: manager.is_host_cached("r4"))
-    done = threading.Event()
+    calls = []
 
-    def pin_in_background():
-        manager.set_pinned("r4", True)  # writes a slot, donating the current pool
-        done.set()
+    def owner(fn):
+        box = {}
 
-    with manager.using_pool() as pool:
-        thread = threading.Thread(target=pin_in_background)
+        def run():
+            calls.append(threading.get_ident())
+            try:
+                box["out"] = fn()
+            except Exception as err:
+                box["err"] = err
+
+        thread = threading.Thread(target=run)
         thread.start()
-        assert not done.wait(0.5)
-        assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(pool))
-    thread.join()
-    assert done.is_set() and manager.is_resident("r4")
-    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(pool))
+        thread.join()
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    manager.set_device_owner(owner)
+    manager.set_pinned("r4", True)
+    assert len(calls) == 1 and calls[0] != threading.get_ident() and manager.is_resident("r4")
+    manager.set_pinned("r8_rslora", True)
+    with pytest.raises(CapacityError, match="all 2 slots"):  # both slots pinned: refused, nothing changed
+        manager.register("r16_pattern", str(adapter_dirs["r16_pattern"]), pinned=True, version=7)
+    versions = {a["name"]: a["version"] for a in manager.list_adapters()}
+    assert versions["r16_pattern"] == 1 and len(calls) == 3
+    manager.set_device_owner(None)
+    manager.set_pinned("r4", False)
+    use(manager, "r16_pattern")
+    assert len(calls) == 3
+
+
+def test_is_ready_prepares_an_adapter_off_the_calling_thread(manager, adapter_dirs, monkeypatch):
+    """is_ready starts the fetch and padding in the background; acquire_slot then only
+    writes the slot. A failed background fetch is told to the next is_ready, once."""
+    manager.sync(entries(adapter_dirs) + [RegistryEntry("gone", str(adapter_dirs["r4"].parent / "absent"), 1)])
+    padded_on = []
+    pool_weights = LoRAAdapter.pool_weights
+
+    def spy(self, *args):
+        padded_on.append(threading.get_ident())
+        return pool_weights(self, *args)
+
+    monkeypatch.setattr(LoRAAdapter, "pool_weights", spy)
+    assert not manager.is_ready("r4")
+    wait_for(lambda: manager.is_ready("r4"))
+    assert padded_on and threading.get_ident() not in padded_on
+    before = len(padded_on)
+    slot = manager.acquire_slot("r4")
+    assert len(padded_on) == before and manager.stats().loads == 1
+    manager.release_slot("r4", slot)
+    assert manager.is_ready("r4")  # resident
+    assert not manager.is_ready("gone")
+    with pytest.raises(Exception, match="absent"):
+        wait_for(lambda: manager.is_ready("gone"))
+    assert not manager.is_ready("gone")  # told once; the next asker tries again
+    assert manager.is_ready("not-registered")  # acquire_slot names the problem
