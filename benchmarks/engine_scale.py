@@ -25,6 +25,7 @@ CPU; adapters of rank 64 on all seven projections, 64 device slots. Measured:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -45,6 +46,10 @@ from lora_runtime.lora.adapter import module_shapes
 
 RANK, SLOTS, STREAMS = 64, 64, 8
 SHAPE = dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _streams_gap_s(engine, adapters, arrival: str, prompt, new_tokens: int) -> float:
@@ -127,12 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, fewer tokens and submits")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 2 quick, 4)")
+    parser.add_argument("--slots", type=int, default=SLOTS, help="device adapter slots")
     args = parser.parse_args(argv)
     layers = args.layers or (2 if args.quick else 4)
     new_tokens, repeats, submits = (16, 1, 100) if args.quick else (32, 2, 400)
     tokenizer = demo_tokenizer()
     model_config = synthetic_config(layers=layers, **SHAPE)
-    config = EngineConfig(max_batch=STREAMS + 1, max_seq_len=128, max_loras_per_batch=SLOTS, max_lora_rank=RANK,
+    config = EngineConfig(max_batch=STREAMS + 1, max_seq_len=128, max_loras_per_batch=args.slots, max_lora_rank=RANK,
                           max_cpu_loras=STREAMS, compilation_cache_dir=None)
     prompt = [3 + (i % 50) for i in range(32)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -144,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         off.shutdown()
     del off
+    gc.collect()  # its weights go before the LoRA engine's arrive
+    _progress(f"LoRA off: {1e3 * off_s:.1f} ms a decode step")
 
     engine = synthetic_engine(model_config, config, tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                                   distinct + ["warm"])  # all resident but "cold"
             base_s = _decode_step_s(engine, [None] * STREAMS, prompt, params, repeats)
             many_s = _decode_step_s(engine, distinct, prompt, params, repeats)
+            _progress(f"LoRA on: base traffic {1e3 * base_s:.1f} ms, {STREAMS} adapters {1e3 * many_s:.1f} ms")
             submit_p99 = _submit_p99_ms(engine, distinct, prompt, submits)
             warm_gap = _streams_gap_s(engine, distinct, "warm", prompt, new_tokens)
             assert not engine.lora_manager.is_resident("cold") and not engine.lora_manager.is_host_cached("cold")
@@ -171,12 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     adapter_bytes = layers * sum(RANK * (i + o) for i, o in module_shapes(model_config).values()) * itemsize
     roofline = 1 + STREAMS * adapter_bytes / base_bytes
     del engine
+    gc.collect()
+    _progress(f"gaps: resident {1e3 * warm_gap:.1f} ms, cold {1e3 * cold_gap:.1f} ms; submit p99 {submit_p99:.3f} ms")
 
     with tempfile.TemporaryDirectory() as cache:
         cold_start = _start_s(layers, cache)
         cached_start = _start_s(layers, cache)
 
-    print(f"device={jax.devices()[0].platform} layers={layers} {SHAPE} rank={RANK} slots={SLOTS} "
+    print(f"device={jax.devices()[0].platform} layers={layers} {SHAPE} rank={RANK} slots={args.slots} "
           f"base_bytes={base_bytes / 2**30:.2f}GiB adapter_bytes={adapter_bytes / 2**20:.1f}MiB")
     print_table(
         ["decode step, batch of 8", "step_ms", "over_lora_off", "roofline"],
