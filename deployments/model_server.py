@@ -178,11 +178,6 @@ class LoRAModelServer:
             trace.finish("error", 0, 0)
             yield error_item(e)
             return
-        except (TypeError, ValueError) as e:
-            # A chat template or a sampling field the runtime refused.
-            trace.finish("error", 0, 0)
-            yield error_item(InvalidRequestError(str(e)))
-            return
         finished = False
         seen = 0  # completion tokens counted by the trace so far
         try:
@@ -256,8 +251,6 @@ class LoRAModelServer:
                                     add_special_tokens=add_special_tokens)
         except ServingError as e:  # the chat template refused the messages
             return error_item(e, param="messages")
-        except (TypeError, ValueError) as e:
-            return error_item(InvalidRequestError(str(e)), param="messages")
         return self._tokens_item(ids)
 
     async def detokenize(self, *, tokens: list[int]) -> dict:

@@ -126,6 +126,8 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
+        except (TypeError, ValueError) as e:  # the template's own expressions, over the client's messages
+            raise InvalidRequestError(f"chat template cannot render the messages: {e}") from e
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, or None."""

@@ -174,6 +174,14 @@ def test_no_chat_template_is_an_invalid_request(tmp_path):
         ours.apply_chat_template(MESSAGES)
 
 
+def test_a_template_that_cannot_render_the_messages_is_an_invalid_request(tmp_path):
+    # The template's own arithmetic over a client's string content: the client's request, not our bug.
+    config = {**BASE_CONFIG, "chat_template": "{{ messages[0]['content'] + 1 }}"}
+    ours = Tokenizer.from_pretrained(str(_write_checkpoint(tmp_path, post_processor=True, config=config)))
+    with pytest.raises(InvalidRequestError, match="chat template cannot render"):
+        ours.apply_chat_template(MESSAGES)
+
+
 def test_files_saved_by_transformers_load_the_same(pair, tmp_path):
     # transformers writes the chat template to chat_template.jinja, not the config.
     ours, hf = pair
