@@ -305,13 +305,11 @@ class LoRAManager:
                 if slot is not None:
                     return self._ref(slot)
                 staged = self._staged.pop(key, None)
-            if staged is None:
-                adapter = self._host_adapter(entry)
-                staged = _Staged(adapter, self._pool_weights(adapter), time.monotonic())
+            adapter, weights = (staged.adapter, staged.weights) if staged else self._prepare(entry)
             with self._lock:
                 if not self._is_current(entry):
                     continue  # unregistered or replaced meanwhile: look again
-                slot = self._make_resident(entry, staged.adapter, staged.weights)
+                slot = self._make_resident(entry, adapter, weights)
                 return self._ref(slot)
 
     def release_slot(self, name: str, slot: int | None = None) -> None:
@@ -437,7 +435,7 @@ class LoRAManager:
                      for g, a, bs in zip(GROUPS, pool.a, pool.b)}
             self._pool = write_slot(pool, slot, zeros)
 
-    def _pool_weights(self, adapter: LoRAAdapter) -> dict:
+    def _pool_weights(self, adapter: LoRAAdapter) -> Weights:
         """The adapter padded to the pool layout; host work kept out of the lock where it can be."""
         return adapter.pool_weights(self.model_config, self.max_lora_rank, self._pool.dtype)
 
@@ -469,8 +467,7 @@ class LoRAManager:
             slot = self._slot_of.get((entry.name, entry.version))
             if slot is not None:
                 return slot
-        adapter = self._host_adapter(entry)
-        weights = self._pool_weights(adapter)
+        adapter, weights = self._prepare(entry)
 
         def write() -> int:
             with self._lock:
@@ -486,8 +483,7 @@ class LoRAManager:
         slot write."""
         key = (entry.name, entry.version)
         try:
-            adapter = self._host_adapter(entry)
-            weights = self._pool_weights(adapter)
+            adapter, weights = self._prepare(entry)
         except Exception as err:
             with self._lock:
                 self._staging.discard(key)
@@ -498,6 +494,11 @@ class LoRAManager:
             self._staging.discard(key)
             if self._is_current(entry) and key not in self._slot_of:
                 self._staged[key] = _Staged(adapter, weights, time.monotonic())
+
+    def _prepare(self, entry: RegistryEntry) -> tuple[LoRAAdapter, Weights]:
+        """The adapter (host cache, else fetched) and its weights padded for a slot write."""
+        adapter = self._host_adapter(entry)
+        return adapter, self._pool_weights(adapter)
 
     def _host_adapter(self, entry: RegistryEntry) -> LoRAAdapter:
         """The parsed adapter from the host cache, or fetched once however many ask."""
