@@ -2,12 +2,15 @@
 
     python -m benchmarks.sampling [--quick]
 
-Times the jitted `lora_runtime.engine.sampling.sample` (plus the log-probabilities and
-penalties every step also computes) over a batch of random logits: all rows greedy, all at
-a temperature, all with top-p. Logits are normal with std 4 ("peaked", a language model's
-spread: the top-p nucleus lies among the likeliest candidates) and std 1 ("flat": it does
-not, so top-p sorts the whole vocabulary). Last line: `greedy_ms=<f> temperature_ms=<f>
-top_p_ms=<f> top_p_flat_ms=<f>` for the largest vocabulary.
+Times the sampler of a step as the runner runs it (penalties, `sample`, log-probabilities)
+over a batch of random logits: all rows greedy, all at a temperature, all with top-p, all
+greedy with a frequency penalty, all greedy asking for log-probabilities. Penalties and
+log-probabilities run only in steps where some row asks for them. Logits are normal with
+std 4 ("peaked", a language model's spread: the top-p nucleus lies among the likeliest
+candidates) and std 1 ("flat": it does not, so that row's top-p sorts the whole
+vocabulary); `top_p_one_flat` has one flat row among peaked ones, which sorts that row
+alone. Last line: `greedy_ms=<f> temperature_ms=<f> top_p_ms=<f> top_p_flat_ms=<f>
+top_p_one_flat_ms=<f> penalties_ms=<f> logprobs_ms=<f>` for the largest vocabulary.
 """
 
 from __future__ import annotations
@@ -25,17 +28,22 @@ MODES = {
     "greedy": SamplingParams(temperature=0.0),
     "temperature": SamplingParams(temperature=0.7),
     "top_p": SamplingParams(temperature=0.7, top_p=0.9),
+    "penalties": SamplingParams(temperature=0.0, frequency_penalty=0.5),
+    "logprobs": SamplingParams(temperature=0.0, logprobs=5),
 }
 
 
 @jax.jit
 def _step(logits, counts, batch):
     tokens = sample(apply_penalties(logits, counts, counts > 0, batch), batch)
-    return tokens, step_logprobs(logits, tokens)
+    return tokens, step_logprobs(logits, tokens, batch.want_logprobs)
 
 
-def time_ms(batch_size: int, vocab: int, params: SamplingParams, repeats: int, std: float = 4.0) -> float:
-    logits = jax.random.normal(jax.random.key(0), (batch_size, vocab), jnp.float32) * std
+def time_ms(batch_size: int, vocab: int, params: SamplingParams, repeats: int, std: float = 4.0,
+            flat_rows: int = 0) -> float:
+    """Median ms of one sampler step; the first `flat_rows` rows get flat (std 1) logits."""
+    logits = jax.random.normal(jax.random.key(0), (batch_size, vocab), jnp.float32)
+    logits = logits * jnp.where(jnp.arange(batch_size)[:, None] < flat_rows, 1.0, std)
     counts = jnp.zeros((batch_size, vocab), jnp.int32)
     batch = SamplingBatch.from_rows([(params, seed, 0) for seed in range(batch_size)])
     jax.block_until_ready(_step(logits, counts, batch))
@@ -55,15 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     vocabs = [32000] if args.quick else [32000, 128256]
     repeats = 3 if args.quick else 10
     print(f"platform={jax.default_backend()} batch={args.batch}")
-    names = [*MODES, "top_p_flat"]
+    names = [*MODES, "top_p_flat", "top_p_one_flat"]
     print(f"{'vocab':>7s} " + " ".join(f"{m + ' ms':>15s}" for m in names))
     row = {}
     for vocab in vocabs:
         row = {m: time_ms(args.batch, vocab, params, repeats) for m, params in MODES.items()}
         row["top_p_flat"] = time_ms(args.batch, vocab, MODES["top_p"], repeats, std=1.0)
+        row["top_p_one_flat"] = time_ms(args.batch, vocab, MODES["top_p"], repeats, flat_rows=1)
         print(f"{vocab:7d} " + " ".join(f"{row[m]:15.2f}" for m in names), flush=True)
-    print(f"greedy_ms={row['greedy']:.3f} temperature_ms={row['temperature']:.3f} top_p_ms={row['top_p']:.3f} "
-          f"top_p_flat_ms={row['top_p_flat']:.3f}")
+    print(" ".join(f"{m}_ms={row[m]:.3f}" for m in names))
     return 0
 
 

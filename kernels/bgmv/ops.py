@@ -53,7 +53,8 @@ def bgmv_shrink(
     num_slots = a.shape[1]
     platform = _resolve(platform)
     if platform == "cpu":
-        return xla.shrink(x, layer_slice(a, lyr), token_slots, slot_scalings, xla.cpu_formulation(num_slots))
+        return xla.shrink(x, layer_slice(a, lyr), token_slots, slot_scalings,
+                          xla.cpu_formulation(num_slots, x.shape[0]))
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
     meta = tiles_from_slots(token_slots, num_slots, bs.tm)
     return dispatch.shrink_on_tiles(
@@ -82,7 +83,7 @@ def bgmv_expand(
     platform = _resolve(platform)
     if platform == "cpu":
         b_layer = tuple(layer_slice(bi, lyr) for bi in b)
-        return xla.expand(v, b_layer, base_outputs, token_slots, xla.cpu_formulation(num_slots))
+        return xla.expand(v, b_layer, base_outputs, token_slots, xla.cpu_formulation(num_slots, v.shape[0]))
     bs = block or block_sizes(platform, v.shape[0], b[0].shape[3], b[0].dtype)
     meta = tiles_from_slots(token_slots, num_slots, bs.tm)
     return dispatch.expand_on_tiles(
@@ -119,7 +120,8 @@ def bgmv(
     platform = _resolve(platform)
     if platform == "cpu":
         a_layer, b_layer = layer_slice(a, lyr), tuple(layer_slice(bi, lyr) for bi in b)
-        return xla.lora(x, a_layer, b_layer, base_outputs, token_slots, slot_scalings, xla.cpu_formulation(num_slots))
+        return xla.lora(x, a_layer, b_layer, base_outputs, token_slots, slot_scalings,
+                        xla.cpu_formulation(num_slots, x.shape[0]))
     if tiles is not None and block is None:
         raise ValueError("tiles were given without the block sizes they were cut with (block=None)")
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)

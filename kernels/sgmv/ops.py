@@ -34,6 +34,14 @@ def _setup(platform, x_shape, a_or_b_dtype, in_features, block):
     return platform, bs
 
 
+def _cpu_formulation(num_slots, token_slots, segment_slots):
+    """The XLA formulation for these segments and the distinct slots it reads: the
+    segments list them, at most N = len(segment_slots) (LoRABatchInfo bounds N by the
+    sequences a step can hold)."""
+    name = xla.cpu_formulation(num_slots, token_slots.shape[0], segment_slots.shape[0])
+    return name, (segment_slots if name == "grouped" else None)
+
+
 def _sorted_scale(token_slots, slot_scalings, meta, rows):  # f32[rows] scaling of each sorted row
     sorted_slots = token_slots[meta.order[jnp.minimum(jnp.arange(rows), token_slots.shape[0] - 1)]]
     return jnp.where(sorted_slots >= 0, slot_scalings[jnp.maximum(sorted_slots, 0)], 0.0)
@@ -72,7 +80,8 @@ def sgmv_shrink(
     platform, bs = _setup(platform, x.shape, x.dtype, x.shape[1], block)
     num_slots = a.shape[1]
     if platform == "cpu":
-        return xla.shrink(x, layer_slice(a, lyr), token_slots, slot_scalings, xla.cpu_formulation(num_slots))
+        return xla.shrink(x, layer_slice(a, lyr), token_slots, slot_scalings,
+                          *_cpu_formulation(num_slots, token_slots, segment_slots))
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.shrink_on_tiles(
@@ -109,7 +118,8 @@ def sgmv_expand(
     num_slots = b[0].shape[1]
     if platform == "cpu":
         b_layer = tuple(layer_slice(bi, lyr) for bi in b)
-        return xla.expand(v, b_layer, base_outputs, token_slots, xla.cpu_formulation(num_slots))
+        return xla.expand(v, b_layer, base_outputs, token_slots,
+                          *_cpu_formulation(num_slots, token_slots, segment_slots))
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.expand_on_tiles(
@@ -148,7 +158,8 @@ def sgmv(
     num_slots = a.shape[1]
     if platform == "cpu":
         a_layer, b_layer = layer_slice(a, lyr), tuple(layer_slice(bi, lyr) for bi in b)
-        return xla.lora(x, a_layer, b_layer, base_outputs, token_slots, slot_scalings, xla.cpu_formulation(num_slots))
+        return xla.lora(x, a_layer, b_layer, base_outputs, token_slots, slot_scalings,
+                        *_cpu_formulation(num_slots, token_slots, segment_slots))
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.lora_on_tiles(

@@ -72,6 +72,13 @@ def counts(thread_id: int | None = None) -> CompileCounts:
         return CompileCounts(_compiles[tid], _hits[tid])
 
 
+def process_counts() -> CompileCounts:
+    """What JAX built on every thread of this process (warm-up compiles on several)."""
+    install()
+    with _lock:
+        return CompileCounts(sum(_compiles.values()), sum(_hits.values()))
+
+
 def default_cache_dir() -> str:
     """JAX_COMPILATION_CACHE_DIR if set, else multilora/jax-compile under the user's cache
     (XDG_CACHE_HOME, else ~/.cache)."""

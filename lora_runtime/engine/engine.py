@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -118,33 +120,56 @@ class Engine:
         return future.result()
 
     def warmup(self) -> None:
-        """Compiles every step shape once, with every row idle: packed prefill, prompt
-        log-probabilities and one-sequence extend per prefill bucket, several-sequence extend
-        per bucket up to ROWS_CHUNK_MAX, decode, the row-state reset per history bucket and
-        the adapter slot write. With adapters, each step twice: a step where no token uses
-        an adapter runs the base model alone and pays nothing for LoRA."""
-        before = compile_events.counts()
+        """Builds every step shape: packed prefill, prompt log-probabilities and one-sequence
+        extend per prefill bucket, several-sequence extend per bucket up to ROWS_CHUNK_MAX,
+        decode, and the sampler per row count; with adapters, each step twice (a step where
+        no token uses an adapter runs the base model alone and pays nothing for LoRA).
+
+        They compile ahead of time in parallel, a thread per core, then each runs once on
+        idle rows: a program that compiles but cannot run (device memory at the largest
+        bucket) fails at start rather than at a request, and whatever is built only on a
+        first run is built now. Then the row-state reset per history bucket and the
+        adapter slot write."""
+        runner = self.runner
+        steps: list[tuple[str, StepInputs, object]] = []
         for lora in (False, True) if self.lora_manager is not None else (False,):
             pool = self._pool()
             for bucket in self.config.prefill_buckets():
-                self.runner.prefill(self._idle_inputs(bucket, prefill=True, lora=lora), pool)
-                if not lora:
-                    self.runner.prompt_logprobs(np.zeros(bucket, np.int32))
-                self.runner.extend(self._idle_inputs(bucket, prefill=False, groups=1, lora=lora), pool)
+                steps.append(("prefill", self._idle_inputs(bucket, prefill=True, lora=lora), pool))
+                steps.append(("extend", self._idle_inputs(bucket, prefill=False, groups=1, lora=lora), pool))
             e = self._rows_sequences
             for c in self._rows_buckets():
-                self.runner.extend(self._idle_inputs(e * c, prefill=False, groups=e, lora=lora), pool)
-            self.runner.decode(self._idle_inputs(self.config.max_batch, prefill=False,
-                                                 groups=self.config.max_batch, lora=lora), pool)
+                steps.append(("extend", self._idle_inputs(e * c, prefill=False, groups=e, lora=lora), pool))
+            b = self.config.max_batch
+            steps.append(("decode", self._idle_inputs(b, prefill=False, groups=b, lora=lora), pool))
+        compile_step = {"prefill": runner.compile_prefill, "extend": runner.compile_extend,
+                        "decode": runner.compile_decode}
+        # Prompt log-probabilities read a base prefill's hidden states (per bucket).
+        jobs = [functools.partial(compile_step[kind], inputs, pool,
+                                  **({"prompt_logprobs": inputs.lora is None} if kind == "prefill" else {}))
+                for kind, inputs, pool in steps]
+        # The sampler, per row count: prefill and decode sample max_batch rows, a
+        # several-sequence extend one per sequence, a one-sequence extend one.
+        jobs += [functools.partial(runner.compile_sample, rows)
+                 for rows in sorted({self.config.max_batch, self._rows_sequences, 1})]
+        workers = max(1, min(len(jobs), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile") as compilers:
+            builds = sum(compilers.map(_builds_of, jobs))
+        before = compile_events.counts()
+        run_step = {"prefill": runner.prefill, "extend": runner.extend, "decode": runner.decode}
+        for kind, inputs, pool in steps:
+            run_step[kind](inputs, pool)
+            if kind == "prefill" and inputs.lora is None:
+                runner.prompt_logprobs(np.zeros(inputs.tokens.shape[0], np.int32))
         size = history_bucket(1)
         while True:
-            self.runner.init_row(0, [0] * size, size)
+            runner.init_row(0, [0] * size, size)
             if size >= self.config.max_seq_len:
                 break
             size *= 2
         if self.lora_manager is not None:
             self.lora_manager.warm_up()
-        self.warm_compiles = compile_events.counts().builds - before.builds
+        self.warm_compiles = builds + compile_events.counts().builds - before.builds
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -669,7 +694,8 @@ class Engine:
             return None
         if lora is None and not (slots >= 0).any():
             return None
-        return self.lora_manager.prepare_lora_batch(slots)
+        # A step holds at most max_batch sequences, so at most that many distinct adapters.
+        return self.lora_manager.prepare_lora_batch(slots, self.config.max_batch)
 
     def _idle_inputs(self, n: int, *, prefill: bool, groups: int | None = None, lora: bool = False) -> StepInputs:
         """A step of `n` padding tokens (warm-up): a packed prefill, or `groups` idle groups;
@@ -683,6 +709,13 @@ class Engine:
                               self._lora_info(none, lora), np.full(p, -1, np.int32))
         return self._paged_inputs(groups, n // groups, [], [None] * groups, np.zeros(groups, np.int32),
                                   np.full(groups, -1, np.int32), lora)
+
+
+def _builds_of(job: Callable[[], None]) -> int:
+    """Runs `job` and returns the executables it built on this thread (JAX's compile events)."""
+    before = compile_events.counts().builds
+    job()
+    return compile_events.counts().builds - before
 
 
 def _token_logprob(sampled: Sampled, i: int, n: int) -> TokenLogprob:

@@ -47,7 +47,13 @@ class Sampled:
     top_logprobs: np.ndarray  # f32[P, K]
 
     @classmethod
-    def from_device(cls, tokens, logprobs) -> "Sampled":
+    def from_device(cls, tokens, logprobs, wanted: bool = True) -> "Sampled":
+        """One device-to-host transfer: the tokens, with the log-probabilities if `wanted`."""
+        if not wanted:
+            tokens = np.asarray(jax.device_get(tokens))
+            empty = np.zeros((tokens.shape[0], 0))
+            return cls(tokens, np.zeros(tokens.shape[0], np.float32), empty.astype(np.int32),
+                       empty.astype(np.float32))
         tokens, logprobs = jax.device_get((tokens, logprobs))
         return cls(np.asarray(tokens), np.asarray(logprobs.chosen), np.asarray(logprobs.top_ids),
                    np.asarray(logprobs.top))
@@ -87,9 +93,12 @@ class ModelRunner:
         self.interpret = interpret
         self.graphdef, self.state = nnx.split(model)
         self._create_state()
-        self._prefill = jax.jit(functools.partial(self._prefill_impl, mode="prefill"), donate_argnums=(1, 2, 3))
-        self._extend = jax.jit(functools.partial(self._prefill_impl, mode="paged"), donate_argnums=(1, 2, 3))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2, 3))
+        # The model's steps return logits; sampling is a program of its own, compiled once per
+        # row count and shared by every step shape (it is about half of a step's compile time).
+        self._prefill = jax.jit(functools.partial(self._prefill_impl, mode="prefill"), donate_argnums=(1,))
+        self._extend = jax.jit(functools.partial(self._prefill_impl, mode="paged"), donate_argnums=(1,))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
+        self._sample = jax.jit(_sample_impl, donate_argnums=(1,))
         self._init_row = jax.jit(self._init_row_impl, donate_argnums=(0, 1))
         # Prompt log-probabilities from the last prefill's hidden states, compiled per bucket
         # on first use (only requests that ask pay for the [T, vocab] logits).
@@ -151,17 +160,10 @@ class ModelRunner:
         hidden, kv_cache = model(tokens, positions, kv_cache, attn, hook)
         return model, hidden, kv_cache
 
-    def _prefill_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, attn, last_index, seq_rows,
-                      sampling, lora_info, *, mode):
+    def _prefill_impl(self, state, kv_cache, pool, tokens, positions, attn, last_index, lora_info, *, mode):
         del mode  # in the metadata; kept apart so each mode is its own compiled function
         model, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info, True)
-        logits = model.logits(hidden[last_index])
-        n_rows = counts.shape[0]
-        row_of = jnp.clip(seq_rows, 0, n_rows - 1)
-        next_tokens = sample(apply_penalties(logits, counts[row_of], seen[row_of], sampling), sampling)
-        count_rows = jnp.where(seq_rows >= 0, seq_rows, n_rows)  # -1 rows fall off the end
-        counts = counts.at[count_rows, next_tokens].add(1, mode="drop")
-        return next_tokens, step_logprobs(logits, next_tokens), kv_cache, counts, seen, hidden
+        return model.logits(hidden[last_index]), kv_cache, hidden
 
     @staticmethod
     def _init_row_impl(counts, seen, row, tokens, prompt_len):
@@ -179,15 +181,9 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         return step_logprobs(model.logits(hidden), next_tokens)
 
-    def _decode_impl(self, state, kv_cache, counts, seen, pool, tokens, positions, attn, rows, sampling,
-                     lora_info):
+    def _decode_impl(self, state, kv_cache, pool, tokens, positions, attn, lora_info):
         model, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info, False)
-        logits = model.logits(hidden)  # token b of the batch is batch row b
-        tokens = sample(apply_penalties(logits, counts, seen, sampling), sampling)
-        count_rows = jnp.where(rows >= 0, jnp.arange(rows.shape[0]), counts.shape[0])
-        counts = counts.at[count_rows, tokens].add(1, mode="drop")
-        # Log-probabilities are the model's own, before penalties (as sampling params leave them).
-        return tokens, step_logprobs(logits, tokens), kv_cache, counts, seen
+        return model.logits(hidden), kv_cache  # token b of the batch is batch row b
 
     # ---- host calls --------------------------------------------------------------------
 
@@ -202,12 +198,54 @@ class ModelRunner:
 
     def _run_prefill(self, step, inputs: StepInputs, pool) -> Sampled:
         with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen, self._last_hidden = step(
-                self.state, self.kv_cache, self.token_counts, self.prompt_seen, _pool_for(inputs, pool),
-                inputs.tokens, inputs.positions,
-                inputs.attn, inputs.last_index, inputs.seq_rows, inputs.sampling, inputs.lora,
-            )
-        return Sampled.from_device(tokens, logprobs)
+            logits, self.kv_cache, self._last_hidden = step(*self._prefill_args(inputs, pool))
+        return self._sample_rows(logits, inputs.sampling, inputs.seq_rows)
+
+    def _sample_rows(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray) -> Sampled:
+        """Samples a token per logit row; row i belongs to batch row seq_rows[i] (-1: none)."""
+        with jax.set_mesh(self.mesh):
+            tokens, logprobs, self.token_counts = self._sample(logits, self.token_counts, self.prompt_seen,
+                                                               sampling, seq_rows)
+        return Sampled.from_device(tokens, logprobs, sampling.any_logprobs)
+
+    def _prefill_args(self, inputs: StepInputs, pool) -> tuple:
+        return (self.state, self.kv_cache, _pool_for(inputs, pool), inputs.tokens, inputs.positions, inputs.attn,
+                inputs.last_index, inputs.lora)
+
+    def _decode_args(self, inputs: StepInputs, pool) -> tuple:
+        return (self.state, self.kv_cache, _pool_for(inputs, pool), inputs.tokens, inputs.positions, inputs.attn,
+                inputs.lora)
+
+    # ---- ahead-of-time compilation (warm-up) ----------------------------------------------
+    # Each compiles the step the matching call above would run on inputs of this shape, and
+    # runs nothing: the call then finds the executable in jit's cache. Safe to call from
+    # several threads at once (warm-up compiles in parallel).
+
+    def compile_prefill(self, inputs: StepInputs, pool, *, prompt_logprobs: bool = False) -> None:
+        """Compiles the packed prefill of `inputs`' shape and, with `prompt_logprobs`, the
+        prompt log-probabilities read from its hidden states (in the layout it leaves them)."""
+        with jax.set_mesh(self.mesh):
+            compiled = self._prefill.lower(*self._prefill_args(inputs, pool)).compile()
+            if prompt_logprobs:
+                t, h = inputs.tokens.shape[0], self.model_config.hidden_size
+                aval = jax.ShapeDtypeStruct((t, h), self.model_config.dtype, sharding=compiled.output_shardings[-1])
+                self._prompt_logprobs.lower(self.state, aval, np.zeros(t, np.int32)).compile()
+
+    def compile_extend(self, inputs: StepInputs, pool) -> None:
+        with jax.set_mesh(self.mesh):
+            self._extend.lower(*self._prefill_args(inputs, pool)).compile()
+
+    def compile_decode(self, inputs: StepInputs, pool) -> None:
+        with jax.set_mesh(self.mesh):
+            self._decode.lower(*self._decode_args(inputs, pool)).compile()
+
+    def compile_sample(self, rows: int) -> None:
+        """Compiles the sampler for steps that sample `rows` rows."""
+        logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
+                                      sharding=NamedSharding(self.mesh, PartitionSpec()))
+        with jax.set_mesh(self.mesh):
+            self._sample.lower(logits, self.token_counts, self.prompt_seen, SamplingBatch.from_rows([None] * rows),
+                               np.full(rows, -1, np.int32)).compile()
 
     def init_row(self, row: int, tokens: list[int], prompt_len: int) -> None:
         """Sets a batch row's penalty state for a sequence with `tokens` so far (prompt first)."""
@@ -229,12 +267,21 @@ class ModelRunner:
     def decode(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one decode step, a token per batch row; returns a token per row."""
         with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.kv_cache, self.token_counts, self.prompt_seen = self._decode(
-                self.state, self.kv_cache, self.token_counts, self.prompt_seen, _pool_for(inputs, pool),
-                inputs.tokens, inputs.positions,
-                inputs.attn, inputs.rows, inputs.sampling, inputs.lora,
-            )
-        return Sampled.from_device(tokens, logprobs)
+            logits, self.kv_cache = self._decode(*self._decode_args(inputs, pool))
+        rows = np.where(inputs.rows >= 0, np.arange(inputs.rows.shape[0], dtype=np.int32), -1).astype(np.int32)
+        return self._sample_rows(logits, inputs.sampling, rows)
+
+
+def _sample_impl(logits, counts, seen, sampling, seq_rows):
+    """Tokens for the logit rows (row i of batch row seq_rows[i], -1: none), their
+    log-probabilities, and the counts with each row's new token added."""
+    n_rows = counts.shape[0]
+    row_of = jnp.clip(seq_rows, 0, n_rows - 1)
+    tokens = sample(apply_penalties(logits, counts, seen, sampling, row_of), sampling)
+    count_rows = jnp.where(seq_rows >= 0, seq_rows, n_rows)  # -1 rows fall off the end
+    counts = counts.at[count_rows, tokens].add(1, mode="drop")
+    # Log-probabilities are the model's own, before penalties (as sampling params leave them).
+    return tokens, step_logprobs(logits, tokens, sampling.want_logprobs), counts
 
 
 def _pool_for(inputs: StepInputs, pool):

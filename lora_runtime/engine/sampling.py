@@ -118,6 +118,12 @@ class SamplingBatch:
     min_tokens: jax.Array  # i32[B]
     bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS]: logit_bias token ids (-1 pads)
     bias: jax.Array  # f32[B, MAX_LOGIT_BIAS]: what each adds to its logit
+    want_logprobs: jax.Array  # bool[B]: the row's request asked for log-probabilities
+
+    @property
+    def any_logprobs(self) -> bool:
+        """Whether some row asked for log-probabilities (host arrays only)."""
+        return bool(np.asarray(self.want_logprobs).any())
 
     @classmethod
     def from_rows(
@@ -138,6 +144,7 @@ class SamplingBatch:
         min_tokens = np.zeros(n, np.int32)
         bias_ids = np.full((n, MAX_LOGIT_BIAS), -1, np.int32)
         bias = np.zeros((n, MAX_LOGIT_BIAS), np.float32)
+        want_logprobs = np.zeros(n, bool)
         eos = sorted(eos_token_ids)[:4]
         for i, row in enumerate(rows):
             if row is None:
@@ -157,31 +164,48 @@ class SamplingBatch:
                 min_tokens[i] = params.min_tokens
             for j, (token, value) in enumerate(params.logit_bias):
                 bias_ids[i, j], bias[i, j] = token, value
+            want_logprobs[i] = params.logprobs is not None
         return cls(temperature, top_k, top_p, seed, step, presence, frequency, repetition, held_back, min_tokens,
-                   bias_ids, bias)
+                   bias_ids, bias, want_logprobs)
 
 
-def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, batch: SamplingBatch) -> jax.Array:
+def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, batch: SamplingBatch,
+                    row_of: jax.Array | None = None) -> jax.Array:
     """The row's logits after its penalties and min_tokens (f32[B, V] -> f32[B, V]).
 
-    counts: i32[B, V], how often the row already generated each token; in_prompt: bool[B, V].
+    counts: i32[N, V], how often each batch row already generated each token; in_prompt:
+    bool[N, V]; logit row b reads batch row row_of[b] (i32[B]; None: row b, N = B).
     HF's repetition penalty over prompt and output tokens: a positive logit divided by it, a
     negative one multiplied. Then OpenAI's presence and frequency penalties: logit -
     frequency * count - presence * [count > 0]. Then logit_bias is added. min_tokens: the
-    held-back ids get -inf until then.
+    held-back ids get -inf until then. Each part runs only when some row of the step asks
+    for it (a branch on device): a batch without penalties never reads the [B, V] counts.
     """
     logits = logits.astype(jnp.float32)
+    penalized = jnp.any((batch.repetition != 1.0) | (batch.presence != 0.0) | (batch.frequency != 0.0))
+    if row_of is None:
+        row_of = jnp.arange(logits.shape[0])
+    logits = lax.cond(penalized, _penalize, lambda lg, *_: lg, logits, counts, in_prompt, row_of, batch)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    hold = (batch.step < batch.min_tokens)[:, None] & (batch.held_back >= 0)
+    biased = jnp.any(batch.bias_ids >= 0)
+
+    def bias_and_hold(logits):
+        bias_cols = jnp.where(batch.bias_ids >= 0, batch.bias_ids, logits.shape[1])  # out of range: dropped
+        logits = logits.at[rows, bias_cols].add(batch.bias, mode="drop")
+        cols = jnp.where(hold, batch.held_back, logits.shape[1])
+        return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+
+    return lax.cond(biased | jnp.any(hold), bias_and_hold, lambda lg: lg, logits)
+
+
+def _penalize(logits, counts, in_prompt, row_of, batch):
+    counts, in_prompt = counts[row_of], in_prompt[row_of]
     seen = counts > 0
     rep = batch.repetition[:, None]  # first, as vLLM orders them
     logits = jnp.where(seen | in_prompt, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     counts = counts.astype(jnp.float32)
-    logits = logits - batch.frequency[:, None] * counts - batch.presence[:, None] * seen.astype(jnp.float32)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    bias_cols = jnp.where(batch.bias_ids >= 0, batch.bias_ids, logits.shape[1])  # out of range: dropped
-    logits = logits.at[rows, bias_cols].add(batch.bias, mode="drop")
-    hold = (batch.step < batch.min_tokens)[:, None] & (batch.held_back >= 0)
-    cols = jnp.where(hold, batch.held_back, logits.shape[1])
-    return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+    return logits - batch.frequency[:, None] * counts - batch.presence[:, None] * seen.astype(jnp.float32)
 
 
 def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -192,6 +216,9 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
 # Top-k/top-p look at the likeliest this many tokens first; a whole-vocabulary sort runs only
 # for a row whose top-k reaches past them or whose nucleus is not inside them.
 TOP_CANDIDATES = 1024
+# Rows that need the whole-vocabulary sort are sorted this many at a time: the cost follows
+# the rows that need it, never the batch.
+FULL_SORT_ROWS = 4
 
 
 def _top_k_top_p(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V]
@@ -210,11 +237,30 @@ def _top_k_top_p(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B
     cand_mass = jnp.sum(jnp.where(ranks < k[:, None], jnp.exp(cands - norm[:, None]), 0.0), axis=-1)
     fits = (k <= TOP_CANDIDATES) | ((k == vocab) & ((cand_mass >= batch.top_p) | (batch.top_p >= 1.0)))
     fast = _filter_sorted(scaled, cands, k, batch.top_p, lambda v, axis: norm)
-    return jax.lax.cond(
-        jnp.all(fits),
-        lambda: fast,
-        lambda: _filter_sorted(scaled, -jnp.sort(-scaled, axis=-1), k, batch.top_p, jax.nn.logsumexp),
-    )
+    return lax.cond(jnp.all(fits), lambda m: m, lambda m: _sort_rows(m, scaled, k, batch.top_p, ~fits), fast)
+
+
+def _sort_rows(masked, scaled, k, top_p, rows_needing):
+    """`masked` with the rows in `rows_needing` (bool[B]) filtered over their whole sorted
+    vocabulary, FULL_SORT_ROWS rows at a time."""
+    n = scaled.shape[0]
+    top_p = jnp.asarray(top_p)
+    chunk = min(FULL_SORT_ROWS, n)
+    padded = -(-n // chunk) * chunk
+    # Rows needing the sort first (stable), padded to whole chunks with an out-of-range row.
+    order = jnp.argsort(~rows_needing, stable=True).astype(jnp.int32)
+    order = jnp.concatenate([order, jnp.full((padded - n,), n, jnp.int32)])
+    count = jnp.sum(rows_needing.astype(jnp.int32))
+
+    def body(i, masked):
+        idx = lax.dynamic_slice(order, (i * chunk,), (chunk,))
+        real = (i * chunk + jnp.arange(chunk)) < count
+        safe = jnp.minimum(idx, n - 1)
+        rows = scaled[safe]
+        filtered = _filter_sorted(rows, -jnp.sort(-rows, axis=-1), k[safe], top_p[safe], jax.nn.logsumexp)
+        return masked.at[jnp.where(real, idx, n)].set(filtered, mode="drop")
+
+    return lax.fori_loop(0, (count + chunk - 1) // chunk, body, masked)
 
 
 def _filter_sorted(scaled, sorted_desc, k, top_p, normalizer):
@@ -271,9 +317,29 @@ class StepLogprobs:
     top: jax.Array  # f32[B, K]: their log-probabilities
 
 
-def step_logprobs(logits: jax.Array, tokens: jax.Array) -> StepLogprobs:  # f32[B, V], i32[B]
-    """The sampled tokens' log-probabilities and the MAX_LOGPROBS likeliest tokens per row."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    top, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
-    return StepLogprobs(chosen, top_ids.astype(jnp.int32), top)
+def step_logprobs(
+    logits: jax.Array,  # f32[B, V]
+    tokens: jax.Array,  # i32[B]
+    want: jax.Array | None = None,  # bool[B]: rows that asked; None: every row
+) -> StepLogprobs:
+    """The sampled tokens' log-probabilities and the MAX_LOGPROBS likeliest tokens per row.
+
+    With `want`, a step where no row asked computes nothing (zeros): the vocabulary-wide
+    softmax and top-k are a large share of a small model's step.
+    """
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+
+    def compute(logits, tokens):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        top, top_ids = jax.lax.top_k(logp, k)
+        return StepLogprobs(chosen, top_ids.astype(jnp.int32), top)
+
+    if want is None:
+        return compute(logits, tokens)
+
+    def nothing(logits, tokens):
+        b = tokens.shape[0]
+        return StepLogprobs(jnp.zeros(b, jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32))
+
+    return lax.cond(jnp.any(want), compute, nothing, logits, tokens)

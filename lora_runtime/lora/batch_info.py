@@ -16,15 +16,17 @@ class LoRABatchInfo:
     `token_slots[t] == -1` means token t uses no adapter. Tokens are sorted by slot
     (stable; no-adapter tokens last) into `sorted_order`; segment i covers sorted
     positions `segment_starts[i] : segment_starts[i + 1]` and uses slot
-    `segment_slots[i]`. Unused segments have slot -1 and zero length.
+    `segment_slots[i]`. Unused segments have slot -1 and zero length. There are N =
+    min(S, T, max_segments) segments: no step uses more distinct adapters than it holds
+    sequences, and formulations that read each distinct adapter once size by N.
     """
 
     token_slots: jax.Array  # i32[T]
     slot_scalings: jax.Array  # f32[S]
     slot_ranks: jax.Array  # i32[S]
     sorted_order: jax.Array  # i32[T]
-    segment_starts: jax.Array  # i32[S + 1]
-    segment_slots: jax.Array  # i32[S]
+    segment_starts: jax.Array  # i32[N + 1]
+    segment_slots: jax.Array  # i32[N]
     num_segments: jax.Array  # i32[]
 
     @property
@@ -40,12 +42,18 @@ def build_batch_info(
     token_slots: np.ndarray,  # i32[T], -1 = no adapter
     slot_scalings: np.ndarray,  # f32[S]
     slot_ranks: np.ndarray,  # i32[S]
+    max_segments: int | None = None,
 ) -> LoRABatchInfo:
-    """Computes the sorted/segment metadata on the host (cheap numpy) and packs it."""
+    """Computes the sorted/segment metadata on the host (cheap numpy) and packs it.
+
+    `max_segments`: the most distinct adapters a step of this shape can use (the
+    sequences it holds); the segment arrays have N = min(S, T, max_segments) entries.
+    """
     token_slots = np.asarray(token_slots, dtype=np.int32)
     num_slots = int(np.asarray(slot_scalings).shape[0])
     if token_slots.ndim != 1:
         raise ValueError(f"token_slots must be 1-D, got shape {token_slots.shape}")
+    num_segments = max(1, min(num_slots, token_slots.shape[0], max_segments or num_slots))
     bad = token_slots[(token_slots < -1) | (token_slots >= num_slots)]
     if bad.size:
         raise ValueError(f"token slot {int(bad[0])} outside [-1, {num_slots})")
@@ -54,9 +62,11 @@ def build_batch_info(
     sorted_order = np.argsort(keys, kind="stable").astype(np.int32)
     used, counts = np.unique(token_slots[token_slots >= 0], return_counts=True)
     n = len(used)
-    segment_slots = np.full(num_slots, -1, dtype=np.int32)
+    if n > num_segments:
+        raise ValueError(f"the tokens use {n} distinct slots, more than {num_segments=} (max_segments={max_segments})")
+    segment_slots = np.full(num_segments, -1, dtype=np.int32)
     segment_slots[:n] = used
-    starts = np.zeros(num_slots + 1, dtype=np.int32)
+    starts = np.zeros(num_segments + 1, dtype=np.int32)
     starts[1 : n + 1] = np.cumsum(counts)
     starts[n + 1 :] = starts[n]
     return LoRABatchInfo(

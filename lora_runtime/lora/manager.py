@@ -345,8 +345,10 @@ class LoRAManager:
                 self._inflight[key] = future
             self._executor.submit(self._run_fetch, entry, future, True)
 
-    def prepare_lora_batch(self, token_slots: np.ndarray) -> LoRABatchInfo:  # i32[T], -1 = none
-        """The step's LoRABatchInfo: token slots plus each slot's scaling and rank."""
+    def prepare_lora_batch(self, token_slots: np.ndarray,  # i32[T], -1 = none
+                           max_segments: int | None = None) -> LoRABatchInfo:
+        """The step's LoRABatchInfo: token slots plus each slot's scaling and rank;
+        `max_segments` bounds its distinct adapters (see build_batch_info)."""
         token_slots = np.asarray(token_slots, dtype=np.int32)
         with self._lock:
             scalings = np.array([s.scaling for s in self._slots], np.float32)
@@ -355,7 +357,7 @@ class LoRAManager:
             for slot in used:
                 if slot < self.num_slots and self._slots[slot].refcount == 0:
                     raise ValueError(f"token slot {int(slot)} is not held by any request")
-        return build_batch_info(token_slots, scalings, ranks)
+        return build_batch_info(token_slots, scalings, ranks, max_segments)
 
     def close(self) -> None:
         """Stops the background fetch threads."""

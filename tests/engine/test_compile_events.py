@@ -56,7 +56,7 @@ _RUN = textwrap.dedent("""
     engine = Engine.from_pretrained(sys.argv[1], config).start()
     ready = time.perf_counter() - start
     out = engine.generate_batch(["hello there"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    c = compile_events.counts()
+    c = compile_events.process_counts()
     print(json.dumps({"compiled": c.compiled, "hits": c.cache_hits, "ready_s": ready,
                       "tokens": out[0].token_ids, "after": engine.compiles_after_warmup}))
     engine.shutdown()

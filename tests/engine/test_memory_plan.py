@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from benchmarks.common import demo_tokenizer, synthetic_config
+from lora_runtime.engine.sampling import SamplingBatch
 from lora_runtime.engine import build
 from lora_runtime.engine.build import assemble_engine
 from lora_runtime.engine.config import EngineConfig
@@ -61,19 +62,17 @@ def test_the_workspace_estimate_bounds_every_compiled_step():
     runner, t = engine.runner, config.prefill_budget
     pool = engine._pool()
     with jax.set_mesh(mesh):
-        def args(inputs):
-            return (runner.state, runner.kv_cache, runner.token_counts, runner.prompt_seen, pool, inputs.tokens,
-                    inputs.positions, inputs.attn)
-
         prefill = engine._idle_inputs(t, prefill=True, lora=True)
         chunk = engine._idle_inputs(t, prefill=False, groups=1, lora=True)
         decode = engine._idle_inputs(config.max_batch, prefill=False, groups=config.max_batch, lora=True)
+        b = config.max_batch
         used = {
-            "prefill": _temp_bytes(runner._prefill, *args(prefill), prefill.last_index, prefill.seq_rows,
-                                   prefill.sampling, prefill.lora),
-            "chunk": _temp_bytes(runner._extend, *args(chunk), chunk.last_index, chunk.seq_rows, chunk.sampling,
-                                 chunk.lora),
-            "decode": _temp_bytes(runner._decode, *args(decode), decode.rows, decode.sampling, decode.lora),
+            "prefill": _temp_bytes(runner._prefill, *runner._prefill_args(prefill, pool)),
+            "chunk": _temp_bytes(runner._extend, *runner._prefill_args(chunk, pool)),
+            "decode": _temp_bytes(runner._decode, *runner._decode_args(decode, pool)),
+            "sample": _temp_bytes(runner._sample, jax.ShapeDtypeStruct((b, MODEL.vocab_size), np.float32),
+                                  runner.token_counts, runner.prompt_seen, SamplingBatch.from_rows([None] * b),
+                                  np.full(b, -1, np.int32)),
             "prompt_logprobs": _temp_bytes(runner._prompt_logprobs, runner.state,
                                            jax.ShapeDtypeStruct((t, MODEL.hidden_size), np.float32),
                                            np.zeros(t, np.int32)),

@@ -214,8 +214,8 @@ def test_a_step_that_loses_the_cache_fails_its_requests_and_the_next_ones_run(en
     runner = engine.runner
     decode = runner._decode
 
-    def failing(state, kv_cache, counts, seen, *args):
-        for a in (*kv_cache.k, *kv_cache.v, counts, seen):
+    def failing(state, kv_cache, *args):
+        for a in (*kv_cache.k, *kv_cache.v):
             a.delete()
         raise RuntimeError("device fault")
 

@@ -176,3 +176,55 @@ def test_logit_bias_adds_to_its_rows_tokens_only():
 def test_bad_logit_bias_names_the_field(bias, match):
     with pytest.raises(InvalidRequestError, match=match):
         SamplingParams(logit_bias=bias).validate(vocab_size=64)
+
+
+def _sorted_mask(scaled, k, top_p):
+    """Per row: the top-k / top-p filter over the whole sorted vocabulary (the oracle)."""
+    from lora_runtime.engine.sampling import _filter_sorted
+
+    return _filter_sorted(scaled, -jnp.sort(-scaled, axis=-1), k, top_p, jax.nn.logsumexp)
+
+
+def test_rows_past_the_candidates_are_sorted_alone_and_match_a_full_sort():
+    from lora_runtime.engine import sampling
+
+    vocab = 3 * sampling.TOP_CANDIDATES
+    rng = np.random.RandomState(2)
+    peaked = rng.randn(9, vocab) * 6.0
+    flat = rng.randn(9, vocab) * 0.1
+    # Rows 1, 4, 5, 6 and 8 need the whole vocabulary (flat nucleus, or top-k past the
+    # candidates): more than one chunk of FULL_SORT_ROWS; the other rows stay on the fast path.
+    logits = np.where(np.isin(np.arange(9), [1, 4, 5, 8])[:, None], flat, peaked).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 9
+    params[6] = SamplingParams(temperature=1.0, top_k=sampling.TOP_CANDIDATES + 7)
+    params[7] = SamplingParams(temperature=1.0, top_k=5, top_p=0.5)
+    batch = _batch(*[(p, s, 0) for s, p in enumerate(params)])
+    got = np.asarray(jax.jit(sampling._top_k_top_p)(jnp.asarray(logits), batch))
+    k = np.where(batch.top_k > 0, np.minimum(batch.top_k, vocab), vocab)
+    want = np.asarray(_sorted_mask(jnp.asarray(logits), jnp.asarray(k), jnp.asarray(batch.top_p)))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    kept = np.isfinite(got).sum(-1)
+    assert kept[1] > sampling.TOP_CANDIDATES and kept[6] == sampling.TOP_CANDIDATES + 7 and kept[7] <= 5
+
+
+def test_penalties_read_each_logit_rows_batch_row():
+    from lora_runtime.engine.sampling import apply_penalties
+
+    logits = jnp.ones((2, 6), jnp.float32)
+    counts = jnp.zeros((4, 6), jnp.int32).at[3, 2].set(2)
+    p = SamplingParams(frequency_penalty=0.5)
+    out = np.asarray(apply_penalties(logits, counts, counts > 0, _batch((p, 0, 0), (p, 0, 0)), jnp.array([0, 3])))
+    assert out[0].tolist() == [1.0] * 6 and out[1, 2] == 0.0 and out[1, 3] == 1.0
+
+
+def test_logprobs_only_for_steps_that_ask():
+    from lora_runtime.engine.sampling import step_logprobs
+
+    logits = jnp.asarray(np.random.RandomState(3).randn(3, 50), jnp.float32)
+    tokens = jnp.array([1, 2, 3])
+    full = step_logprobs(logits, tokens)
+    asked = step_logprobs(logits, tokens, jnp.array([False, True, False]))
+    np.testing.assert_allclose(asked.top, full.top, rtol=1e-6)
+    np.testing.assert_allclose(asked.chosen, full.chosen, rtol=1e-6)
+    none = step_logprobs(logits, tokens, jnp.zeros(3, bool))
+    assert not np.asarray(none.top).any() and not np.asarray(none.chosen).any()

@@ -69,3 +69,22 @@ def test_shrink_and_expand_halves(platform):
     got = sgmv_expand(v, d["b"], d["base"], d["slots"], order, starts, seg_slots, d["scalings"], d["ranks"], **kw)
     for g, w in zip(got, naive_expand(v, d["b"], d["base"], d["slots"])):
         assert_close(g, w, F32)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu", "cpu"])
+def test_segments_bounded_by_sequences(platform):
+    # 40 tokens of 3 sequences over a 32-slot pool: the host gives 3 segments, not 32.
+    slots = np.array([30] * 20 + [-1] * 5 + [4] * 10 + [30] * 5)
+    d = make_inputs(40, 32, 8, OUTS[:2], IN, F32, seed=9, slots=slots)
+    info = build_batch_info(slots, np.asarray(d["scalings"]), np.asarray(d["ranks"]), max_segments=3)
+    assert info.segment_slots.tolist() == [4, 30, -1] and info.segment_starts.shape == (4,)
+    got = sgmv(d["x"], d["a"], d["b"], d["base"], d["slots"], info.sorted_order, info.segment_starts,
+               info.segment_slots, d["scalings"], d["ranks"], platform=platform, interpret=platform != "cpu",
+               block=None if platform == "cpu" else block_for(platform, F32))
+    for g, w in zip(got, naive_lora(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"])):
+        assert_close(g, w, F32)
+
+
+def test_more_distinct_slots_than_segments_is_refused():
+    with pytest.raises(ValueError, match="3 distinct slots, more than num_segments=2"):
+        build_batch_info(np.array([0, 1, 2]), np.ones(4, np.float32), np.full(4, 8, np.int32), max_segments=2)

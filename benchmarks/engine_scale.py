@@ -1,0 +1,228 @@
+"""The replica's hot path at Llama-3-8B layer widths: submit latency, a cold adapter's
+load under running streams, LoRA cost against an engine without LoRA, compilations after
+warm-up, and start time with and without the persistent compilation cache.
+
+    python -m benchmarks.engine_scale [--quick] [--layers N]
+
+Hidden 4096, 32 heads (8 kv), intermediate 14336, vocab 128256, few layers, float32 on
+CPU; adapters of rank 64 on all seven projections, 64 device slots. Measured:
+
+- `submit_p99_ms`: Engine.submit wall time while 8 streams decode (it never waits for a step).
+- `cold_load_gap_ratio`: the longest token gap of 8 running streams when a request for an
+  adapter in no cache (fetched, parsed and padded before its slot write) arrives, over the
+  longest gap when a request for a resident adapter arrives. Both arrivals add the new
+  request's prefill step; the ratio is what the load adds on top.
+- `base_traffic_over_no_lora`: a decode step of base traffic on the LoRA engine over the
+  same step on an engine with LoRA off (same weights).
+- `lora_over_base_step`: 8 distinct adapters' decode step over the LoRA-off step;
+  `roofline_ratio` the byte floor of that ratio.
+- `real_compiles_after_warmup`: XLA compilations on both engines' loop threads after
+  warm-up (JAX's compile events).
+- `warm_start_s`, `cached_start_s`: build and warm-up of an engine in a fresh process with
+  an empty persistent compilation cache, then again reading it (the table splits off the
+  warm-up: building random weights of these widths on CPU is a fixed cost of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.common import demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter
+from benchmarks.multi_lora import _decode_step_s
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.sampling import SamplingParams
+from lora_runtime.lora.adapter import module_shapes
+
+RANK, SLOTS, STREAMS = 64, 64, 8
+SHAPE = dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _streams_gap_s(engine, adapters, arrival: str, prompt, new_tokens: int) -> float:
+    """Longest token gap of STREAMS running streams over the steps around one request for
+    `arrival` (submitted once every stream has a few tokens)."""
+    times: dict[int, list[float]] = {i: [] for i in range(STREAMS)}
+    finished = threading.Semaphore(0)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def emit_for(i):
+        def emit(out):
+            times[i].append(time.perf_counter())
+            if out.finished:
+                finished.release()
+        return emit
+
+    for i in range(STREAMS):
+        engine.submit(prompt, params, emit_for(i), adapter=adapters[i % len(adapters)])
+    while min(len(t) for t in times.values()) < 4:
+        time.sleep(0.001)
+    arrived = time.perf_counter()
+    done = threading.Event()
+    engine.submit(prompt[:16], SamplingParams(max_tokens=2, ignore_eos=True),
+                  lambda out: done.set() if out.finished else None, adapter=arrival)
+    assert done.wait(600), "the arriving request did not finish"
+    ready = time.perf_counter()
+    for _ in range(STREAMS):
+        assert finished.acquire(timeout=600)
+    gaps = [b - a for t in times.values() for a, b in zip(t, t[1:]) if b >= arrived and a <= ready]
+    return max(gaps)
+
+
+def _submit_p99_ms(engine, adapters, prompt, n: int) -> float:
+    """Submit wall time while the streams decode (each request aborted right after)."""
+    done = threading.Semaphore(0)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i in range(STREAMS):
+        engine.submit(prompt, params, lambda out: done.release() if out.finished else None,
+                      adapter=adapters[i % len(adapters)])
+    waits = []
+    for i in range(n):
+        start = time.perf_counter()
+        rid = engine.submit(prompt, params, lambda out: None, adapter=adapters[i % len(adapters)])
+        waits.append(time.perf_counter() - start)
+        engine.abort(rid)
+        time.sleep(0.002)
+    for _ in range(STREAMS):
+        assert done.acquire(timeout=600)
+    return 1e3 * float(np.percentile(waits, 99))
+
+
+_START = textwrap.dedent("""
+    import json, sys, time
+    start = time.perf_counter()
+    from benchmarks.common import demo_tokenizer, synthetic_config, synthetic_engine
+    from benchmarks.engine_scale import RANK, SHAPE
+    from lora_runtime.engine import compile_events
+    from lora_runtime.engine.config import EngineConfig
+    model_config = synthetic_config(layers=int(sys.argv[1]), **SHAPE)
+    config = EngineConfig(max_batch=8, max_seq_len=128, max_loras_per_batch=8, max_lora_rank=RANK,
+                          compilation_cache_dir=sys.argv[2])
+    engine = synthetic_engine(model_config, config, demo_tokenizer())
+    built = time.perf_counter()
+    engine.start()
+    c = compile_events.process_counts()
+    print(json.dumps({"ready_s": time.perf_counter() - start, "warmup_s": time.perf_counter() - built,
+                      "compiled": c.compiled, "hits": c.cache_hits}))
+    engine.shutdown()
+""")
+
+
+def _start_s(layers: int, cache_dir: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", _START, str(layers), cache_dir], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine start failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 layers, fewer tokens and submits")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 2 quick, 4)")
+    parser.add_argument("--slots", type=int, default=SLOTS, help="device adapter slots")
+    args = parser.parse_args(argv)
+    layers = args.layers or (2 if args.quick else 4)
+    new_tokens, repeats, submits = (16, 1, 100) if args.quick else (32, 2, 400)
+    tokenizer = demo_tokenizer()
+    model_config = synthetic_config(layers=layers, **SHAPE)
+    config = EngineConfig(max_batch=STREAMS + 1, max_seq_len=128, max_loras_per_batch=args.slots, max_lora_rank=RANK,
+                          max_cpu_loras=STREAMS, compilation_cache_dir=None)
+    prompt = [3 + (i % 50) for i in range(32)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    off = synthetic_engine(model_config, config.model_copy(update={"max_loras_per_batch": 0}), tokenizer).start()
+    try:
+        off_s = _decode_step_s(off, [None] * STREAMS, prompt, params, repeats)
+        compiles = off.compiles_after_warmup
+    finally:
+        off.shutdown()
+    del off
+    gc.collect()  # its weights go before the LoRA engine's arrive
+    _progress(f"LoRA off: {1e3 * off_s:.1f} ms a decode step")
+
+    engine = synthetic_engine(model_config, config, tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        # "cold" first: the host cache keeps the last STREAMS registered, so it is in no cache.
+        names = ["cold", *(f"a{i}" for i in range(STREAMS)), "warm"]
+        for i, name in enumerate(names):
+            path = write_random_adapter(f"{tmp}/{name}", model_config, r=RANK, alpha=2 * RANK, seed=i)
+            engine.lora_manager.register(name, str(path))
+        engine.start()
+        try:
+            distinct = names[1:1 + STREAMS]
+            engine.generate_batch([prompt] * (STREAMS + 1), SamplingParams(max_tokens=2, ignore_eos=True),
+                                  distinct + ["warm"])  # all resident but "cold"
+            base_s = _decode_step_s(engine, [None] * STREAMS, prompt, params, repeats)
+            many_s = _decode_step_s(engine, distinct, prompt, params, repeats)
+            _progress(f"LoRA on: base traffic {1e3 * base_s:.1f} ms, {STREAMS} adapters {1e3 * many_s:.1f} ms")
+            submit_p99 = _submit_p99_ms(engine, distinct, prompt, submits)
+            warm_gap = _streams_gap_s(engine, distinct, "warm", prompt, new_tokens)
+            assert not engine.lora_manager.is_resident("cold") and not engine.lora_manager.is_host_cached("cold")
+            cold_gap = _streams_gap_s(engine, distinct, "cold", prompt, new_tokens)
+            compiles += engine.compiles_after_warmup
+        finally:
+            engine.shutdown()
+    itemsize = np.dtype(model_config.dtype).itemsize
+    base_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
+    adapter_bytes = layers * sum(RANK * (i + o) for i, o in module_shapes(model_config).values()) * itemsize
+    roofline = 1 + STREAMS * adapter_bytes / base_bytes
+    del engine
+    gc.collect()
+    _progress(f"gaps: resident {1e3 * warm_gap:.1f} ms, cold {1e3 * cold_gap:.1f} ms; submit p99 {submit_p99:.3f} ms")
+
+    with tempfile.TemporaryDirectory() as cache:
+        cold_start = _start_s(layers, cache)
+        cached_start = _start_s(layers, cache)
+
+    print(f"device={jax.devices()[0].platform} layers={layers} {SHAPE} rank={RANK} slots={args.slots} "
+          f"base_bytes={base_bytes / 2**30:.2f}GiB adapter_bytes={adapter_bytes / 2**20:.1f}MiB")
+    print_table(
+        ["decode step, batch of 8", "step_ms", "over_lora_off", "roofline"],
+        [
+            ("LoRA off", 1e3 * off_s, 1.0, 1.0),
+            ("LoRA on, base traffic", 1e3 * base_s, base_s / off_s, 1.0),
+            (f"{STREAMS} adapters", 1e3 * many_s, many_s / off_s, roofline),
+        ],
+    )
+    print_table(
+        ["while 8 streams decode", "value"],
+        [
+            ("submit p99 ms", submit_p99),
+            ("longest gap, resident adapter arrives (ms)", 1e3 * warm_gap),
+            ("longest gap, cold adapter arrives (ms)", 1e3 * cold_gap),
+        ],
+    )
+    print_table(
+        ["engine start (fresh process)", "seconds", "of which warm-up", "compiled", "cache hits"],
+        [
+            ("empty compilation cache", cold_start["ready_s"], cold_start["warmup_s"], cold_start["compiled"],
+             cold_start["hits"]),
+            ("cache from the run before", cached_start["ready_s"], cached_start["warmup_s"], cached_start["compiled"],
+             cached_start["hits"]),
+        ],
+    )
+    print(f"submit_p99_ms={submit_p99:.3f} cold_load_gap_ratio={cold_gap / warm_gap:.3f} "
+          f"base_traffic_over_no_lora={base_s / off_s:.4f} lora_over_base_step={many_s / off_s:.4f} "
+          f"roofline_ratio={roofline:.4f} real_compiles_after_warmup={compiles} "
+          f"warm_start_s={cold_start['ready_s']:.1f} cached_start_s={cached_start['ready_s']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
