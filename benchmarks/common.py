@@ -17,29 +17,70 @@ from lora_runtime.model.sharding import make_mesh, shard_model
 from lora_runtime.model.tokenizer import Tokenizer
 
 
-def synthetic_config(
+def synthetic_hf_config(
     *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
     dtype: str = "float32",
-) -> ModelConfig:
+) -> dict:
+    """The Hugging Face config.json of a Llama of the given shape."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": dtype,
+    }
+
+
+def synthetic_config(**shape) -> ModelConfig:
     """A Llama config of the given shape (random weights; the sizes set the work)."""
-    return ModelConfig.from_hf_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "intermediate_size": intermediate,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-            "max_position_embeddings": 4096,
-            "tie_word_embeddings": False,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "torch_dtype": dtype,
-        }
-    )
+    return ModelConfig.from_hf_dict(synthetic_hf_config(**shape))
+
+
+def write_random_checkpoint(out_dir, **shape):
+    """A random Llama checkpoint as Hugging Face saves one (config.json, model.safetensors,
+    f32, weights normal with std 0.02) of the given shape; returns its directory."""
+    import json
+    import pathlib
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    hf = synthetic_hf_config(**shape)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    h, v, inter = hf["hidden_size"], hf["vocab_size"], hf["intermediate_size"]
+    head_dim = h // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
+
+    def normal(*shape_):
+        return (0.02 * rng.standard_normal(shape_, dtype=np.float32)).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": np.ones(h, np.float32),
+               "lm_head.weight": normal(v, h)}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": np.ones(h, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+            p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.k_proj.weight": normal(kv, h),
+            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, q),
+            p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
+            p + "mlp.down_proj.weight": normal(h, inter),
+        })
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    return out
 
 
 def synthetic_engine(model_config: ModelConfig, config: EngineConfig, tokenizer: Tokenizer) -> Engine:

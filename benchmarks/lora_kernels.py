@@ -1,4 +1,4 @@
-"""LoRA op benchmark: the kernel against the one-hot and gather formulations, per shape.
+"""LoRA op benchmark: the kernel against the one-hot, gather and grouped formulations, per shape.
 
 Each formulation runs a scan (or, with --unrolled, a Python loop) over `layers` stacked projections (each layer its own A and
 B, so the adapters are not served from cache between layers) of one square projection:
@@ -64,7 +64,7 @@ def lora_fn(name: str, platform: str, interpret: bool, shape: Shape, block: Bloc
     """
     num_slots = shape.num_slots
     if name == "kernel" and platform == "cpu":
-        name = xla.cpu_formulation(num_slots)
+        name = xla.cpu_formulation(num_slots, shape.num_tokens)
     if name == "kernel":
         bs = block or block_sizes(platform, shape.num_tokens, shape.hidden, jnp.bfloat16)
 
@@ -179,7 +179,7 @@ def format_row(row: dict) -> str:
             return f"{name}=ERR"
         return f"{name}={row[name + '_us']:8.1f}us {row[name + '_GBps']:7.1f}GB/s"
     return (f"T={row['num_tokens']:4d} S={row['num_slots']:4d} H={row['hidden']} r={row['rank']} "
-            f"D={row['distinct']:3d} " + " ".join(cell(n) for n in ("kernel", "onehot", "gather", "sorted") if
+            f"D={row['distinct']:3d} " + " ".join(cell(n) for n in ("kernel", "onehot", "gather", "grouped", "sorted") if
                                                   f"{n}_us" in row or f"{n}_error" in row))
 
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"platform={platform} devices={jax.devices()} copy_bandwidth={copy_bps / 1e9:.1f}GB/s "
           f"kernel={'xla (cpu_formulation)' if on_cpu else 'pallas'} layers={layers} "
           f"{'unrolled' if args.unrolled else 'scan'}", flush=True)
-    names = ("kernel", "onehot", "gather") + (("sorted",) if args.with_sorted else ())
+    names = ("kernel", "onehot", "gather", "grouped") + (("sorted",) if args.with_sorted else ())
     row = {}
     measured = shapes(args.quick, platform)
     for shape in measured[-1:] if args.headline else measured:

@@ -20,18 +20,21 @@ FORMULATIONS = ("gather", "onehot", "sorted", "grouped")
 
 # The grouped formulation reads each of the step's U distinct adapters once and does
 # T * U token-adapter products; the gather copies T adapters' weights (one per token)
-# and does T. Up to this many distinct slots the grouped one is the faster on CPU (and
-# it never holds more than U adapters' weights, where the gather holds T: a 512-token
-# prefill at rank 64 and Llama-3-8B widths gathers gigabytes per projection).
-# Measured with benchmarks/lora_kernels.py; sorted + ragged_dot was slowest everywhere.
-CPU_GROUPED_MAX_DISTINCT = 16
+# and does T. The grouped one is the faster on CPU once the step has at least this many
+# tokens per possible adapter (T >= 4 U), and it never holds more than U adapters' weights,
+# where the gather holds T: a 512-token prefill at rank 64 and Llama-3-8B widths gathers
+# gigabytes per projection. Measured with benchmarks/cpu_formulations.py (4096 -> 4096,
+# r=64, f32; grouped over gather): T=64: D=16 0.41, D=32 1.29; T=8: D=1 0.38, D=4 2.6;
+# T=512: D=64 0.63. Sorted + ragged_dot was slowest everywhere (benchmarks/lora_kernels.py).
+CPU_GROUPED_TOKENS_PER_ADAPTER = 4
 
 
 def cpu_formulation(num_slots: int, num_tokens: int | None = None, num_distinct: int | None = None) -> str:
     """The XLA formulation measured fastest on CPU for `num_tokens` tokens over a pool of
     `num_slots` slots, at most `num_distinct` of them in one step (static bounds)."""
     distinct = distinct_bound(num_slots, num_tokens, num_distinct)
-    return "grouped" if distinct <= CPU_GROUPED_MAX_DISTINCT else "gather"
+    tokens = num_tokens if num_tokens is not None else 1
+    return "grouped" if CPU_GROUPED_TOKENS_PER_ADAPTER * distinct <= tokens else "gather"
 
 
 def distinct_bound(num_slots: int, num_tokens: int | None, num_distinct: int | None = None) -> int:

@@ -216,8 +216,8 @@ def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
 # Top-k/top-p look at the likeliest this many tokens first; a whole-vocabulary sort runs only
 # for a row whose top-k reaches past them or whose nucleus is not inside them.
 TOP_CANDIDATES = 1024
-# Rows that need the whole-vocabulary sort are sorted this many at a time: the cost follows
-# the rows that need it, never the batch.
+# Rows that need the whole-vocabulary sort are sorted this many at a time (the rest one
+# by one): the cost follows the rows that need it, never the batch.
 FULL_SORT_ROWS = 4
 
 
@@ -242,25 +242,26 @@ def _top_k_top_p(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B
 
 def _sort_rows(masked, scaled, k, top_p, rows_needing):
     """`masked` with the rows in `rows_needing` (bool[B]) filtered over their whole sorted
-    vocabulary, FULL_SORT_ROWS rows at a time."""
+    vocabulary: FULL_SORT_ROWS rows at a time, then the rest one at a time, so one such
+    row costs one row's sort."""
     n = scaled.shape[0]
     top_p = jnp.asarray(top_p)
     chunk = min(FULL_SORT_ROWS, n)
-    padded = -(-n // chunk) * chunk
-    # Rows needing the sort first (stable), padded to whole chunks with an out-of-range row.
+    # Rows needing the sort first (stable), padded with an out-of-range row.
     order = jnp.argsort(~rows_needing, stable=True).astype(jnp.int32)
-    order = jnp.concatenate([order, jnp.full((padded - n,), n, jnp.int32)])
+    order = jnp.concatenate([order, jnp.full((chunk,), n, jnp.int32)])
     count = jnp.sum(rows_needing.astype(jnp.int32))
 
-    def body(i, masked):
-        idx = lax.dynamic_slice(order, (i * chunk,), (chunk,))
-        real = (i * chunk + jnp.arange(chunk)) < count
+    def sort_from(start, size, masked):
+        idx = lax.dynamic_slice(order, (start,), (size,))
         safe = jnp.minimum(idx, n - 1)
         rows = scaled[safe]
         filtered = _filter_sorted(rows, -jnp.sort(-rows, axis=-1), k[safe], top_p[safe], jax.nn.logsumexp)
-        return masked.at[jnp.where(real, idx, n)].set(filtered, mode="drop")
+        return masked.at[jnp.where(idx < n, idx, n)].set(filtered, mode="drop")
 
-    return lax.fori_loop(0, (count + chunk - 1) // chunk, body, masked)
+    whole = count // chunk
+    masked = lax.fori_loop(0, whole, lambda i, m: sort_from(i * chunk, chunk, m), masked)
+    return lax.fori_loop(whole * chunk, count, lambda i, m: sort_from(i, 1, m), masked)
 
 
 def _filter_sorted(scaled, sorted_desc, k, top_p, normalizer):

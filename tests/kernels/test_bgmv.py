@@ -133,7 +133,9 @@ def test_grouped_reads_each_distinct_slot(num_tokens, num_slots, slots):
 def test_cpu_formulation_bounds_distinct_slots_by_tokens_and_sequences():
     assert xla.cpu_formulation(64, 512, 8) == "grouped"  # a prefill of 8 sequences: 8 adapters at most
     assert xla.cpu_formulation(64, 64) == "gather"  # 64 decode rows may use 64 adapters
+    assert xla.cpu_formulation(8, 8) == "gather"  # one token per adapter: the gather copies no more
     assert xla.cpu_formulation(4, 512) == "grouped"
+    assert xla.cpu_formulation(16, 64) == "grouped"
 
 
 def test_jnp_reference_matches_naive_loop():

@@ -1,0 +1,87 @@
+"""The application served for real, for benchmarks: a local Ray cluster running the Serve
+app (`deployments.app:build_app`) on loopback, adapters registered through its admin API,
+and a streaming OpenAI-API client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import socket
+import time
+from collections.abc import Iterator, Sequence
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served_app(args: dict, *, num_cpus: int = 4) -> Iterator["ServedApp"]:
+    """Deploys the app with `args` (AppArgs fields) on a fresh local Ray cluster; yields it
+    once every replica is running, and stops the cluster after."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    token = secrets.token_hex(16)
+    env_name = args.get("admin_token_env", "LORA_ADMIN_TOKEN")
+    # address="local": a cluster of its own, never one `ray start` left running on this host.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {env_name: token, "JAX_PLATFORMS": "cpu"}})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name="bench", route_prefix="/")
+        yield ServedApp(f"http://127.0.0.1:{port}", token)
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+class ServedApp:
+    """A running deployment: its URL and admin token."""
+
+    def __init__(self, url: str, admin_token: str):
+        self.url = url
+        self.admin_token = admin_token
+
+    def register(self, name: str, source: str) -> None:
+        r = httpx.post(f"{self.url}/v1/adapters", json={"name": name, "source": source},
+                       headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=300)
+        r.raise_for_status()
+
+    def stream_completions(self, requests: Sequence[dict], timeout_s: float = 600.0) -> tuple[float, int]:
+        """Sends the completion requests at once, each streamed; returns (seconds from the
+        first send to the last finish, completion tokens over all of them)."""
+        return asyncio.run(self._stream_all(requests, timeout_s))
+
+    async def _stream_all(self, requests: Sequence[dict], timeout_s: float) -> tuple[float, int]:
+        async with httpx.AsyncClient(base_url=self.url, timeout=timeout_s) as client:
+            start = time.perf_counter()
+            tokens = await asyncio.gather(*(self._stream_one(client, body) for body in requests))
+            return time.perf_counter() - start, sum(tokens)
+
+    @staticmethod
+    async def _stream_one(client: httpx.AsyncClient, body: dict) -> int:
+        body = dict(body, stream=True, stream_options={"include_usage": True})
+        usage = None
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"completion failed with {r.status_code}: {(await r.aread())[:500]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        if usage is None:
+            raise RuntimeError("the stream ended without a usage chunk")
+        return int(usage["completion_tokens"])
