@@ -3,7 +3,7 @@
 Each formulation runs a scan (or, with --unrolled, a Python loop) over `layers` stacked projections (each layer its own A and
 B, so the adapters are not served from cache between layers) of one square projection:
 h <- base + scale * (h @ A[slot]ᵀ) @ B[slot]. Time is per layer. "kernel" is the Pallas
-kernel on GPU/TPU and the chosen XLA formulation (kernels.xla.cpu_formulation) on
+kernel on GPU/TPU and the chosen XLA formulation (kernels.xla.CPU_FORMULATION) on
 CPU. Bytes that must move per layer: D·r·(H+O) adapter bytes for the D distinct adapters,
 plus T·(H + 2·O) for x and the base output read and written; bandwidth_fraction is that
 over the time, over the copy bandwidth measured here.
@@ -64,7 +64,7 @@ def lora_fn(name: str, platform: str, interpret: bool, shape: Shape, block: Bloc
     """
     num_slots = shape.num_slots
     if name == "kernel" and platform == "cpu":
-        name = xla.cpu_formulation(num_slots, shape.num_tokens)
+        name = xla.CPU_FORMULATION
     if name == "kernel":
         bs = block or block_sizes(platform, shape.num_tokens, shape.hidden, jnp.bfloat16)
 
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 5 if on_cpu else (10 if args.quick else 30)
     copy_bps = copy_bandwidth((64 << 20) if on_cpu else (1 << 30), repeats=5 if on_cpu else 20)
     print(f"platform={platform} devices={jax.devices()} copy_bandwidth={copy_bps / 1e9:.1f}GB/s "
-          f"kernel={'xla (cpu_formulation)' if on_cpu else 'pallas'} layers={layers} "
+          f"kernel={'xla (' + xla.CPU_FORMULATION + ')' if on_cpu else 'pallas'} layers={layers} "
           f"{'unrolled' if args.unrolled else 'scan'}", flush=True)
     names = ("kernel", "onehot", "gather", "grouped") + (("sorted",) if args.with_sorted else ())
     row = {}

@@ -8,6 +8,8 @@ All take the pool layout of lora_runtime.lora.backend.base (A: [S, n*R, in], B_i
   grouped : the U distinct slots of the step gathered once, then two dense matmuls over
             them and a per-token select (bytes ~ U adapters, FLOPs ~ T * U; no per-token
             copy of adapter weights)
+  loop    : a loop over the distinct slots the step really uses (a dynamic trip count),
+            each adapter read in place once and applied to its tokens (bytes ~ D adapters)
 """
 
 from __future__ import annotations
@@ -16,25 +18,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-FORMULATIONS = ("gather", "onehot", "sorted", "grouped")
+FORMULATIONS = ("gather", "onehot", "sorted", "grouped", "loop")
 
-# The grouped formulation reads each of the step's U distinct adapters once and does
-# T * U token-adapter products; the gather copies T adapters' weights (one per token)
-# and does T. The grouped one is the faster on CPU once the step has at least this many
-# tokens per possible adapter (T >= 4 U), and it never holds more than U adapters' weights,
-# where the gather holds T: a 512-token prefill at rank 64 and Llama-3-8B widths gathers
-# gigabytes per projection. Measured with benchmarks/cpu_formulations.py (4096 -> 4096,
-# r=64, f32; grouped over gather): T=64: D=16 0.41, D=32 1.29; T=8: D=1 0.38, D=4 2.6;
-# T=512: D=64 0.63. Sorted + ragged_dot was slowest everywhere (benchmarks/lora_kernels.py).
-CPU_GROUPED_TOKENS_PER_ADAPTER = 4
-
-
-def cpu_formulation(num_slots: int, num_tokens: int | None = None, num_distinct: int | None = None) -> str:
-    """The XLA formulation measured fastest on CPU for `num_tokens` tokens over a pool of
-    `num_slots` slots, at most `num_distinct` of them in one step (static bounds)."""
-    distinct = distinct_bound(num_slots, num_tokens, num_distinct)
-    tokens = num_tokens if num_tokens is not None else 1
-    return "grouped" if CPU_GROUPED_TOKENS_PER_ADAPTER * distinct <= tokens else "gather"
+# The formulation the CPU path runs: the loop over the adapters a step really uses reads
+# each once in place, where the gather copies one adapter's weights per token. Measured
+# with benchmarks/cpu_formulations.py (4096 -> 4096, r=64, f32, ms): T=64, D=16: loop 11.9,
+# grouped 30.2, gather 53.0; T=8, D=1: 0.43 / 0.64 / 1.16; T=512, D=64: 276 / 312 / 412;
+# its worst cases are within 1.5x of the best (T=8, D=8 gather 1.54, loop 2.08; T=512, D=4
+# grouped 15.0, loop 22.5). On Llama-3-8B projection groups at T=9 (a decode step) it was
+# 2-3x faster than the gather with 8 adapters and 10-20x with 1. Sorted + ragged_dot was
+# slowest everywhere (benchmarks/lora_kernels.py).
+CPU_FORMULATION = "loop"
 
 
 def distinct_bound(num_slots: int, num_tokens: int | None, num_distinct: int | None = None) -> int:
@@ -64,6 +58,7 @@ def _group_select(token_slots: jax.Array, slots: jax.Array) -> jax.Array:  # f32
 def _grouped_slots(token_slots, num_slots, slots):
     if slots is None:
         slots = step_slots(token_slots, num_slots, distinct_bound(num_slots, token_slots.shape[0]))
+    slots = jnp.asarray(slots)
     return slots, jnp.maximum(slots, 0)
 
 
@@ -83,7 +78,18 @@ def shrink(
     """v[t] = (x[t] @ A[slot]ᵀ) * scaling[slot]."""
     idx, has = _safe(token_slots)
     num_slots = a.shape[0]
-    if formulation == "grouped":
+    if formulation == "loop":
+        slots, _ = _grouped_slots(token_slots, num_slots, slots)
+        token_slots = jnp.asarray(token_slots)
+
+        def add_adapter(i, v):
+            s = slots[i]
+            a_s = lax.dynamic_index_in_dim(a, s, 0, keepdims=False)  # [n*R, in], read in place
+            mine = (token_slots == s).astype(jnp.float32)[:, None]
+            return v + mine * jnp.einsum("ti,ri->tr", x, a_s, preferred_element_type=jnp.float32)
+
+        v = lax.fori_loop(0, jnp.sum(slots >= 0), add_adapter, jnp.zeros((x.shape[0], a.shape[1]), jnp.float32))
+    elif formulation == "grouped":
         slots, used = _grouped_slots(token_slots, num_slots, slots)
         # One [T, in] x [in, U*n*R] matmul over the step's adapters, each read once.
         v_all = jnp.einsum("ti,uri->tur", x, a[used], preferred_element_type=jnp.float32)
@@ -117,6 +123,8 @@ def expand(
     idx, has = _safe(token_slots)
     num_slots, rank = b[0].shape[0], b[0].shape[1]
     outs = []
+    if formulation == "loop":
+        return _expand_loop(v, b, base_outputs, token_slots, *_grouped_slots(token_slots, num_slots, slots)[:1])
     if formulation == "grouped":
         slots, used = _grouped_slots(token_slots, num_slots, slots)
         select = _group_select(token_slots, slots)
@@ -145,6 +153,26 @@ def expand(
     return tuple(outs)
 
 
+def _expand_loop(v, b, base_outputs, token_slots, slots):
+    """The loop formulation's expand: each distinct slot's B read in place once."""
+    rank = b[0].shape[1]
+    token_slots = jnp.asarray(token_slots)
+
+    def add_adapter(i, ds):
+        s = slots[i]
+        mine = (token_slots == s).astype(jnp.float32)[:, None]
+        out = []
+        for j, (bj, dj) in enumerate(zip(b, ds)):
+            b_s = lax.dynamic_index_in_dim(bj, s, 0, keepdims=False)  # [R, out_j]
+            vj = (v[:, j * rank : (j + 1) * rank] * mine).astype(bj.dtype)
+            out.append(dj + jnp.einsum("tr,ro->to", vj, b_s, preferred_element_type=jnp.float32))
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((v.shape[0], bj.shape[2]), jnp.float32) for bj in b)
+    ds = lax.fori_loop(0, jnp.sum(slots >= 0), add_adapter, zeros)
+    return tuple((y.astype(jnp.float32) + d).astype(y.dtype) for y, d in zip(base_outputs, ds))
+
+
 def lora(
     x: jax.Array,  # [T, in]
     a: jax.Array,  # [S, n*R, in]
@@ -156,7 +184,7 @@ def lora(
     slots: jax.Array | None = None,  # i32[U] grouped: the step's distinct slots (-1 pads); None: found here
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """Shrink then expand in one formulation."""
-    if formulation == "grouped" and slots is None:
+    if formulation in ("grouped", "loop") and slots is None:
         slots = step_slots(token_slots, a.shape[0], distinct_bound(a.shape[0], token_slots.shape[0]))
     v = shrink(x, a, token_slots, slot_scalings, formulation, slots)
     return expand(v, b, base_outputs, token_slots, formulation, slots)

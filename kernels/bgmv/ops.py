@@ -3,7 +3,7 @@
 `bgmv` is the public op (fused shrink + expand); `bgmv_shrink` and `bgmv_expand` are its
 two halves for callers that need v in between. Platform dispatch: "gpu" Triton kernel,
 "tpu" Mosaic kernel, "cpu" the XLA formulation measured fastest there
-(kernels.xla.cpu_formulation; Pallas runs on CPU only in
+(kernels.xla.CPU_FORMULATION; Pallas runs on CPU only in
 interpret mode: pass platform="gpu"/"tpu" with interpret=True to test a kernel there).
 
 A and B are one layer's pool ([S, ...]) or the whole pool stacked over layers
@@ -54,7 +54,7 @@ def bgmv_shrink(
     platform = _resolve(platform)
     if platform == "cpu":
         return xla.shrink(x, layer_slice(a, lyr), token_slots, slot_scalings,
-                          xla.cpu_formulation(num_slots, x.shape[0]))
+                          xla.CPU_FORMULATION)
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
     meta = tiles_from_slots(token_slots, num_slots, bs.tm)
     return dispatch.shrink_on_tiles(
@@ -83,7 +83,7 @@ def bgmv_expand(
     platform = _resolve(platform)
     if platform == "cpu":
         b_layer = tuple(layer_slice(bi, lyr) for bi in b)
-        return xla.expand(v, b_layer, base_outputs, token_slots, xla.cpu_formulation(num_slots, v.shape[0]))
+        return xla.expand(v, b_layer, base_outputs, token_slots, xla.CPU_FORMULATION)
     bs = block or block_sizes(platform, v.shape[0], b[0].shape[3], b[0].dtype)
     meta = tiles_from_slots(token_slots, num_slots, bs.tm)
     return dispatch.expand_on_tiles(
@@ -121,7 +121,7 @@ def bgmv(
     if platform == "cpu":
         a_layer, b_layer = layer_slice(a, lyr), tuple(layer_slice(bi, lyr) for bi in b)
         return xla.lora(x, a_layer, b_layer, base_outputs, token_slots, slot_scalings,
-                        xla.cpu_formulation(num_slots, x.shape[0]))
+                        xla.CPU_FORMULATION)
     if tiles is not None and block is None:
         raise ValueError("tiles were given without the block sizes they were cut with (block=None)")
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)

@@ -5,7 +5,7 @@
 Takes the host-computed segments of LoRABatchInfo (sorted_order, segment_starts,
 segment_slots). "tpu": megablox-style grouped kernels (kernels.sgmv.tpu); "gpu": the
 Triton tile kernels of kernels.bgmv.gpu on tiles cut from the segments; "cpu": the XLA
-formulation measured fastest there (kernels.xla.cpu_formulation).
+formulation measured fastest there (kernels.xla.CPU_FORMULATION).
 A and B may be stacked over layers with `layer` saying which (as for bgmv).
 """
 
@@ -35,11 +35,9 @@ def _setup(platform, x_shape, a_or_b_dtype, in_features, block):
 
 
 def _cpu_formulation(num_slots, token_slots, segment_slots):
-    """The XLA formulation for these segments and the distinct slots it reads: the
-    segments list them, at most N = len(segment_slots) (LoRABatchInfo bounds N by the
-    sequences a step can hold)."""
-    name = xla.cpu_formulation(num_slots, token_slots.shape[0], segment_slots.shape[0])
-    return name, (segment_slots if name == "grouped" else None)
+    """The XLA formulation and the distinct slots it reads: the segments list them."""
+    del num_slots, token_slots
+    return xla.CPU_FORMULATION, segment_slots
 
 
 def _sorted_scale(token_slots, slot_scalings, meta, rows):  # f32[rows] scaling of each sorted row

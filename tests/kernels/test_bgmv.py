@@ -120,22 +120,15 @@ def test_xla_formulations(formulation):
     (12, 3, [2, -1, 0, 2, 1, -1, 0, 0, 1, 2, -1, 1]),  # every slot and no-adapter tokens, S < T
     (4, 16, [15, 3, 15, 0]),  # S > T: at most T distinct
 ])
-def test_grouped_reads_each_distinct_slot(num_tokens, num_slots, slots):
+@pytest.mark.parametrize("formulation", ["grouped", "loop"])
+def test_distinct_slot_formulations(num_tokens, num_slots, slots, formulation):
     d = make_inputs(num_tokens, num_slots, 8, OUTS[:2], IN, F32, seed=5, slots=slots)
     found = np.asarray(xla.step_slots(d["slots"], num_slots, xla.distinct_bound(num_slots, num_tokens)))
     distinct = sorted({s for s in slots if s >= 0})
     assert found[: len(distinct)].tolist() == distinct and (found[len(distinct):] == -1).all()
-    got = jax.jit(lambda *a: xla.lora(*a, "grouped"))(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"])
+    got = jax.jit(lambda *a: xla.lora(*a, formulation))(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"])
     for g, w in zip(got, naive_lora(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"])):
         assert_close(g, w, F32)
-
-
-def test_cpu_formulation_bounds_distinct_slots_by_tokens_and_sequences():
-    assert xla.cpu_formulation(64, 512, 8) == "grouped"  # a prefill of 8 sequences: 8 adapters at most
-    assert xla.cpu_formulation(64, 64) == "gather"  # 64 decode rows may use 64 adapters
-    assert xla.cpu_formulation(8, 8) == "gather"  # one token per adapter: the gather copies no more
-    assert xla.cpu_formulation(4, 512) == "grouped"
-    assert xla.cpu_formulation(16, 64) == "grouped"
 
 
 def test_jnp_reference_matches_naive_loop():

@@ -1,7 +1,7 @@
 """The XLA LoRA backend: the kernels' plain-XLA formulation, the fastest choice on CPU.
 
 benchmarks/lora_kernels.py measures gather vs one-hot vs sorted segments on CPU; the
-winner per pool size (kernels.xla.cpu_formulation) is what this backend runs. Tensor parallelism
+winner (kernels.xla.CPU_FORMULATION) is what this backend runs. Tensor parallelism
 and op structure are the kernel backend's (shard_map per `parallel`).
 """
 
