@@ -74,21 +74,24 @@ def shrink(
     slot_scalings: jax.Array,  # f32[S]
     formulation: str,
     slots: jax.Array | None = None,  # i32[U] grouped: the step's distinct slots (-1 pads); None: found here
+    layer: jax.Array | None = None,  # i32[1]: a is stacked over layers ([L, S, n*R, in]); apply this one
 ) -> jax.Array:  # f32[T, n*R], scaled, zero for slot -1
     """v[t] = (x[t] @ A[slot]ᵀ) * scaling[slot]."""
     idx, has = _safe(token_slots)
-    num_slots = a.shape[0]
+    if layer is not None and formulation != "loop":
+        a, layer = _layer(a, layer), None
+    num_slots = a.shape[0] if layer is None else a.shape[1]
     if formulation == "loop":
         slots, _ = _grouped_slots(token_slots, num_slots, slots)
         token_slots = jnp.asarray(token_slots)
 
         def add_adapter(i, v):
             s = slots[i]
-            a_s = lax.dynamic_index_in_dim(a, s, 0, keepdims=False)  # [n*R, in], read in place
+            a_s = _slot(a, layer, s)  # [n*R, in], read in place
             mine = (token_slots == s).astype(jnp.float32)[:, None]
             return v + mine * jnp.einsum("ti,ri->tr", x, a_s, preferred_element_type=jnp.float32)
 
-        v = lax.fori_loop(0, jnp.sum(slots >= 0), add_adapter, jnp.zeros((x.shape[0], a.shape[1]), jnp.float32))
+        v = lax.fori_loop(0, jnp.sum(slots >= 0), add_adapter, jnp.zeros((x.shape[0], a.shape[-2]), jnp.float32))
     elif formulation == "grouped":
         slots, used = _grouped_slots(token_slots, num_slots, slots)
         # One [T, in] x [in, U*n*R] matmul over the step's adapters, each read once.
@@ -118,13 +121,17 @@ def expand(
     token_slots: jax.Array,  # i32[T]
     formulation: str,
     slots: jax.Array | None = None,  # i32[U] grouped: the step's distinct slots (-1 pads); None: found here
+    layer: jax.Array | None = None,  # i32[1]: each B_i is stacked over layers ([L, S, R, out_i])
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """y_i[t] = base_i[t] + v[t, i*R:(i+1)*R] @ B_i[slot]."""
     idx, has = _safe(token_slots)
+    if formulation == "loop":
+        num_slots = b[0].shape[0 if layer is None else 1]
+        return _expand_loop(v, b, base_outputs, token_slots, _grouped_slots(token_slots, num_slots, slots)[0], layer)
+    if layer is not None:
+        b = tuple(_layer(bi, layer) for bi in b)
     num_slots, rank = b[0].shape[0], b[0].shape[1]
     outs = []
-    if formulation == "loop":
-        return _expand_loop(v, b, base_outputs, token_slots, *_grouped_slots(token_slots, num_slots, slots)[:1])
     if formulation == "grouped":
         slots, used = _grouped_slots(token_slots, num_slots, slots)
         select = _group_select(token_slots, slots)
@@ -153,9 +160,22 @@ def expand(
     return tuple(outs)
 
 
-def _expand_loop(v, b, base_outputs, token_slots, slots):
+def _layer(arr: jax.Array, layer: jax.Array) -> jax.Array:
+    """One layer of a stacked pool array (formulations that read all of its slots)."""
+    return lax.dynamic_index_in_dim(arr, layer[0], 0, keepdims=False)
+
+
+def _slot(arr: jax.Array, layer: jax.Array | None, slot: jax.Array) -> jax.Array:
+    """One slot's weights, sliced straight out of the (stacked) pool: inside a loop, a layer
+    slice taken first would be copied whole."""
+    if layer is not None:
+        return lax.dynamic_slice(arr, (layer[0], slot) + (0,) * (arr.ndim - 2), (1, 1) + arr.shape[2:])[0, 0]
+    return lax.dynamic_index_in_dim(arr, slot, 0, keepdims=False)
+
+
+def _expand_loop(v, b, base_outputs, token_slots, slots, layer=None):
     """The loop formulation's expand: each distinct slot's B read in place once."""
-    rank = b[0].shape[1]
+    rank = b[0].shape[-2]
     token_slots = jnp.asarray(token_slots)
 
     def add_adapter(i, ds):
@@ -163,12 +183,12 @@ def _expand_loop(v, b, base_outputs, token_slots, slots):
         mine = (token_slots == s).astype(jnp.float32)[:, None]
         out = []
         for j, (bj, dj) in enumerate(zip(b, ds)):
-            b_s = lax.dynamic_index_in_dim(bj, s, 0, keepdims=False)  # [R, out_j]
+            b_s = _slot(bj, layer, s)  # [R, out_j]
             vj = (v[:, j * rank : (j + 1) * rank] * mine).astype(bj.dtype)
             out.append(dj + jnp.einsum("tr,ro->to", vj, b_s, preferred_element_type=jnp.float32))
         return tuple(out)
 
-    zeros = tuple(jnp.zeros((v.shape[0], bj.shape[2]), jnp.float32) for bj in b)
+    zeros = tuple(jnp.zeros((v.shape[0], bj.shape[-1]), jnp.float32) for bj in b)
     ds = lax.fori_loop(0, jnp.sum(slots >= 0), add_adapter, zeros)
     return tuple((y.astype(jnp.float32) + d).astype(y.dtype) for y, d in zip(base_outputs, ds))
 
@@ -182,9 +202,11 @@ def lora(
     slot_scalings: jax.Array,  # f32[S]
     formulation: str,
     slots: jax.Array | None = None,  # i32[U] grouped: the step's distinct slots (-1 pads); None: found here
+    layer: jax.Array | None = None,  # i32[1]: the pool is stacked over layers; apply this one
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """Shrink then expand in one formulation."""
+    num_slots = a.shape[0 if layer is None else 1]
     if formulation in ("grouped", "loop") and slots is None:
-        slots = step_slots(token_slots, a.shape[0], distinct_bound(a.shape[0], token_slots.shape[0]))
-    v = shrink(x, a, token_slots, slot_scalings, formulation, slots)
-    return expand(v, b, base_outputs, token_slots, formulation, slots)
+        slots = step_slots(token_slots, num_slots, distinct_bound(num_slots, token_slots.shape[0]))
+    v = shrink(x, a, token_slots, slot_scalings, formulation, slots, layer)
+    return expand(v, b, base_outputs, token_slots, formulation, slots, layer)

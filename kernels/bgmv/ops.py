@@ -19,7 +19,7 @@ from kernels import dispatch, xla
 from kernels.bgmv.tuned_block_sizes import BlockSizes, gpu_block_sizes, tpu_block_sizes
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
 from kernels.common import (
-    TileMetadata, default_platform, layer_slice, per_layer_aval, stacked_pool, tiles_from_slots,
+    TileMetadata, default_platform, per_layer_aval, stacked_pool, tiles_from_slots,
 )
 
 
@@ -53,8 +53,8 @@ def bgmv_shrink(
     num_slots = a.shape[1]
     platform = _resolve(platform)
     if platform == "cpu":
-        return xla.shrink(x, layer_slice(a, lyr), token_slots, slot_scalings,
-                          xla.CPU_FORMULATION)
+        return xla.shrink(x, a, token_slots, slot_scalings,
+                          xla.CPU_FORMULATION, layer=lyr)
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
     meta = tiles_from_slots(token_slots, num_slots, bs.tm)
     return dispatch.shrink_on_tiles(
@@ -82,8 +82,7 @@ def bgmv_expand(
     num_slots = b[0].shape[1]
     platform = _resolve(platform)
     if platform == "cpu":
-        b_layer = tuple(layer_slice(bi, lyr) for bi in b)
-        return xla.expand(v, b_layer, base_outputs, token_slots, xla.CPU_FORMULATION)
+        return xla.expand(v, b, base_outputs, token_slots, xla.CPU_FORMULATION, layer=lyr)
     bs = block or block_sizes(platform, v.shape[0], b[0].shape[3], b[0].dtype)
     meta = tiles_from_slots(token_slots, num_slots, bs.tm)
     return dispatch.expand_on_tiles(
@@ -119,9 +118,8 @@ def bgmv(
     num_slots = a.shape[1]
     platform = _resolve(platform)
     if platform == "cpu":
-        a_layer, b_layer = layer_slice(a, lyr), tuple(layer_slice(bi, lyr) for bi in b)
-        return xla.lora(x, a_layer, b_layer, base_outputs, token_slots, slot_scalings,
-                        xla.CPU_FORMULATION)
+        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings,
+                        xla.CPU_FORMULATION, layer=lyr)
     if tiles is not None and block is None:
         raise ValueError("tiles were given without the block sizes they were cut with (block=None)")
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)

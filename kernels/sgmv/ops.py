@@ -18,7 +18,7 @@ from kernels import dispatch, xla
 from kernels.bgmv.tuned_block_sizes import BlockSizes
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
 from kernels.common import (
-    default_platform, gather_tile_rows, layer_slice, per_layer_aval, stacked_pool, tiles_from_segments,
+    default_platform, gather_tile_rows, per_layer_aval, stacked_pool, tiles_from_segments,
 )
 from kernels.sgmv import tpu
 from kernels.sgmv.metadata import group_metadata
@@ -78,8 +78,8 @@ def sgmv_shrink(
     platform, bs = _setup(platform, x.shape, x.dtype, x.shape[1], block)
     num_slots = a.shape[1]
     if platform == "cpu":
-        return xla.shrink(x, layer_slice(a, lyr), token_slots, slot_scalings,
-                          *_cpu_formulation(num_slots, token_slots, segment_slots))
+        return xla.shrink(x, a, token_slots, slot_scalings,
+                          *_cpu_formulation(num_slots, token_slots, segment_slots), layer=lyr)
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.shrink_on_tiles(
@@ -115,9 +115,8 @@ def sgmv_expand(
     platform, bs = _setup(platform, v.shape, b[0].dtype, b[0].shape[3], block)
     num_slots = b[0].shape[1]
     if platform == "cpu":
-        b_layer = tuple(layer_slice(bi, lyr) for bi in b)
-        return xla.expand(v, b_layer, base_outputs, token_slots,
-                          *_cpu_formulation(num_slots, token_slots, segment_slots))
+        return xla.expand(v, b, base_outputs, token_slots,
+                          *_cpu_formulation(num_slots, token_slots, segment_slots), layer=lyr)
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.expand_on_tiles(
@@ -155,9 +154,8 @@ def sgmv(
     platform, bs = _setup(platform, x.shape, x.dtype, x.shape[1], block)
     num_slots = a.shape[1]
     if platform == "cpu":
-        a_layer, b_layer = layer_slice(a, lyr), tuple(layer_slice(bi, lyr) for bi in b)
-        return xla.lora(x, a_layer, b_layer, base_outputs, token_slots, slot_scalings,
-                        *_cpu_formulation(num_slots, token_slots, segment_slots))
+        return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings,
+                        *_cpu_formulation(num_slots, token_slots, segment_slots), layer=lyr)
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.lora_on_tiles(
