@@ -76,11 +76,6 @@ def per_layer_aval(arr: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(arr.shape[1:], arr.dtype)
 
 
-def layer_slice(arr: jax.Array, layer: jax.Array) -> jax.Array:
-    """One layer of a stacked pool array for the XLA formulations (they fuse the slice)."""
-    return jax.lax.dynamic_index_in_dim(arr, layer[0], 0, keepdims=False)
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
