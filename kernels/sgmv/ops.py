@@ -34,12 +34,6 @@ def _setup(platform, x_shape, a_or_b_dtype, in_features, block):
     return platform, bs
 
 
-def _cpu_formulation(num_slots, token_slots, segment_slots):
-    """The XLA formulation and the distinct slots it reads: the segments list them."""
-    del num_slots, token_slots
-    return xla.CPU_FORMULATION, segment_slots
-
-
 def _sorted_scale(token_slots, slot_scalings, meta, rows):  # f32[rows] scaling of each sorted row
     sorted_slots = token_slots[meta.order[jnp.minimum(jnp.arange(rows), token_slots.shape[0] - 1)]]
     return jnp.where(sorted_slots >= 0, slot_scalings[jnp.maximum(sorted_slots, 0)], 0.0)
@@ -79,7 +73,7 @@ def sgmv_shrink(
     num_slots = a.shape[1]
     if platform == "cpu":
         return xla.shrink(x, a, token_slots, slot_scalings,
-                          *_cpu_formulation(num_slots, token_slots, segment_slots), layer=lyr)
+                          xla.CPU_FORMULATION, segment_slots, layer=lyr)  # the segments list the distinct slots
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.shrink_on_tiles(
@@ -116,7 +110,7 @@ def sgmv_expand(
     num_slots = b[0].shape[1]
     if platform == "cpu":
         return xla.expand(v, b, base_outputs, token_slots,
-                          *_cpu_formulation(num_slots, token_slots, segment_slots), layer=lyr)
+                          xla.CPU_FORMULATION, segment_slots, layer=lyr)  # the segments list the distinct slots
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.expand_on_tiles(
@@ -155,7 +149,7 @@ def sgmv(
     num_slots = a.shape[1]
     if platform == "cpu":
         return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings,
-                        *_cpu_formulation(num_slots, token_slots, segment_slots), layer=lyr)
+                        xla.CPU_FORMULATION, segment_slots, layer=lyr)  # the segments list the distinct slots
     if platform == "gpu":
         meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
         return dispatch.lora_on_tiles(
