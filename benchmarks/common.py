@@ -124,8 +124,10 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
-def write_random_adapter(out_dir, model_config: ModelConfig, *, r: int, alpha: float, seed: int):
-    """A PEFT-format adapter on all 7 target modules with random weights; returns its bytes."""
+def write_random_adapter(out_dir, model_config: ModelConfig, *, r: int, alpha: float, seed: int,
+                         dora: bool = False, outer: bool = False):
+    """A PEFT-format adapter on all 7 target modules with random weights (a DoRA one with
+    `dora`; also on embed_tokens and lm_head with `outer`); returns its directory."""
     import json
     import pathlib
 
@@ -144,12 +146,25 @@ def write_random_adapter(out_dir, model_config: ModelConfig, *, r: int, alpha: f
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((r, fan_in)) / fan_in**0.5).astype(np.float32)
             tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((fan_out, r)) / r**0.5).astype(np.float32)
+            if dora:
+                tensors[f"{key}.lora_magnitude_vector"] = rng.uniform(0.5, 1.5, fan_out).astype(np.float32)
+    targets = list(module_shapes(model_config))
+    if outer:
+        h, v = model_config.hidden_size, model_config.vocab_size
+        tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = rng.standard_normal((r, v)).astype(np.float32)
+        tensors["base_model.model.model.embed_tokens.lora_embedding_B"] = (
+            rng.standard_normal((h, r)) / r**0.5).astype(np.float32)
+        tensors["base_model.model.lm_head.lora_A.weight"] = (rng.standard_normal((r, h)) / h**0.5).astype(np.float32)
+        tensors["base_model.model.lm_head.lora_B.weight"] = (rng.standard_normal((v, r)) / r**0.5).astype(np.float32)
+        if dora:
+            tensors["base_model.model.lm_head.lora_magnitude_vector"] = rng.uniform(0.5, 1.5, v).astype(np.float32)
+        targets += ["embed_tokens", "lm_head"]
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(
         json.dumps(
             {
                 "peft_type": "LORA", "r": r, "lora_alpha": alpha, "bias": "none",
-                "target_modules": list(module_shapes(model_config)), "use_rslora": False,
+                "target_modules": targets, "use_rslora": False, "use_dora": dora,
                 "fan_in_fan_out": False, "modules_to_save": None,
             }
         )

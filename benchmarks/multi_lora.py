@@ -9,8 +9,12 @@ batch of base traffic (no adapter), one shared adapter and 8 distinct adapters (
 q,k,v,o,gate,up,down). A decode step is memory-bound, so its floor with D distinct
 adapters is (base bytes + D * adapter bytes) / base bytes of the LoRA-off step. Also
 times one slot write (host cache -> device pool) at two pool sizes, to show a load costs
-the adapter's bytes, not the pool's. Last line: `lora_over_base_step=<f>
-roofline_ratio=<f> base_traffic_over_no_lora=<f> slot_load_ms=<f> recompiles=<n>`.
+the adapter's bytes, not the pool's. Then 8 distinct DoRA adapters (the same projections
+plus a magnitude vector each) and 8 adapters that also target embed_tokens and lm_head,
+each against its own byte roofline: DoRA reads one f32 scale per output, the head adapter
+rank x (hidden + vocab) more weights. Last line: `lora_over_base_step=<f>
+roofline_ratio=<f> base_traffic_over_no_lora=<f> slot_load_ms=<f> recompiles=<n>
+dora_over_plain_step=<f> embed_head_over_plain_step=<f>`.
 """
 
 from __future__ import annotations
@@ -87,17 +91,26 @@ def main(argv: list[str] | None = None) -> None:
         lora_off.shutdown()
     engine = synthetic_engine(model_config, config, tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
-        names = [f"bench-{i}" for i in range(distinct)]
-        for i, name in enumerate(names):
-            engine.lora_manager.register(name, str(write_random_adapter(f"{tmp}/{name}", model_config, r=rank, alpha=2 * rank, seed=i)))
+        kinds = {"plain": {}, "dora": {"dora": True}, "embed_head": {"outer": True}}
+        names = {kind: [f"{kind}-{i}" for i in range(distinct)] for kind in kinds}
+        for kind, extra in kinds.items():
+            for i, name in enumerate(names[kind]):
+                path = write_random_adapter(f"{tmp}/{name}", model_config, r=rank, alpha=2 * rank, seed=i, **extra)
+                engine.lora_manager.register(name, str(path))
         engine.start()
         try:
+            warm = SamplingParams(max_tokens=2, ignore_eos=True)
             # Make every adapter resident first: this measures decoding, not loading.
-            engine.generate_batch([prompt] * distinct, SamplingParams(max_tokens=2, ignore_eos=True), names)
+            engine.generate_batch([prompt] * distinct, warm, names["plain"])
             base_s = _decode_step_s(engine, [None] * distinct, prompt, params, repeats)
-            one_s = _decode_step_s(engine, [names[0]] * distinct, prompt, params, repeats)
-            many_s = _decode_step_s(engine, names, prompt, params, repeats)
+            one_s = _decode_step_s(engine, [names["plain"][0]] * distinct, prompt, params, repeats)
+            many_s = _decode_step_s(engine, names["plain"], prompt, params, repeats)
+            kind_s = {"plain": many_s}
+            for kind in ("dora", "embed_head"):
+                engine.generate_batch([prompt] * distinct, warm, names[kind])
+                kind_s[kind] = _decode_step_s(engine, names[kind], prompt, params, repeats)
             recompiles += engine.compiles_after_warmup
+            names = names["plain"]
             adapter = load_adapter(names[0], f"{tmp}/{names[0]}", SourcePolicy(None, 1 << 30), model_config, rank)
         finally:
             engine.shutdown()
@@ -105,6 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     base_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
     adapter_bytes = model_config.num_layers * sum(rank * (i + o) for i, o in module_shapes(model_config).values()) * itemsize
     roofline = {1: 1 + adapter_bytes / base_bytes, distinct: 1 + distinct * adapter_bytes / base_bytes}
+    # DoRA: an f32 scale per output of each module; embed/head: the gathered rows of the
+    # embedding's A (negligible), its B [r, hidden] and the head's A [r, hidden] and B [r, vocab].
+    h, v = model_config.hidden_size, model_config.vocab_size
+    extra = {"dora": model_config.num_layers * sum(o for _, o in module_shapes(model_config).values()) * 4,
+             "embed_head": rank * (2 * h + v) * itemsize}
+    kind_roof = {kind: 1 + distinct * (adapter_bytes + extra[kind]) / base_bytes for kind in extra}
     write_small = _slot_write_ms(model_config, adapter, 8, rank)
     write_large = _slot_write_ms(model_config, adapter, 64, rank)
     print(f"device={jax.devices()[0].platform} backend={engine.runner.backend.name} model={shape} "
@@ -116,11 +135,15 @@ def main(argv: list[str] | None = None) -> None:
             ("LoRA on, no adapter", 1e3 * base_s, distinct / base_s, base_s / off_s, 1.0),
             ("1 adapter", 1e3 * one_s, distinct / one_s, one_s / off_s, roofline[1]),
             (f"{distinct} adapters", 1e3 * many_s, distinct / many_s, many_s / off_s, roofline[distinct]),
+            *((f"{distinct} {kind} adapters", 1e3 * kind_s[kind], distinct / kind_s[kind], kind_s[kind] / off_s,
+               kind_roof[kind]) for kind in kind_roof),
         ],
     )
     print_table(["pool slots", "slot_write_ms"], [(8, write_small), (64, write_large)])
     print(f"lora_over_base_step={many_s / off_s:.4f} roofline_ratio={roofline[distinct]:.4f} "
-          f"base_traffic_over_no_lora={base_s / off_s:.4f} slot_load_ms={write_small:.3f} recompiles={recompiles}")
+          f"base_traffic_over_no_lora={base_s / off_s:.4f} slot_load_ms={write_small:.3f} recompiles={recompiles} "
+          f"dora_over_plain_step={kind_s['dora'] / many_s:.4f} "
+          f"embed_head_over_plain_step={kind_s['embed_head'] / many_s:.4f}")
 
 
 if __name__ == "__main__":

@@ -47,8 +47,11 @@ class AdapterValidator:
     """Checks an adapter's files against the base model and the server's limits."""
 
     def __init__(self, model: str, max_lora_rank: int, adapter_roots: list[str] | None,
-                 max_adapter_bytes: int, *, base_name: str):
+                 max_adapter_bytes: int, *, base_name: str, lora_dora: bool = True,
+                 lora_embedding_modules: bool = True):
         self.model = model
+        self.lora_dora = lora_dora
+        self.lora_embedding_modules = lora_embedding_modules
         self.base_name = base_name
         self.max_lora_rank = max_lora_rank
         self.adapter_roots = adapter_roots
@@ -68,13 +71,17 @@ class AdapterValidator:
         return BaseModel(self.base_name, config_fingerprint(self.model_config()))
 
     def validate(self, name: str, source: str) -> dict:
-        """Fetches, parses and validates the adapter; returns facts to record (its rank and
-        base model); raises ServingError."""
+        """Fetches, parses and validates the adapter; returns facts to record (its rank, what it
+        targets, its content id and base model); raises ServingError."""
+        from lora_runtime.lora.adapter import check_room
         from lora_runtime.lora.sources import SourcePolicy, load_adapter
 
         policy = SourcePolicy(allowed_roots=self.adapter_roots, max_adapter_bytes=self.max_adapter_bytes)
         adapter = load_adapter(name, source, policy, self.model_config(), self.max_lora_rank)
-        return {"rank": int(adapter.rank), **self.base().entry_fields()}
+        check_room(adapter, dora=self.lora_dora, outer=self.lora_embedding_modules)
+        return {"rank": int(adapter.rank), "use_dora": adapter.use_dora,
+                "target_modules": sorted({m for _, m in adapter.modules}),
+                "content_id": adapter.content_id.hex(), **self.base().entry_fields()}
 
 
 def resolve_model_path(model: str, *, weights: bool = True) -> str:

@@ -64,6 +64,10 @@ class AppArgs(BaseModel):
     max_lora_rank: int = Field(
         64, description="Largest adapter rank accepted; each slot is this wide (smaller ranks zero-padded)."
     )
+    lora_dora: bool = Field(
+        True, description="Serve DoRA adapters (use_dora): each slot holds f32 per-output scales for them.")
+    lora_embedding_modules: bool = Field(
+        True, description="Serve adapters of embed_tokens and lm_head: each slot holds rank x vocab rows for each.")
     max_cpu_loras: int = Field(64, description="Adapters kept in each replica's host cache.")
     max_adapter_bytes: int = Field(1 << 30, description="Largest adapter accepted, in bytes.")
     lora_backend: str = Field("auto", description="LoRA backend: auto, reference, xla or pallas.")
@@ -255,6 +259,8 @@ class AppArgs(BaseModel):
             prefix_cache_min_tokens=self.prefix_cache_min_tokens,
             max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_lora_rank,
+            lora_dora=self.lora_dora,
+            lora_embedding_modules=self.lora_embedding_modules,
             max_cpu_loras=self.max_cpu_loras,
             lora_backend=self.lora_backend,
             tensor_parallel_size=self.tensor_parallel_size,
@@ -269,7 +275,8 @@ class AppArgs(BaseModel):
         from cluster.admin import AdapterValidator
 
         return AdapterValidator(self.model, self.max_lora_rank, self.adapter_roots, self.max_adapter_bytes,
-                                base_name=self.served_model_name)
+                                base_name=self.served_model_name, lora_dora=self.lora_dora,
+                                lora_embedding_modules=self.lora_embedding_modules)
 
     @property
     def served_model_name(self) -> str:

@@ -78,6 +78,8 @@ def assemble_engine(
         from lora_runtime.lora.manager import LoRAManager
         from lora_runtime.lora.sources import SourcePolicy
 
+        from lora_runtime.lora.base_weights import BaseWeights
+
         backend = select_backend(config.lora_backend, mesh=mesh)
         manager = LoRAManager(
             model_config,
@@ -90,6 +92,9 @@ def assemble_engine(
                 allowed_roots=config.adapter_roots, max_adapter_bytes=config.max_adapter_bytes
             ),
             dtype=model_config.dtype,
+            base_weights=BaseWeights(model),
+            outer=config.lora_embedding_modules,
+            dora=config.lora_dora,
         )
     runner = ModelRunner(model, model_config, config, mesh, backend, num_blocks=plan.num_blocks,
                          block_size=plan.block_size, attention_platform=platform, interpret=interpret)

@@ -52,6 +52,12 @@ class EngineConfig(BaseModel):
         4, ge=0, description="Device adapter slots, so distinct adapters in one batch; 0 disables LoRA."
     )
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank a slot can hold.")
+    lora_dora: bool = Field(
+        True, description="Slots hold DoRA's per-output scales (f32, one per output of every target module), so "
+        "DoRA adapters (use_dora) are served; off saves that memory and refuses them.")
+    lora_embedding_modules: bool = Field(
+        True, description="Slots hold embed_tokens and lm_head adapters (rank x vocab each); off saves that "
+        "memory and refuses adapters that target them.")
     max_cpu_loras: int = Field(64, ge=1, description="Adapters kept in the host cache.")
     max_cpu_lora_bytes: int = Field(
         2 << 30, ge=1, description="Bytes of adapter weights kept in the host cache."

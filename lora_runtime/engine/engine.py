@@ -144,9 +144,10 @@ class Engine:
             steps.append(("decode", self._idle_inputs(b, prefill=False, groups=b, lora=lora), pool))
         compile_step = {"prefill": runner.compile_prefill, "extend": runner.compile_extend,
                         "decode": runner.compile_decode}
-        # Prompt log-probabilities read a base prefill's hidden states (per bucket).
+        # Prompt log-probabilities read a prefill's hidden states (per bucket): a base one's, and
+        # an adapter one's where adapters may change the head.
         jobs = [functools.partial(compile_step[kind], inputs, pool,
-                                  **({"prompt_logprobs": inputs.lora is None} if kind == "prefill" else {}))
+                                  **({"prompt_logprobs": _reads_head(inputs, pool)} if kind == "prefill" else {}))
                 for kind, inputs, pool in steps]
         # The sampler, per row count: prefill and decode sample max_batch rows, a
         # several-sequence extend one per sequence, a one-sequence extend one.
@@ -159,7 +160,7 @@ class Engine:
         run_step = {"prefill": runner.prefill, "extend": runner.extend, "decode": runner.decode}
         for kind, inputs, pool in steps:
             run_step[kind](inputs, pool)
-            if kind == "prefill" and inputs.lora is None:
+            if kind == "prefill" and _reads_head(inputs, pool):
                 runner.prompt_logprobs(np.zeros(inputs.tokens.shape[0], np.int32))
         size = history_bucket(1)
         while True:
@@ -709,6 +710,12 @@ class Engine:
                               self._lora_info(none, lora), np.full(p, -1, np.int32))
         return self._paged_inputs(groups, n // groups, [], [None] * groups, np.zeros(groups, np.int32),
                                   np.full(groups, -1, np.int32), lora)
+
+
+def _reads_head(inputs: StepInputs, pool) -> bool:
+    """Whether prompt log-probabilities after this prefill need a program of their own: a base
+    prefill's, or an adapter prefill's when the pool holds lm_head adapters."""
+    return inputs.lora is None or (pool is not None and pool.holds("lm_head"))
 
 
 def _builds_of(job: Callable[[], None]) -> int:

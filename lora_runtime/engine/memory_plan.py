@@ -93,20 +93,29 @@ def weights_bytes(model_config: ModelConfig, mesh: jax.sharding.Mesh) -> int:
     return total
 
 
-def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_lora_rank: int) -> int:
+def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_lora_rank: int, *,
+                       outer: bool = False, dora: bool = False) -> int:
     """Bytes of the adapter pool on one device (its layout: lora_runtime/lora/memory_pool.py)."""
-    from lora_runtime.lora.adapter import group_shapes
-    from lora_runtime.lora.memory_pool import COLUMN_GROUPS
+    from lora_runtime.lora.memory_pool import TENSOR_AXIS as POOL_AXIS, PoolLayout, group_dims
 
     if num_slots == 0:
         return 0
     itemsize = jnp.dtype(model_config.dtype).itemsize
-    per_layer_slot = 0
-    for group, (fan_in, outs) in group_shapes(model_config).items():
-        column = group in COLUMN_GROUPS
-        per_layer_slot += len(outs) * max_lora_rank * (fan_in if column else fan_in // tp)
-        per_layer_slot += sum(max_lora_rank * (o // tp if column else o) for o in outs)
-    return model_config.num_layers * num_slots * per_layer_slot * itemsize
+    layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora)
+
+    def per_device(shape, spec) -> int:
+        return math.prod(n // tp if i < len(spec) and spec[i] == POOL_AXIS else n for i, n in enumerate(shape))
+
+    total = 0
+    for g, biased in zip(layout.groups, layout.biased):
+        depth, fan_in, outs = group_dims(model_config, g)
+        a_spec, b_spec, s_spec = layout.specs(g)
+        total += per_device((depth, num_slots, len(outs) * max_lora_rank, fan_in), a_spec) * itemsize
+        total += sum(per_device((depth, num_slots, max_lora_rank, o), b_spec) for o in outs) * itemsize
+        if layout.has_scale(g):
+            terms = 2 if biased else 1  # f32 scale, and shift where the base layer has a bias
+            total += terms * sum(per_device((depth, num_slots, o), s_spec) for o in outs) * 4
+    return total
 
 
 def workspace_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
@@ -150,7 +159,8 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
     """Sizes the KV cache; raises MemoryPlanError (before anything is allocated) if it cannot fit."""
     tp = mesh.shape.get(TENSOR_AXIS, 1)
     weights = weights_bytes(model_config, mesh)
-    pool = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank)
+    pool = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank,
+                              outer=config.lora_embedding_modules, dora=config.lora_dora)
     workspace = workspace_bytes(model_config, config, tp)
     per_block = block_bytes(model_config, block_size) // tp
     blocks_per_seq = math.ceil(config.max_seq_len / block_size)

@@ -104,6 +104,7 @@ class ModelRunner:
         # on first use (only requests that ask pay for the [T, vocab] logits).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
         self._last_hidden = None
+        self._last_head = (None, None)  # the last prefill's pool and adapter batch, if its head has adapters
 
     def _create_state(self) -> None:
         """The KV cache and the per-row token state the steps donate and return."""
@@ -150,20 +151,24 @@ class ModelRunner:
 
     # ---- traced steps ------------------------------------------------------------------
 
+    def _hook(self, pool, lora_info, prefill: bool):
+        if pool is None:
+            return None
+        from lora_runtime.lora.hook import PoolLoRAHook
+
+        return PoolLoRAHook(self.backend, pool, lora_info, prefill=prefill)
+
     def _forward(self, state, kv_cache, pool, tokens, positions, attn, lora_info, prefill: bool):
         model = nnx.merge(self.graphdef, state)
-        hook = None
-        if pool is not None:
-            from lora_runtime.lora.hook import PoolLoRAHook
-
-            hook = PoolLoRAHook(self.backend, pool, lora_info, prefill=prefill)
+        hook = self._hook(pool, lora_info, prefill)
         hidden, kv_cache = model(tokens, positions, kv_cache, attn, hook)
-        return model, hidden, kv_cache
+        return model, hook, hidden, kv_cache
 
     def _prefill_impl(self, state, kv_cache, pool, tokens, positions, attn, last_index, lora_info, *, mode):
         del mode  # in the metadata; kept apart so each mode is its own compiled function
-        model, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info, True)
-        return model.logits(hidden[last_index]), kv_cache, hidden
+        model, hook, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info,
+                                                      True)
+        return model.logits(hidden[last_index], hook, last_index), kv_cache, hidden
 
     @staticmethod
     def _init_row_impl(counts, seen, row, tokens, prompt_len):
@@ -177,13 +182,14 @@ class ModelRunner:
         counts = counts.at[row, safe].add(generated.astype(counts.dtype), mode="drop")
         return counts, seen
 
-    def _prompt_logprobs_impl(self, state, hidden, next_tokens):
+    def _prompt_logprobs_impl(self, state, hidden, next_tokens, pool=None, lora_info=None):
         model = nnx.merge(self.graphdef, state)
-        return step_logprobs(model.logits(hidden), next_tokens)
+        return step_logprobs(model.logits(hidden, self._hook(pool, lora_info, True)), next_tokens)
 
     def _decode_impl(self, state, kv_cache, pool, tokens, positions, attn, lora_info):
-        model, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info, False)
-        return model.logits(hidden), kv_cache  # token b of the batch is batch row b
+        model, hook, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info,
+                                                      False)
+        return model.logits(hidden, hook), kv_cache  # token b of the batch is batch row b
 
     # ---- host calls --------------------------------------------------------------------
 
@@ -199,6 +205,7 @@ class ModelRunner:
     def _run_prefill(self, step, inputs: StepInputs, pool) -> Sampled:
         with jax.set_mesh(self.mesh):
             logits, self.kv_cache, self._last_hidden = step(*self._prefill_args(inputs, pool))
+        self._last_head = _head_lora(inputs, pool)
         return self._sample_rows(logits, inputs.sampling, inputs.seq_rows)
 
     def _sample_rows(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray) -> Sampled:
@@ -229,7 +236,8 @@ class ModelRunner:
             if prompt_logprobs:
                 t, h = inputs.tokens.shape[0], self.model_config.hidden_size
                 aval = jax.ShapeDtypeStruct((t, h), self.model_config.dtype, sharding=compiled.output_shardings[-1])
-                self._prompt_logprobs.lower(self.state, aval, np.zeros(t, np.int32)).compile()
+                self._prompt_logprobs.lower(self.state, aval, np.zeros(t, np.int32),
+                                            *_head_lora(inputs, pool)).compile()
 
     def compile_extend(self, inputs: StepInputs, pool) -> None:
         with jax.set_mesh(self.mesh):
@@ -261,7 +269,7 @@ class ModelRunner:
         if self._last_hidden is None:
             raise RuntimeError("prompt_logprobs needs a prefill first")
         with jax.set_mesh(self.mesh):
-            logprobs = self._prompt_logprobs(self.state, self._last_hidden, next_tokens)
+            logprobs = self._prompt_logprobs(self.state, self._last_hidden, next_tokens, *self._last_head)
         return Sampled.from_device(next_tokens, logprobs)
 
     def decode(self, inputs: StepInputs, pool) -> Sampled:
@@ -282,6 +290,16 @@ def _sample_impl(logits, counts, seen, sampling, seq_rows):
     counts = counts.at[count_rows, tokens].add(1, mode="drop")
     # Log-probabilities are the model's own, before penalties (as sampling params leave them).
     return tokens, step_logprobs(logits, tokens, sampling.want_logprobs), counts
+
+
+def _head_lora(inputs: StepInputs, pool) -> tuple:
+    """(pool, adapter batch) for prompt log-probabilities read from this prefill's hidden states:
+    the head's adapters apply when the pool holds lm_head ones; else (None, None)."""
+    from lora_runtime.lora.adapter import HEAD
+
+    if inputs.lora is None or pool is None or not pool.holds(HEAD):
+        return None, None
+    return pool, inputs.lora
 
 
 def _pool_for(inputs: StepInputs, pool):

@@ -7,6 +7,20 @@ An adapter directory holds `adapter_config.json` and `adapter_model.safetensors`
 with A: [r, in] and B: [out, r]. PEFT stores them in that layout whatever
 `fan_in_fan_out` says (the flag only transposes the *base* weight when merging, and
 PEFT turns it off for `nn.Linear` targets), so the flag changes nothing here.
+
+Beside the transformer blocks' projections an adapter may target the output head
+(`lm_head.lora_{A|B}.weight`, a Linear of in = hidden, out = vocab) and the token
+embedding (`model.embed_tokens.lora_embedding_{A|B}`, A: [r, vocab], B: [hidden, r]:
+the delta of token t is scale * B @ A[:, t], a Linear applied to t's one-hot vector, so
+both are held here as (in, out) = (vocab, hidden) modules). PEFT then also saves those
+modules' base weights (`...base_layer.weight`); they are kept aside (`saved_base`) for
+the manager to check against the served base model: equal, they change nothing.
+
+DoRA (`use_dora: true`) adds a magnitude vector per module
+(`...{module}.lora_magnitude_vector`, [out]). PEFT computes a DoRA module as
+    y = g * (W x + scale * B A x) + (1 - g) * bias,   g = magnitude / ||W + scale * B A||_row
+with the row norms of the merged weight; `g` needs the base weights, so the manager
+derives it once per load (lora_runtime/lora/dora.py) and the step only multiplies.
 """
 
 from __future__ import annotations
@@ -28,15 +42,24 @@ from lora_runtime.model.lora_hook import GROUP_SLICES, GROUPS
 from lora_runtime.model.safetensors_io import SAFETENSORS_DTYPES, read_bytes
 
 MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Modules outside the transformer blocks, keyed with layer NO_LAYER.
+EMBED, HEAD = "embed_tokens", "lm_head"
+OUTER_MODULES: tuple[str, ...] = (EMBED, HEAD)
+NO_LAYER = -1
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-# Modules of a Llama model that are not transformer-block projections; PEFT could
-# target them, this runtime cannot.
-_REFUSED_TARGETS = ("embed_tokens", "lm_head")
+_PREFIX = r"^(?:base_model\.model\.)?"
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$"
+    _PREFIX + r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(lora_A\.weight|lora_B\.weight|"
+    r"lora_magnitude_vector(?:\.weight)?)$"
 )
-_SUPPORTED_CONFIG = {"bias": "none", "use_dora": False}
+_OUTER_KEY = re.compile(
+    _PREFIX + r"(?:model\.(embed_tokens)\.(lora_embedding_A|lora_embedding_B|base_layer\.weight)"
+    r"|(lm_head)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector(?:\.weight)?|base_layer\.weight))$"
+)
+_PART = {"lora_A.weight": "A", "lora_B.weight": "B", "lora_embedding_A": "A", "lora_embedding_B": "B",
+         "lora_magnitude_vector": "M", "lora_magnitude_vector.weight": "M", "base_layer.weight": "W"}
+_SUPPORTED_CONFIG = {"bias": "none"}
 
 
 def module_shapes(config) -> dict[str, tuple[int, int]]:
@@ -50,6 +73,15 @@ def module_shapes(config) -> dict[str, tuple[int, int]]:
     }
 
 
+def outer_shapes(config) -> dict[str, tuple[int, int]]:
+    """(in, out) of the embedding (vocab -> hidden, as a Linear on one-hot tokens) and the head."""
+    return {EMBED: (config.vocab_size, config.hidden_size), HEAD: (config.hidden_size, config.vocab_size)}
+
+
+def _shape_of(config, module: str) -> tuple[int, int]:
+    return outer_shapes(config)[module] if module in OUTER_MODULES else module_shapes(config)[module]
+
+
 def group_shapes(config) -> dict[str, tuple[int, tuple[int, ...]]]:
     """(in, (out_i per slice)) of each projection group, in hook slice order."""
     shapes = module_shapes(config)
@@ -58,6 +90,10 @@ def group_shapes(config) -> dict[str, tuple[int, tuple[int, ...]]]:
 
 def module_path(layer: int, module: str) -> str:
     """The module's name inside a HF Llama model, as PEFT matches target_modules."""
+    if module == EMBED:
+        return "model.embed_tokens"
+    if module == HEAD:
+        return "lm_head"
     return f"model.layers.{layer}.{_BLOCK[module]}.{module}"
 
 
@@ -68,6 +104,7 @@ class ModuleWeights:
     a: np.ndarray  # [r, in]
     b: np.ndarray  # [out, r]
     ratio: float  # module scaling / adapter slot scaling, folded into B in the pool
+    magnitude: np.ndarray | None = None  # DoRA's [out] magnitude vector; None for plain LoRA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +114,28 @@ class LoRAAdapter:
     name: str
     rank: int  # largest rank over its modules
     scaling: float  # per-slot scaling (LoRABatchInfo.slot_scalings)
-    weights: Mapping[tuple[int, str], ModuleWeights]  # (layer, module) -> weights
+    weights: Mapping[tuple[int, str], ModuleWeights]  # (layer, module) -> weights; NO_LAYER for embed/head
     content_id: bytes = b""  # hash of what it computes (weights, scalings): equal ids, equal outputs
+    # Base weights PEFT saved with embed/head targets (module -> [out, in] as HF stores them);
+    # the manager checks them against the served model and drops them.
+    saved_base: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
+        return sum(w.a.nbytes + w.b.nbytes + (0 if w.magnitude is None else w.magnitude.nbytes)
+                   for w in self.weights.values())
 
     @property
     def modules(self) -> frozenset[tuple[int, str]]:
         return frozenset(self.weights)
+
+    @property
+    def use_dora(self) -> bool:
+        return any(w.magnitude is not None for w in self.weights.values())
+
+    def outer(self, module: str) -> ModuleWeights | None:
+        """The adapter's embed_tokens or lm_head weights, if it targets that module."""
+        return self.weights.get((NO_LAYER, module))
 
     @classmethod
     def parse(cls, name: str, config_json: bytes | str, safetensors: bytes, model_config,
@@ -94,59 +143,108 @@ class LoRAAdapter:
         """Builds an adapter from the contents of its two files; InvalidAdapterError if bad."""
         cfg = _load_config(name, config_json)
         targets = _resolve_targets(name, cfg, model_config.num_layers)
+        if cfg["use_dora"] and (NO_LAYER, EMBED) in targets:
+            raise InvalidAdapterError(
+                f"adapter {name!r}: use_dora=True with target module 'model.embed_tokens' is not supported "
+                "(DoRA on the projections and lm_head is)")
         rank_of, scale_of = _module_ranks_and_scalings(name, cfg, targets, max_lora_rank)
         tensors = read_safetensors(name, safetensors)
         default = _scaling(cfg["lora_alpha"], cfg["r"], cfg["use_rslora"])
         slot_scaling = default if default != 0.0 else 1.0
-        pairs = _pair_tensors(name, tensors, model_config.num_layers)
-        shapes = module_shapes(model_config)
-        for key in sorted(targets - pairs.keys()):
+        found, saved_base = _group_tensors(name, tensors, model_config.num_layers)
+        for key in sorted(targets - found.keys()):
             raise InvalidAdapterError(
                 f"adapter {name!r}: target module {module_path(*key)!r} has no lora_A/lora_B tensors"
             )
         weights = {}
-        for key, (a_key, a, b_key, b) in sorted(pairs.items()):
+        for key, parts in sorted(found.items()):
             if key not in targets:
                 raise InvalidAdapterError(
-                    f"adapter {name!r}: tensor {a_key!r} is for a module target_modules does not select"
+                    f"adapter {name!r}: tensor {next(iter(parts.values()))[0]!r} is for a module "
+                    "target_modules does not select"
                 )
             r = rank_of[key]
-            fan_in, fan_out = shapes[key[1]]
-            for k, t, want in ((a_key, a, (r, fan_in)), (b_key, b, (fan_out, r))):
-                if t.shape != want:
+            fan_in, fan_out = _shape_of(model_config, key[1])
+            wants = {"A": (r, fan_in), "B": (fan_out, r)}
+            if cfg["use_dora"]:
+                wants["M"] = (fan_out,)
+            for part in wants:
+                if part not in parts:
                     raise InvalidAdapterError(
-                        f"adapter {name!r}: tensor {k!r} has shape {t.shape}, expected {want}"
+                        f"adapter {name!r}: tensor {_expected_key(key, part)!r} is missing"
+                        + (" (use_dora=True needs a magnitude vector per module)" if part == "M" else ""))
+            if "M" in parts and not cfg["use_dora"]:
+                raise InvalidAdapterError(
+                    f"adapter {name!r}: tensor {parts['M'][0]!r} is a DoRA magnitude but use_dora is not true")
+            for part, (k, t) in parts.items():
+                if t.shape != wants[part]:
+                    raise InvalidAdapterError(
+                        f"adapter {name!r}: tensor {k!r} has shape {t.shape}, expected {wants[part]}"
                     )
                 if not np.isfinite(t.astype(np.float32)).all():
                     raise InvalidAdapterError(f"adapter {name!r}: tensor {k!r} has non-finite values")
-            weights[key] = ModuleWeights(a=a, b=b, ratio=scale_of[key] / slot_scaling)
+            magnitude = parts["M"][1] if "M" in parts else None
+            weights[key] = ModuleWeights(a=parts["A"][1], b=parts["B"][1], ratio=scale_of[key] / slot_scaling,
+                                         magnitude=magnitude)
+        for module, (k, t) in saved_base.items():
+            fan_in, fan_out = _shape_of(model_config, module)
+            want = (fan_out, fan_in) if module == HEAD else (fan_in, fan_out)  # HF: lm_head [V, H], embed [V, H]
+            if t.shape != want:
+                raise InvalidAdapterError(
+                    f"adapter {name!r}: tensor {k!r} has shape {t.shape}, but the base model's is {want} "
+                    "(a resized vocabulary is not supported)")
         return cls(name=name, rank=max(rank_of.values()), scaling=slot_scaling, weights=weights,
-                   content_id=content_id(slot_scaling, weights))
+                   content_id=content_id(slot_scaling, weights),
+                   saved_base={m: t for m, (_, t) in saved_base.items()})
 
-    def pool_weights(self, model_config, max_lora_rank: int,
-                     dtype) -> dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]:
-        """The adapter in pool layout, per group: A [L, n*R, in], B n × [L, R, out_i].
+    def pool_weights(self, model_config, max_lora_rank: int, dtype,
+                     outer: bool = False) -> dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]:
+        """The adapter in pool layout, per group: A [L, n*R, in], B n × [L, R, out_i]; with
+        `outer`, also the groups "embed_tokens" (A [1, R, vocab], B [1, R, hidden]) and
+        "lm_head" (A [1, R, hidden], B [1, R, vocab]) of a pool that holds them.
 
         Rows past a module's rank, and modules or layers the adapter does not target,
         are zero, so a slot write also clears what a previous adapter left there.
         """
         if self.rank > max_lora_rank:
             raise InvalidAdapterError(f"{self.rank=} exceeds {max_lora_rank=} for adapter {self.name!r}")
+        if not outer and any(layer == NO_LAYER for layer, _ in self.weights):
+            raise InvalidAdapterError(f"adapter {self.name!r} targets embed_tokens or lm_head, which this pool does "
+                                      "not hold")
         R, L = max_lora_rank, model_config.num_layers
+        layouts = [(g, L, fan_in, outs, GROUP_SLICES[g], range(L)) for g, (fan_in, outs) in
+                   group_shapes(model_config).items()]
+        if outer:
+            layouts += [(m, 1, fan_in, (fan_out,), (m,), (NO_LAYER,))
+                        for m, (fan_in, fan_out) in outer_shapes(model_config).items()]
         out = {}
-        for group, (fan_in, outs) in group_shapes(model_config).items():
-            a = np.zeros((L, len(outs) * R, fan_in), np.float32)
-            bs = tuple(np.zeros((L, R, o), np.float32) for o in outs)
-            for i, module in enumerate(GROUP_SLICES[group]):
-                for layer in range(L):
+        for group, depth, fan_in, outs, modules, layers in layouts:
+            a = np.zeros((depth, len(outs) * R, fan_in), dtype)
+            bs = tuple(np.zeros((depth, R, o), dtype) for o in outs)
+            for i, module in enumerate(modules):
+                for row, layer in enumerate(layers):
                     w = self.weights.get((layer, module))
                     if w is None:
                         continue
                     r = w.a.shape[0]
-                    a[layer, i * R:i * R + r] = w.a.astype(np.float32)
-                    bs[i][layer, :r] = w.b.astype(np.float32).T * w.ratio
-            out[group] = (a.astype(dtype), tuple(b.astype(dtype) for b in bs))
+                    a[row, i * R:i * R + r] = w.a.astype(np.float32)
+                    bs[i][row, :r] = w.b.astype(np.float32).T * w.ratio
+            out[group] = (a, bs)
         return out
+
+
+def check_room(adapter: LoRAAdapter, *, dora: bool, outer: bool) -> None:
+    """InvalidAdapterError, naming the option, if the adapter needs room the slots lack:
+    DoRA scales (`lora_dora`) or embedding and lm_head adapters (`lora_embedding_modules`)."""
+    targets = sorted(m for layer, m in adapter.modules if layer == NO_LAYER)
+    if targets and not outer:
+        raise InvalidAdapterError(
+            f"adapter {adapter.name!r} targets {targets}, but this server's adapter slots have no room for "
+            "embedding and lm_head adapters (lora_embedding_modules is off)")
+    if adapter.use_dora and not dora:
+        raise InvalidAdapterError(
+            f"adapter {adapter.name!r} uses DoRA (use_dora=True), but this server's adapter slots have no room "
+            "for DoRA scales (lora_dora is off)")
 
 
 def content_id(scaling: float, weights: Mapping[tuple[int, str], ModuleWeights]) -> bytes:
@@ -159,6 +257,9 @@ def content_id(scaling: float, weights: Mapping[tuple[int, str], ModuleWeights])
         h.update(struct.pack("<d", w.ratio))
         h.update(np.ascontiguousarray(w.a).tobytes())
         h.update(np.ascontiguousarray(w.b).tobytes())
+        if w.magnitude is not None:
+            h.update(f"dora:{w.magnitude.dtype.str}".encode())
+            h.update(np.ascontiguousarray(w.magnitude).tobytes())
     return h.digest()
 
 
@@ -207,7 +308,11 @@ def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
     targets = cfg.get("target_modules")
     if not targets:
         raise InvalidAdapterError(f"adapter {name!r}: target_modules={targets!r} selects nothing")
+    use_dora = cfg.get("use_dora", False)
+    if use_dora not in (True, False, None):
+        raise InvalidAdapterError(f"adapter {name!r}: use_dora={use_dora!r} must be true or false")
     return {**cfg, "r": r, "lora_alpha": alpha, "use_rslora": bool(cfg.get("use_rslora", False)),
+            "use_dora": bool(use_dora),
             "rank_pattern": cfg.get("rank_pattern") or {}, "alpha_pattern": cfg.get("alpha_pattern") or {}}
 
 
@@ -253,7 +358,7 @@ def _target_matches(cfg: Mapping[str, Any], key: str) -> bool:
 
 
 def _resolve_targets(name: str, cfg: Mapping[str, Any], num_layers: int) -> frozenset[tuple[int, str]]:
-    """The (layer, module) pairs the config targets; refuses embed/lm_head and unknown names."""
+    """The (layer, module) pairs the config targets (NO_LAYER for embed/lm_head); refuses unknown names."""
     targets = cfg["target_modules"]
     if isinstance(targets, str) and targets.lower() == "all-linear":
         # PEFT expands "all-linear" to the names of every linear layer but the output head.
@@ -266,19 +371,17 @@ def _resolve_targets(name: str, cfg: Mapping[str, Any], num_layers: int) -> froz
         matched = [k for k in _all_module_names(num_layers) if _target_matches(cfg, k)]
     except re.error as e:
         raise InvalidAdapterError(f"adapter {name!r}: target_modules={targets!r} is not a valid regex: {e}") from None
-    for t in matched + (targets if isinstance(targets, list) else []):
-        if t.split(".")[-1] in _REFUSED_TARGETS:
-            raise InvalidAdapterError(f"adapter {name!r}: target module {t!r} is not supported (embedding/output head)")
     if isinstance(targets, list):
         for t in targets:
-            if t.split(".")[-1] not in MODULES:
-                raise InvalidAdapterError(f"adapter {name!r}: target module {t!r} is unknown (known: {list(MODULES)})")
+            if t.split(".")[-1] not in MODULES + OUTER_MODULES:
+                raise InvalidAdapterError(
+                    f"adapter {name!r}: target module {t!r} is unknown (known: {list(MODULES + OUTER_MODULES)})")
     if not matched:
         raise InvalidAdapterError(f"adapter {name!r}: target_modules={targets!r} matches no module of the base model")
     out = set()
     for key in matched:
         parts = key.split(".")
-        out.add((int(parts[2]), parts[-1]))
+        out.add((NO_LAYER, parts[-1]) if parts[-1] in OUTER_MODULES else (int(parts[2]), parts[-1]))
     return frozenset(out)
 
 
@@ -311,30 +414,47 @@ def _module_ranks_and_scalings(name, cfg, targets, max_lora_rank):
     return ranks, scalings
 
 
-def _pair_tensors(name: str, tensors: Mapping[str, np.ndarray], num_layers: int):
-    """Groups tensors into (layer, module) -> (A key, A, B key, B); refuses unknown keys."""
+def _expected_key(key: tuple[int, str], part: str) -> str:
+    """The PEFT tensor name of one part (A, B, magnitude M) of a module."""
+    layer, module = key
+    if module == EMBED:
+        return f"base_model.model.model.embed_tokens.lora_embedding_{part}"
+    suffix = {"A": "lora_A.weight", "B": "lora_B.weight", "M": "lora_magnitude_vector"}[part]
+    prefix = "base_model.model.lm_head" if module == HEAD else f"base_model.model.{module_path(layer, module)}"
+    return f"{prefix}.{suffix}"
+
+
+def _group_tensors(name: str, tensors: Mapping[str, np.ndarray], num_layers: int):
+    """(layer, module) -> part -> (key, tensor) for parts A, B, M (DoRA magnitude), and the
+    saved base weights of embed/head (module -> (key, tensor)); refuses unknown keys."""
     found: dict[tuple[int, str], dict[str, tuple[str, np.ndarray]]] = {}
+    saved_base: dict[str, tuple[str, np.ndarray]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
-        if m is None:
-            raise InvalidAdapterError(f"adapter {name!r}: tensor key {key!r} is not a LoRA weight of a known module")
-        layer, block, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if module not in MODULES or _BLOCK[module] != block:
-            raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} names unknown module {block}.{module}")
-        if layer >= num_layers:
-            raise InvalidAdapterError(
-                f"adapter {name!r}: tensor {key!r} has {layer=} but the base model has {num_layers} layers"
-            )
+        if m is not None:
+            layer, block, module, part = int(m.group(1)), m.group(2), m.group(3), _PART[m.group(4)]
+            if module not in MODULES or _BLOCK[module] != block:
+                raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} names unknown module {block}.{module}")
+            if layer >= num_layers:
+                raise InvalidAdapterError(
+                    f"adapter {name!r}: tensor {key!r} has {layer=} but the base model has {num_layers} layers"
+                )
+        else:
+            m = _OUTER_KEY.match(key)
+            if m is None:
+                raise InvalidAdapterError(
+                    f"adapter {name!r}: tensor key {key!r} is not a LoRA weight of a known module")
+            layer, module = NO_LAYER, m.group(1) or m.group(3)
+            part = _PART[m.group(2) or m.group(4)]
+            if part == "W":
+                saved_base[module] = (key, t)
+                continue
         slot = found.setdefault((layer, module), {})
-        if ab in slot:
-            raise InvalidAdapterError(f"adapter {name!r}: tensors {slot[ab][0]!r} and {key!r} are the same weight")
-        slot[ab] = (key, t)
-    pairs = {}
-    for key, d in found.items():
-        for ab in "AB":
-            if ab not in d:
-                other = next(iter(d.values()))[0]
-                missing = other.replace(f"lora_{'B' if ab == 'A' else 'A'}.", f"lora_{ab}.")
-                raise InvalidAdapterError(f"adapter {name!r}: tensor {missing!r} is missing")
-        pairs[key] = (*d["A"], *d["B"])
-    return pairs
+        if part in slot:
+            raise InvalidAdapterError(f"adapter {name!r}: tensors {slot[part][0]!r} and {key!r} are the same weight")
+        slot[part] = (key, t)
+    for key, parts in found.items():
+        for part in "AB":
+            if part not in parts:
+                raise InvalidAdapterError(f"adapter {name!r}: tensor {_expected_key(key, part)!r} is missing")
+    return found, saved_base

@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+# Bits of LoRABatchInfo.slot_flags: what a slot's adapter holds beside the projections' A and B.
+SLOT_DORA, SLOT_EMBED, SLOT_HEAD = 1, 2, 4
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +32,15 @@ class LoRABatchInfo:
     segment_starts: jax.Array  # i32[N + 1]
     segment_slots: jax.Array  # i32[N]
     num_segments: jax.Array  # i32[]
+    slot_flags: jax.Array | None = None  # i32[S]: SLOT_DORA | SLOT_EMBED | SLOT_HEAD bits of each slot
+
+    def uses(self, flag: int) -> jax.Array:
+        """bool[]: whether any token's adapter has `flag` (its extra work is skipped otherwise)."""
+        if self.slot_flags is None:
+            return jnp.zeros((), bool)
+        slots = self.token_slots
+        has = (self.slot_flags[jnp.maximum(slots, 0)] & flag) != 0
+        return jnp.any(has & (slots >= 0))
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +56,7 @@ def build_batch_info(
     slot_scalings: np.ndarray,  # f32[S]
     slot_ranks: np.ndarray,  # i32[S]
     max_segments: int | None = None,
+    slot_flags: np.ndarray | None = None,  # i32[S], SLOT_* bits
 ) -> LoRABatchInfo:
     """Computes the sorted/segment metadata on the host (cheap numpy) and packs it.
 
@@ -77,4 +91,5 @@ def build_batch_info(
         segment_starts=starts,
         segment_slots=segment_slots,
         num_segments=np.int32(n),
+        slot_flags=np.zeros(num_slots, np.int32) if slot_flags is None else np.asarray(slot_flags, np.int32),
     )

@@ -9,7 +9,8 @@ from lora_runtime.lora.adapter import LoRAAdapter
 
 
 class HostAdapterCache:
-    """LRU of adapters keyed by (name, version); not thread-safe (the manager locks)."""
+    """LRU of adapters keyed by content id (one copy however many names share it); not
+    thread-safe (the manager locks)."""
 
     def __init__(self, *, max_bytes: int, max_count: int):
         if max_bytes <= 0:

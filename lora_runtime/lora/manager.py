@@ -7,6 +7,11 @@ write asked for on another thread (register or sync of a pinned adapter, set_pin
 handed to the owner and waited for. Fetches, parsing and the padding to the slot layout
 run on fetch threads, one in-flight future per adapter version, so concurrent requests
 for a cold adapter fetch it once and the owner only issues the slot write.
+
+Adapters are identified by content (LoRAAdapter.content_id, a hash of the weights and
+scalings), not by name: the host cache and the device slots are keyed by it, so two names
+for the same weights share one host copy and one slot, re-registering the same weights
+reloads nothing, and new weights under an old name get a slot of their own.
 """
 
 from __future__ import annotations
@@ -21,15 +26,19 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 
-from lora_runtime.errors import AdapterNotFoundError, CapacityError, ServingError
-from lora_runtime.lora.adapter import LoRAAdapter
-from lora_runtime.lora.batch_info import LoRABatchInfo, build_batch_info
+from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidAdapterError, ServingError
+from lora_runtime.lora.adapter import EMBED, HEAD, LoRAAdapter, check_room
+from lora_runtime.lora.batch_info import SLOT_DORA, SLOT_EMBED, SLOT_HEAD, LoRABatchInfo, build_batch_info
+from lora_runtime.lora.base_weights import BaseWeights, same_weights
+from lora_runtime.lora.dora import dora_terms, warm_up_scales
 from lora_runtime.lora.host_cache import HostAdapterCache
-from lora_runtime.lora.memory_pool import GROUPS, LoRAMemoryPool, write_slot
+from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, write_slot
 from lora_runtime.lora.sources import SourcePolicy, load_adapter
 
 Key = tuple[str, int]  # (adapter name, version)
-Weights = dict  # group -> (A [L, n*R, in], (B_i [L, R, out_i], ...)) in the pool's dtype (LoRAAdapter.pool_weights)
+# (group -> (A [L, n*R, in], (B_i [L, R, out_i], ...)) in the pool's dtype (LoRAAdapter.pool_weights),
+#  the DoRA terms for a pool that holds them, else None)
+Weights = tuple[dict, DoraTerms | None]
 STAGED_TTL_S = 5.0  # a staged adapter nobody took for this long may make room for another
 
 
@@ -60,13 +69,17 @@ class LoRAStats:
 
 @dataclasses.dataclass
 class _Slot:
-    key: Key | None = None
-    refcount: int = 0
+    content: bytes | None = None  # the adapter's content id (LoRAAdapter.content_id); None: empty
+    holders: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # name -> references
     last_used: int = 0
     scaling: float = 0.0
     rank: int = 0
-    stale: bool = False  # unregistered or superseded: freed when refcount reaches 0
-    content: bytes | None = None  # the adapter's content id (LoRAAdapter.content_id)
+    stale: bool = False  # no registered name has this content any more: freed when refcount reaches 0
+    flags: int = 0  # SLOT_* bits (batch_info): DoRA, embedding and head adapters
+
+    @property
+    def refcount(self) -> int:
+        return sum(self.holders.values())
 
 
 @dataclasses.dataclass
@@ -83,15 +96,23 @@ class LoRAManager:
 
     def __init__(self, model_config, mesh: jax.sharding.Mesh, *, num_slots: int, max_lora_rank: int,
                  max_cpu_loras: int, max_cpu_bytes: int, source_policy: SourcePolicy, dtype,
-                 fetch_workers: int = 2):
+                 fetch_workers: int = 2, base_weights: BaseWeights | None = None, outer: bool = False,
+                 dora: bool = False):
+        """`base_weights`: the served model's weights, which DoRA adapters and the base weights
+        PEFT saves with embed/head adapters are checked against; `outer`: the pool holds
+        embed_tokens and lm_head adapters; `dora`: it holds DoRA scales (needs base_weights)."""
+        if dora and base_weights is None:
+            raise ValueError("dora=True needs the base model's weights (base_weights)")
         self.model_config = model_config
         self.max_lora_rank = max_lora_rank
         self.source_policy = source_policy
+        self.base_weights = base_weights
         self._pool = LoRAMemoryPool.create(model_config, mesh, num_slots=num_slots,
-                                           max_lora_rank=max_lora_rank, dtype=dtype)
+                                           max_lora_rank=max_lora_rank, dtype=dtype, outer=outer, dora=dora)
         self._host = HostAdapterCache(max_bytes=max_cpu_bytes, max_count=max_cpu_loras)
         self._slots = [_Slot() for _ in range(num_slots)]
-        self._slot_of: dict[Key, int] = {}
+        self._content_of: dict[Key, bytes] = {}  # registered versions parsed at least once
+        self._slot_of_content: dict[bytes, int] = {}
         self._registry: dict[str, RegistryEntry] = {}
         self._inflight: dict[Key, concurrent.futures.Future] = {}
         # Adapters padded for a slot write ahead of admission (a few at a time: they are large).
@@ -138,21 +159,14 @@ class LoRAManager:
         """The slot holding the current version of `name`, or None."""
         with self._lock:
             entry = self._registry.get(name)
-            return None if entry is None else self._slot_of.get((name, entry.version))
+            return None if entry is None else self._resident((name, entry.version))
 
     def content_of(self, name: str) -> bytes | None:
         """The content id of the current version of `name` (what its K/V depend on), if that
-        version is parsed already (host-cached or resident); else None."""
+        version was parsed already; else None."""
         with self._lock:
             entry = self._registry.get(name)
-            if entry is None:
-                return None
-            key = (name, entry.version)
-            slot = self._slot_of.get(key)
-            if slot is not None:
-                return self._slots[slot].content
-            adapter = self._host.peek(key)
-            return None if adapter is None else adapter.content_id
+            return None if entry is None else self._content_of.get((name, entry.version))
 
     def slot_content(self, slot: int) -> bytes | None:
         """The content id of the adapter `slot` holds, or None if empty."""
@@ -165,7 +179,7 @@ class LoRAManager:
     def is_host_cached(self, name: str) -> bool:
         with self._lock:
             entry = self._registry.get(name)
-            return entry is not None and (name, entry.version) in self._host
+            return entry is not None and self._cached((name, entry.version)) is not None
 
     def is_fetching(self, name: str) -> bool:
         """Whether the current version of `name` is being fetched (by prefetch or an acquire)."""
@@ -182,7 +196,7 @@ class LoRAManager:
             if entry is None:
                 return True  # acquire_slot says it is not registered
             key = (name, entry.version)
-            if key in self._slot_of or key in self._staged:
+            if self._resident(key) is not None or key in self._staged:
                 return True
             err = self._fetch_failed.pop(key, None)
             if err is not None:
@@ -207,10 +221,13 @@ class LoRAManager:
         with self._lock:
             out = []
             for name, e in sorted(self._registry.items()):
-                slot = self._slot_of.get((name, e.version))
+                key = (name, e.version)
+                slot = self._resident(key)
+                content = self._content_of.get(key)
                 out.append({"name": name, "source": e.source, "version": e.version, "pinned": e.pinned,
                             "slot": slot, "refcount": 0 if slot is None else self._slots[slot].refcount,
-                            "host_cached": (name, e.version) in self._host})
+                            "host_cached": self._cached(key) is not None,
+                            "content_id": None if content is None else content.hex()})
             return out
 
     def can_acquire(self, name: str) -> bool:
@@ -219,7 +236,7 @@ class LoRAManager:
             entry = self._registry.get(name)
             if entry is None:
                 return True  # acquire_slot fails at once: the request learns it is not registered
-            return (name, entry.version) in self._slot_of or self._free_slot() is not None
+            return self._resident((name, entry.version)) is not None or self._free_slot() is not None
 
     # ---- registry ----------------------------------------------------------------------
 
@@ -242,7 +259,7 @@ class LoRAManager:
                 if pinned and self._free_slot() is None:
                     raise CapacityError(f"cannot pin adapter {name!r}: all {self.num_slots} slots are held or pinned")
                 self._apply_entry(entry)
-                self._host.put((name, version), adapter)
+                self._remember((name, version), adapter)
                 if pinned:
                     self._make_resident(entry, adapter, weights)
 
@@ -301,21 +318,21 @@ class LoRAManager:
             entry = self._entry(name)
             key = (name, entry.version)
             with self._lock:
-                slot = self._slot_of.get(key)
+                slot = self._resident(key)
                 if slot is not None:
-                    return self._ref(slot)
+                    return self._ref(slot, name)
                 staged = self._staged.pop(key, None)
             adapter, weights = (staged.adapter, staged.weights) if staged else self._prepare(entry)
             with self._lock:
                 if not self._is_current(entry):
                     continue  # unregistered or replaced meanwhile: look again
                 slot = self._make_resident(entry, adapter, weights)
-                return self._ref(slot)
+                return self._ref(slot, name)
 
     def release_slot(self, name: str, slot: int | None = None) -> None:
         """Drops one reference; `slot` picks which when old and new versions are both held."""
         with self._lock:
-            held = [i for i, s in enumerate(self._slots) if s.key and s.key[0] == name and s.refcount > 0]
+            held = [i for i, s in enumerate(self._slots) if s.holders[name] > 0]
             if slot is None:
                 if len(held) != 1:
                     raise ValueError(f"adapter {name!r} holds slots {held}; pass the slot to release")
@@ -323,7 +340,9 @@ class LoRAManager:
             elif slot not in held:
                 raise ValueError(f"adapter {name!r} holds no reference on {slot=} (held: {held})")
             s = self._slots[slot]
-            s.refcount -= 1
+            s.holders[name] -= 1
+            if s.holders[name] == 0:
+                del s.holders[name]
             if s.refcount == 0 and s.stale:
                 self._free(slot)
 
@@ -338,7 +357,7 @@ class LoRAManager:
                 if entry is None:
                     continue
                 key = (name, entry.version)
-                if (key in self._slot_of or key in self._host or key in self._inflight
+                if (self._resident(key) is not None or self._cached(key) is not None or key in self._inflight
                         or key in self._staging or key in self._staged):
                     continue
                 future = concurrent.futures.Future()
@@ -353,11 +372,12 @@ class LoRAManager:
         with self._lock:
             scalings = np.array([s.scaling for s in self._slots], np.float32)
             ranks = np.array([s.rank for s in self._slots], np.int32)
+            flags = np.array([s.flags for s in self._slots], np.int32)
             used = np.unique(token_slots[token_slots >= 0])
             for slot in used:
                 if slot < self.num_slots and self._slots[slot].refcount == 0:
                     raise ValueError(f"token slot {int(slot)} is not held by any request")
-        return build_batch_info(token_slots, scalings, ranks, max_segments)
+        return build_batch_info(token_slots, scalings, ranks, max_segments, flags)
 
     def close(self) -> None:
         """Stops the background fetch threads."""
@@ -383,90 +403,139 @@ class LoRAManager:
         self._registry[entry.name] = entry
 
     def _retire(self, name: str) -> None:
-        """Drops every cached or resident version of `name`; held slots go when released."""
-        for key in [k for k in self._host.keys() if k[0] == name]:
-            self._host.pop(key)
+        """Forgets every version of `name`; what no other registered name shares (same content)
+        leaves the host cache and the slots (held slots when released)."""
+        contents = {self._content_of.pop(k) for k in [k for k in self._content_of if k[0] == name]}
+        live = set(self._content_of.values())
         for key in [k for k in self._staged if k[0] == name]:
             del self._staged[key]
         for key in [k for k in self._fetch_failed if k[0] == name]:
             del self._fetch_failed[key]
-        for key in [k for k in self._slot_of if k[0] == name]:
-            slot = self._slot_of.pop(key)
+        for content in contents - live:
+            self._host.pop(content)
+            slot = self._slot_of_content.get(content)
+            if slot is None:
+                continue
             if self._slots[slot].refcount == 0:
                 self._free(slot)
             else:
                 self._slots[slot].stale = True
 
+    def _remember(self, key: Key, adapter: LoRAAdapter) -> None:
+        """Records what `key` holds and caches it on the host (once per content). A content
+        a stale slot still holds becomes live again."""
+        self._content_of[key] = adapter.content_id
+        if self._host.get(adapter.content_id) is None:  # a hit marks it most recently used
+            self._host.put(adapter.content_id, adapter)
+        slot = self._slot_of_content.get(adapter.content_id)
+        if slot is not None:
+            self._slots[slot].stale = False
+
+    def _resident(self, key: Key) -> int | None:
+        """The slot holding `key`'s content, if known and resident."""
+        content = self._content_of.get(key)
+        return None if content is None else self._slot_of_content.get(content)
+
+    def _cached(self, key: Key) -> LoRAAdapter | None:
+        content = self._content_of.get(key)
+        return None if content is None else self._host.peek(content)
+
     def _free(self, slot: int) -> None:
         s = self._slots[slot]
-        if s.key is not None and self._slot_of.get(s.key) == slot:
-            del self._slot_of[s.key]
+        if s.content is not None and self._slot_of_content.get(s.content) == slot:
+            del self._slot_of_content[s.content]
         self._slots[slot] = _Slot(last_used=s.last_used)
 
-    def _ref(self, slot: int) -> int:
+    def _ref(self, slot: int, name: str) -> int:
         self._tick += 1
         s = self._slots[slot]
-        s.refcount += 1
+        s.holders[name] += 1
         s.last_used = self._tick
         return slot
 
     def _is_pinned(self, s: _Slot) -> bool:
-        if s.key is None or s.stale:
+        if s.content is None or s.stale:
             return False
-        entry = self._registry.get(s.key[0])
-        return entry is not None and entry.pinned and entry.version == s.key[1]
+        return any(e.pinned and self._content_of.get((e.name, e.version)) == s.content
+                   for e in self._registry.values())
 
     def _free_slot(self) -> int | None:
         """An empty slot, else the least recently used unpinned slot nobody holds."""
         for i, s in enumerate(self._slots):
-            if s.key is None:
+            if s.content is None:
                 return i
         candidates = [i for i, s in enumerate(self._slots) if s.refcount == 0 and not self._is_pinned(s)]
         return min(candidates, key=lambda i: self._slots[i].last_used, default=None)
 
     def warm_up(self) -> None:
         """Compiles the slot write (one program serves every slot) by writing zeros into an
-        empty slot, so the first adapter load after warm-up compiles nothing."""
+        empty slot, and the DoRA scale of each module shape, so the first adapter load after
+        warm-up compiles nothing."""
+        if self._pool.dora:
+            warm_up_scales(self.base_weights, self.model_config, self.max_lora_rank, self._pool.groups)
         with self._lock:
-            slot = next((i for i, s in enumerate(self._slots) if s.key is None), None)
+            slot = next((i for i, s in enumerate(self._slots) if s.content is None), None)
             if slot is None:
                 return  # every slot already written: the write is compiled
             pool = self._pool
             zeros = {g: (np.zeros((a.shape[0], *a.shape[2:]), np.float32),
                          tuple(np.zeros((b.shape[0], *b.shape[2:]), np.float32) for b in bs))
-                     for g, a, bs in zip(GROUPS, pool.a, pool.b)}
+                     for g, a, bs in zip(pool.groups, pool.a, pool.b)}
             self._pool = write_slot(pool, slot, zeros)
 
     def _pool_weights(self, adapter: LoRAAdapter) -> Weights:
-        """The adapter padded to the pool layout; host work kept out of the lock where it can be."""
-        return adapter.pool_weights(self.model_config, self.max_lora_rank, self._pool.dtype)
+        """The adapter padded to the pool layout, with its DoRA terms; host work (and the
+        device work of DoRA's norms) kept out of the lock."""
+        pool = self._pool
+        weights = adapter.pool_weights(self.model_config, self.max_lora_rank, pool.dtype, pool.holds(EMBED))
+        return weights, dora_terms(pool, self.base_weights, adapter)
 
-    def _make_resident(self, entry: RegistryEntry, adapter: LoRAAdapter, weights: dict) -> int:
+    def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Refuses what this pool cannot hold (naming the option) and the base weights PEFT
+        saved that differ from the served model's; returns the adapter without them."""
+        check_room(adapter, dora=self._pool.dora, outer=self._pool.holds(EMBED))
+        for module, saved in adapter.saved_base.items():
+            if self.base_weights is None:
+                raise InvalidAdapterError(
+                    f"adapter {adapter.name!r} saves base weights for {module} that cannot be checked here")
+            if not same_weights(self.base_weights, module, saved):
+                path = "model.embed_tokens" if module == EMBED else module
+                raise InvalidAdapterError(
+                    f"adapter {adapter.name!r}: its saved {path}.base_layer.weight differs from the base model's "
+                    f"({saved.nbytes} bytes; a trained or replaced {module} is not supported)")
+        return dataclasses.replace(adapter, saved_base={}) if adapter.saved_base else adapter
+
+    def _make_resident(self, entry: RegistryEntry, adapter: LoRAAdapter, weights: Weights | None) -> int:
+        """The slot of `entry`'s content, written now unless another name's slot holds it."""
         key = (entry.name, entry.version)
-        slot = self._slot_of.get(key)
+        self._content_of[key] = adapter.content_id
+        slot = self._slot_of_content.get(adapter.content_id)
         if slot is not None:
+            self._slots[slot].stale = False
             return slot
         slot = self._free_slot()
         if slot is None:
             raise CapacityError(
                 f"no slot for adapter {entry.name!r}: all {self.num_slots} slots are held by requests or pinned"
             )
+        if weights is None:
+            weights = self._pool_weights(adapter)
         start = time.perf_counter()
-        self._pool = write_slot(self._pool, slot, weights)
-        if self._slots[slot].key is not None:
+        self._pool = write_slot(self._pool, slot, *weights)
+        if self._slots[slot].content is not None:
             self._stats.evictions += 1
             self._free(slot)
         self._tick += 1
-        self._slots[slot] = _Slot(key=key, last_used=self._tick, scaling=adapter.scaling, rank=adapter.rank,
-                                  content=adapter.content_id)
-        self._slot_of[key] = slot
+        self._slots[slot] = _Slot(content=adapter.content_id, last_used=self._tick, scaling=adapter.scaling,
+                                  rank=adapter.rank, flags=_flags(adapter))
+        self._slot_of_content[adapter.content_id] = slot
         self._stats.loads += 1
         self._stats.load_seconds += time.perf_counter() - start
         return slot
 
     def _ensure_resident(self, entry: RegistryEntry) -> int:
         with self._lock:
-            slot = self._slot_of.get((entry.name, entry.version))
+            slot = self._resident((entry.name, entry.version))
             if slot is not None:
                 return slot
         adapter, weights = self._prepare(entry)
@@ -494,19 +563,26 @@ class LoRAManager:
             return
         with self._lock:
             self._staging.discard(key)
-            if self._is_current(entry) and key not in self._slot_of:
+            # weights None: a slot held the content when padding was skipped; if it is gone
+            # by now, the next is_ready stages it again.
+            if weights is not None and self._is_current(entry) and self._resident(key) is None:
                 self._staged[key] = _Staged(adapter, weights, time.monotonic())
 
-    def _prepare(self, entry: RegistryEntry) -> tuple[LoRAAdapter, Weights]:
-        """The adapter (host cache, else fetched) and its weights padded for a slot write."""
+    def _prepare(self, entry: RegistryEntry) -> tuple[LoRAAdapter, Weights | None]:
+        """The adapter (host cache, else fetched) and its weights padded for a slot write
+        (None when a slot holds its content already: nothing to write)."""
         adapter = self._host_adapter(entry)
+        with self._lock:
+            if adapter.content_id in self._slot_of_content:
+                return adapter, None
         return adapter, self._pool_weights(adapter)
 
     def _host_adapter(self, entry: RegistryEntry) -> LoRAAdapter:
         """The parsed adapter from the host cache, or fetched once however many ask."""
         key = (entry.name, entry.version)
         with self._lock:
-            adapter = self._host.get(key)
+            content = self._content_of.get(key)
+            adapter = None if content is None else self._host.get(content)
             if adapter is not None:
                 self._stats.host_hits += 1
                 return adapter
@@ -523,8 +599,8 @@ class LoRAManager:
     def _fetch_now(self, entry: RegistryEntry) -> LoRAAdapter:
         start = time.perf_counter()
         try:
-            adapter = load_adapter(entry.name, entry.source, self.source_policy, self.model_config,
-                                   self.max_lora_rank)
+            adapter = self._check_servable(load_adapter(entry.name, entry.source, self.source_policy,
+                                                        self.model_config, self.max_lora_rank))
         except Exception:
             with self._lock:
                 self._stats.fetch_errors += 1
@@ -548,5 +624,15 @@ class LoRAManager:
         with self._lock:
             self._inflight.pop(key, None)
             if self._is_current(entry):
-                self._host.put(key, adapter)
+                self._remember(key, adapter)
         future.set_result(adapter)
+
+
+def _flags(adapter: LoRAAdapter) -> int:
+    """The SLOT_* bits of what an adapter holds beside the projections."""
+    flags = SLOT_DORA if adapter.use_dora else 0
+    if adapter.outer(EMBED) is not None:
+        flags |= SLOT_EMBED
+    if adapter.outer(HEAD) is not None:
+        flags |= SLOT_HEAD
+    return flags

@@ -245,6 +245,9 @@ class LlamaModel(nnx.Module):
         # Clipped lookup: a padding id out of range must not turn into NaN and leak into
         # other tokens through attention.
         x = jnp.take(self.embed_tokens.embedding[...], tokens, axis=0, mode="clip")
+        embed = getattr(lora, "embed", None)  # optional: hooks may adapt the projections only
+        if embed is not None:
+            x = embed(tokens, x)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, positions, kv_cache.k[i], kv_cache.v[i], attn, lora)
@@ -252,9 +255,14 @@ class LlamaModel(nnx.Module):
             vs.append(v)
         return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
 
-    def logits(self, hidden: jax.Array) -> jax.Array:  # [N, H] -> f32[N, V]
-        """Vocabulary logits in f32."""
+    def logits(self, hidden: jax.Array, lora: LoRAHook | None = None,
+               rows: jax.Array | None = None) -> jax.Array:  # [N, H] -> f32[N, V]
+        """Vocabulary logits in f32; with `lora`, each row's lm_head adapter added (row i is
+        the step's token rows[i], or token i when rows is None)."""
         if self.lm_head is None:
             embedding = self.embed_tokens.embedding[...]
-            return jnp.einsum("nh,vh->nv", hidden, embedding, preferred_element_type=jnp.float32)
-        return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+            logits = jnp.einsum("nh,vh->nv", hidden, embedding, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        head = getattr(lora, "head", None)
+        return logits if head is None else head(hidden, logits, rows)

@@ -232,3 +232,29 @@ def test_long_poll_wakes_on_change_and_times_out_otherwise(files, tmp_path):
         assert (await asyncio.wait_for(actor.wait_for_change(0, 30.0, fp), 1.0))["version"] == 1
 
     asyncio.run(run())
+
+
+def test_entries_record_content_and_targets_and_room_is_checked(files, tmp_path):
+    """The registry shows what an adapter is (its content id, DoRA, the modules it targets); a
+    deployment without room for DoRA or embedding/head adapters refuses them at registration."""
+    from tests.integration.adapters import save_peft_adapter
+
+    dora = save_peft_adapter(files["base"], tmp_path / "dora", seed=5, rank=4, targets=("q_proj", "lm_head"),
+                             use_dora=True)
+
+    async def run():
+        actor, v = _actor(tmp_path / "r.json"), _validator(files)
+        a = await actor.register("good", str(files["good"]), False, v)
+        b = await actor.register("good_again", str(files["good"]), False, v)
+        c = await actor.register("good2", str(files["good2"]), False, v)
+        assert a["content_id"] == b["content_id"] != c["content_id"] and len(a["content_id"]) == 32
+        assert c["target_modules"] == ["q_proj", "v_proj"] and c["use_dora"] is False
+        d = await actor.register("dora", str(dora), False, v)
+        assert d["use_dora"] is True and d["target_modules"] == ["lm_head", "q_proj"]
+        narrow = AdapterValidator(str(files["base"]), 16, None, 1 << 30, base_name="base", lora_dora=False,
+                                  lora_embedding_modules=False)
+        with pytest.raises(InvalidAdapterError, match="lora_embedding_modules is off"):
+            await actor.register("dora2", str(dora), False, narrow)
+        assert "dora2" not in actor.snapshot(None)["adapters"]
+
+    asyncio.run(run())

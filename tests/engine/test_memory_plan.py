@@ -46,6 +46,9 @@ def test_weights_and_pool_are_what_gets_allocated(tp):
     pool = LoRAMemoryPool.create(MODEL, mesh, num_slots=3, max_lora_rank=8, dtype=MODEL.dtype)
     assert adapter_pool_bytes(MODEL, tp, 3, 8) == _device_bytes(pool)
     assert adapter_pool_bytes(MODEL, tp, 0, 8) == 0
+    # Room for embed/lm_head adapters and DoRA scales is counted as allocated, too.
+    full = LoRAMemoryPool.create(MODEL, mesh, num_slots=3, max_lora_rank=8, dtype=MODEL.dtype, outer=True, dora=True)
+    assert adapter_pool_bytes(MODEL, tp, 3, 8, outer=True, dora=True) == _device_bytes(full) > _device_bytes(pool)
 
 
 def _temp_bytes(jitted, *args) -> int:

@@ -147,6 +147,62 @@ def test_base_and_adapter_completions_match_the_runtime(app, files, reference):
     assert any(reference(p, None) != reference(p, "ad0") for p in PROMPTS)
 
 
+def _peft_greedy(base_dir, adapter_dir, ids: list[int], steps: int, eos: int) -> list[int]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(steps):
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if token == eos:
+                break
+            out.append(token)
+            ids.append(token)
+    return out
+
+
+def test_dora_embedding_and_head_adapters_over_http_match_peft(app, files, reference):
+    """Adapters other servers refuse (DoRA, embed_tokens and lm_head targets) register over the
+    admin API and serve what PEFT computes; the registry shows what each one targets."""
+    root, base = files["root"], files["base"]
+    dirs = {
+        "dora_http": save_peft_adapter(base, root / "dora_http", seed=41, rank=8,
+                                       targets=("q_proj", "v_proj", "down_proj", "lm_head"), use_dora=True),
+        "embed_head_http": save_peft_adapter(base, root / "embed_head_http", seed=42, rank=4,
+                                             targets=("embed_tokens", "lm_head", "k_proj")),
+    }
+    for name, path in dirs.items():
+        r = _register(app, name, str(path))
+        assert r.status_code == 201, r.text
+    listed = {e["name"]: e for e in httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH).json()["data"]}
+    assert listed["dora_http"]["use_dora"] is True and "lm_head" in listed["dora_http"]["target_modules"]
+    assert {"embed_tokens", "lm_head"} <= set(listed["embed_head_http"]["target_modules"])
+    tokenizer = reference.engine.tokenizer
+    client = _client(app)
+    for name, path in dirs.items():
+        changed = False
+        for prompt in PROMPTS[:2]:
+            ids = tokenizer.encode(prompt)
+            want = _peft_greedy(base, path, ids, MAX_TOKENS, tokenizer.eos_token_id)
+            got = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), (name, prompt)
+            changed |= got.choices[0].text != reference(prompt, None)
+        assert changed, name
+
+
+def test_two_names_for_one_adapter_share_its_content_id(app, files):
+    for name, source in (("ad1", "ad1"), ("ad1_alias", "ad1"), ("ad2", "ad2")):
+        assert _register(app, name, str(files["adapters"][source])).status_code == 201
+    listed = {e["name"]: e for e in httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH).json()["data"]}
+    assert listed["ad1"]["content_id"] == listed["ad1_alias"]["content_id"] != listed["ad2"]["content_id"]
+    r = httpx.delete(f"{app.base_url}/v1/adapters/ad1_alias", headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_demo_adapters_are_registered_at_start(app, files, reference):
     models = {m["id"]: m for m in httpx.get(f"{app.base_url}/v1/models").json()["data"]}
     for name in files["demo"]:

@@ -68,13 +68,23 @@ def make_peft_adapter(base_dir: Path, out_dir: Path, *, r: int, alpha: float, ta
                         init_lora_weights=False, lora_dropout=0.0, **lora_kwargs)
     torch.manual_seed(seed)
     model = get_peft_model(load_base_model(base_dir), config)
-    # nn.Linear's default init makes B small; scale it up so each adapter moves logits.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(4.0)
+    scale_up_adapter(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
+
+
+def scale_up_adapter(peft_model) -> None:
+    """Makes a random PEFT adapter move the logits: nn.Linear's default init makes B small (so
+    B is scaled up), and DoRA's magnitudes start at the merged weight's norms (so each one is
+    scaled by a random factor in [0.5, 1.5], else DoRA would change no more than LoRA)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.mul_(4.0)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(torch.empty_like(p).uniform_(0.5, 1.5))
 
 
 def peft_logits(base_dir: Path, adapter_dir: Path | None, ids: list[int]) -> np.ndarray:  # f32[len(ids), V]

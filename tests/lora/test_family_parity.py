@@ -9,6 +9,7 @@ from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.sampling import SamplingParams
 from tests.helpers.checkpoints import save_tokenizer
+from tests.lora.peft_adapters import scale_up_adapter
 from tests.model.conftest import FAMILIES, build_hf_model, save_checkpoint
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -16,6 +17,9 @@ ADAPTERS = {
     "all_rslora": dict(r=8, lora_alpha=16, target_modules=ALL, use_rslora=True),
     "all_linear_pattern": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"v_proj": 2},
                                alpha_pattern={"down_proj": 3}),
+    # DoRA on biased (q, v on the biased families) and unbiased projections and on the head.
+    "dora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"], use_dora=True),
+    "embed_head": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "k_proj"]),
 }
 STEPS = 6
 PROMPTS = [[1, 5, 9, 17, 33], [1, 40, 41, 42], [1, 7, 7, 100, 3, 64, 12]]
@@ -29,10 +33,7 @@ def _peft_adapter(family: str, out_dir, spec: dict, seed: int):
     model = build_hf_model(family)
     torch.manual_seed(seed)
     peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **spec))
-    with torch.no_grad():  # nn.Linear's init makes B small; scale it so adapters move the tokens
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(4.0)
+    scale_up_adapter(peft_model)
     peft_model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
@@ -59,7 +60,7 @@ def test_mixed_adapter_batch_matches_peft(family, tmp_path):
     dirs = {name: _peft_adapter(family, tmp_path / name, spec, seed) for seed, (name, spec) in
             enumerate(ADAPTERS.items())}
     engine = Engine.from_pretrained(str(base), EngineConfig(
-        max_batch=len(REQUESTS), max_seq_len=32, max_loras_per_batch=2, max_lora_rank=16))
+        max_batch=len(REQUESTS), max_seq_len=32, max_loras_per_batch=len(ADAPTERS), max_lora_rank=16))
     try:
         for name, path in dirs.items():
             engine.lora_manager.register(name, str(path))

@@ -395,3 +395,42 @@ def test_is_ready_prepares_an_adapter_off_the_calling_thread(manager, adapter_di
         wait_for(lambda: manager.is_ready("gone"))
     assert not manager.is_ready("gone")  # told once; the next asker tries again
     assert manager.is_ready("not-registered")  # acquire_slot names the problem
+
+
+def test_two_names_for_one_adapter_share_a_slot_and_a_host_copy(manager, adapter_dirs, model_config):
+    """Identity is the content: a second name for the same directory loads nothing more, and
+    unregistering one name leaves the other's slot and cached copy in place."""
+    path = str(adapter_dirs["r4"])
+    manager.register("alias_a", path)
+    manager.register("alias_b", path)
+    host_bytes = manager.host_cache_bytes
+    a = manager.acquire_slot("alias_a")
+    b = manager.acquire_slot("alias_b")
+    assert a == b and manager.stats().loads == 1
+    assert manager.host_cache_bytes == host_bytes == parsed(adapter_dirs["r4"], model_config).nbytes
+    rows = {r["name"]: r for r in manager.list_adapters()}
+    assert rows["alias_a"]["content_id"] == rows["alias_b"]["content_id"] is not None
+    assert rows["alias_a"]["slot"] == rows["alias_b"]["slot"] == a and rows["alias_a"]["refcount"] == 2
+    manager.release_slot("alias_a", a)
+    manager.unregister("alias_a")
+    assert manager.slot_of("alias_b") == b and manager.is_host_cached("alias_b")
+    with pytest.raises(ValueError, match="holds no reference"):
+        manager.release_slot("alias_a", a)
+    manager.release_slot("alias_b", b)
+    assert_slot_holds(manager, b, adapter_dirs["r4"], model_config)
+    # Re-registering the same weights under the old name reuses slot and copy.
+    manager.register("alias_a", path)
+    assert manager.slot_of("alias_a") == b and manager.stats().loads == 1
+
+
+def test_new_weights_under_an_old_name_never_reuse_its_slot(manager, adapter_dirs, model_config):
+    manager.register("x", str(adapter_dirs["r4"]))
+    old = use(manager, "x")
+    manager.register("x", str(adapter_dirs["r8_rslora"]))  # version 2, other weights
+    new = use(manager, "x")
+    assert manager.stats().loads == 2 and manager.content_of("x") == parsed(
+        adapter_dirs["r8_rslora"], model_config).content_id
+    assert_slot_holds(manager, new, adapter_dirs["r8_rslora"], model_config)
+    assert new != old or manager.stats().evictions == 0
+    # The old content is gone from the host cache: one copy, of the current weights.
+    assert manager.host_cache_bytes == parsed(adapter_dirs["r8_rslora"], model_config).nbytes

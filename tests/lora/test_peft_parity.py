@@ -1,4 +1,5 @@
-"""One packed prefill mixing adapters of different ranks and options matches PEFT per request."""
+"""One packed prefill mixing adapters of different ranks and options (DoRA, embedding and
+lm_head adapters among them) matches PEFT per request."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from flax import nnx
 
 from tests.helpers.paged import RowPages
 from lora_runtime.lora.backend.reference import ReferenceLoRABackend
+from lora_runtime.lora.base_weights import BaseWeights
 from lora_runtime.lora.hook import PoolLoRAHook
 from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.lora.sources import SourcePolicy
@@ -21,7 +23,8 @@ from tests.lora.peft_adapters import peft_logits
 
 TOL = 1e-4
 # (adapter or None, prompt length); two requests share "r4", two use no adapter.
-REQUESTS = [("r4", 6), (None, 5), ("r8_rslora", 7), ("r16_pattern", 4), ("r8_layer1", 6), ("r4", 3), (None, 4)]
+REQUESTS = [("r4", 6), (None, 5), ("r8_rslora", 7), ("r16_pattern", 4), ("r8_layer1", 6), ("r4", 3), (None, 4),
+            ("dora", 5), ("embed_head", 6), ("dora_head", 4), ("dora", 3)]
 PAD = 3
 
 
@@ -36,8 +39,13 @@ def prompts(model_config) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(base_dir, adapter_dirs, prompts) -> list[np.ndarray]:
-    return [peft_logits(base_dir, None if a is None else adapter_dirs[a], ids)
+def all_dirs(adapter_dirs, extra_adapter_dirs):
+    return {**adapter_dirs, **extra_adapter_dirs}
+
+
+@pytest.fixture(scope="module")
+def reference(base_dir, all_dirs, prompts) -> list[np.ndarray]:
+    return [peft_logits(base_dir, None if a is None else all_dirs[a], ids)
             for (a, _), ids in zip(REQUESTS, prompts)]
 
 
@@ -49,13 +57,14 @@ def test_adapters_change_the_logits(base_dir, reference, prompts):
 
 
 @pytest.mark.parametrize("tp", [1, 4])
-def test_mixed_adapter_prefill_matches_peft(tp, base_dir, adapter_dirs, prompts, reference):
+def test_mixed_adapter_prefill_matches_peft(tp, base_dir, all_dirs, prompts, reference):
     mesh = make_mesh(tp, jax.devices()[:tp])
     config, model = load_model(str(base_dir), mesh)
-    manager = LoRAManager(config, mesh, num_slots=4, max_lora_rank=16, max_cpu_loras=8, max_cpu_bytes=1 << 24,
+    manager = LoRAManager(config, mesh, num_slots=len(all_dirs), max_lora_rank=16, max_cpu_loras=8,
+                          max_cpu_bytes=1 << 24,
                           source_policy=SourcePolicy(allowed_roots=None, max_adapter_bytes=1 << 24),
-                          dtype=config.dtype)
-    for name, path in adapter_dirs.items():
+                          dtype=config.dtype, base_weights=BaseWeights(model), outer=True, dora=True)
+    for name, path in all_dirs.items():
         manager.register(name, str(path))
     tokens, positions, rows, token_slots = [], [], [], []
     for row, ((adapter, _), ids) in enumerate(zip(REQUESTS, prompts)):
@@ -77,7 +86,7 @@ def test_mixed_adapter_prefill_matches_peft(tp, base_dir, adapter_dirs, prompts,
         m = nnx.merge(graphdef, state)
         hook = PoolLoRAHook(backend, pool, info, prefill=True)
         hidden, cache = m(tokens, positions, cache, attn, lora=hook)
-        return m.logits(hidden), cache
+        return m.logits(hidden, hook), cache
 
     pages = RowPages(len(REQUESTS), 16)
     cache = pages.cache(config, mesh)

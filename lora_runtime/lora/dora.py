@@ -1,0 +1,95 @@
+"""DoRA at load time: each module's per-output scale from its magnitude and the base weights.
+
+PEFT applies a DoRA module as y = g * (W x + s * B A x) + (1 - g) * bias with
+g = magnitude / ||W + s * B A||_row (the row norms of the merged weight, [out]). The
+norms depend only on the adapter and the base model, so they are computed once, when an
+adapter is padded for its slot, on the device that holds W (fetch thread; the base weights
+are read-only), without forming the [in, out] merged matrix:
+
+    ||W_o + s (BA)_o||² = ||W_o||² + 2 s B_o · (A W)_o + s² B_o (A Aᵀ) B_oᵀ
+
+Each module shape compiles once (A and B arrive padded to the slot rank).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lora_runtime.lora.adapter import NO_LAYER, LoRAAdapter, module_shapes, outer_shapes
+from lora_runtime.lora.base_weights import BaseWeights
+from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, plain_terms
+from lora_runtime.model.lora_hook import GROUP_SLICES
+
+
+@functools.partial(jax.jit, static_argnames="out_in")
+def _scale(w, a, b, s, magnitude, *, out_in: bool):
+    """g = magnitude / ||W + s B A||_row; w [in, out] (or [out, in] with out_in), a [R, in], b [out, R]."""
+    w = w.astype(jnp.float32)
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    wt = w.T if out_in else w  # [in, out]
+    base_sq = jnp.sum(wt * wt, axis=0)  # [out]
+    aw = a @ wt  # [R, out]
+    cross = jnp.sum(b * aw.T, axis=1)  # [out]
+    gram = a @ a.T  # [R, R]
+    lora_sq = jnp.sum((b @ gram) * b, axis=1)  # [out]
+    norm = jnp.sqrt(jnp.maximum(base_sq + 2.0 * s * cross + s * s * lora_sq, 0.0))
+    return magnitude.astype(jnp.float32) / norm
+
+
+def module_scale(base: BaseWeights, adapter: LoRAAdapter, layer: int, module: str, rank: int) -> jax.Array | None:
+    """f32[out] DoRA scale of one module of `adapter`, or None if the module has no magnitude."""
+    w = adapter.weights.get((layer, module))
+    if w is None or w.magnitude is None:
+        return None
+    r = w.a.shape[0]
+    a = np.zeros((rank, w.a.shape[1]), np.float32)
+    b = np.zeros((w.b.shape[0], rank), np.float32)
+    a[:r], b[:, :r] = w.a, w.b
+    kernel, out_in = base.kernel(layer, module)
+    return _scale(kernel, a, b, np.float32(adapter.scaling * w.ratio), w.magnitude, out_in=out_in)
+
+
+def dora_terms(pool: LoRAMemoryPool, base: BaseWeights, adapter: LoRAAdapter) -> DoraTerms | None:
+    """The adapter's DoRA scale (and shift where the base layer has a bias) per pool group;
+    scale 1 and shift 0 for the modules and layers without DoRA. None for a pool without DoRA."""
+    terms = plain_terms(pool)
+    if terms is None or not adapter.use_dora:
+        return terms
+    for g, scales, shifts in zip(pool.groups, pool.scale, pool.shift):
+        if not scales:
+            continue
+        modules = GROUP_SLICES.get(g, (g,))
+        depth = scales[0].shape[0]
+        layers = range(depth) if g in GROUP_SLICES else (NO_LAYER,)
+        new_scale = [x.copy() for x in terms.scale[g]]
+        new_shift = [x.copy() for x in terms.shift[g]]
+        for i, module in enumerate(modules):
+            for row, layer in enumerate(layers):
+                g_vec = module_scale(base, adapter, layer, module, pool.max_lora_rank)
+                if g_vec is None:
+                    continue
+                new_scale[i][row] = np.asarray(g_vec)
+                if shifts:
+                    bias = base.bias(layer, module)
+                    if bias is not None:
+                        new_shift[i][row] = (1.0 - new_scale[i][row]) * np.asarray(bias, np.float32)
+        terms.scale[g] = tuple(new_scale)
+        terms.shift[g] = tuple(new_shift)
+    return terms
+
+
+def warm_up_scales(base: BaseWeights, model_config, rank: int, groups: tuple[str, ...]) -> None:
+    """Compiles the scale of every module shape the pool's groups hold (layer 0 stands for all)."""
+    shapes = {**module_shapes(model_config), **outer_shapes(model_config)}
+    for g in groups:
+        for module in GROUP_SLICES.get(g, (g,)):
+            if module not in shapes or g == "embed_tokens":
+                continue
+            fan_in, fan_out = shapes[module]
+            kernel, out_in = base.kernel(0 if g in GROUP_SLICES else NO_LAYER, module)
+            _scale(kernel, np.zeros((rank, fan_in), np.float32), np.zeros((fan_out, rank), np.float32),
+                   np.float32(1.0), np.ones(fan_out, np.float32), out_in=out_in).block_until_ready()
