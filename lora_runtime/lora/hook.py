@@ -60,7 +60,7 @@ class PoolLoRAHook:
             tok = jnp.clip(tokens, 0, a.shape[-1] - 1)
             scale = jnp.where(slots >= 0, info.slot_scalings[safe], 0.0)
             v = a[0][safe, :, tok].astype(jnp.float32) * scale[:, None]  # [T, R]: A[:, token], scaled
-            (y,) = self.backend.run_lora_b_gemm(v, (b[0][0],), (x,), info, prefill=self.prefill, parallel="row")
+            (y,) = self.backend.run_lora_b_gemm(v, (b[0],), (x,), info, prefill=self.prefill, parallel="row", layer=0)
             return y
 
         return jax.lax.cond(info.uses(SLOT_EMBED), add, lambda x: x, x)
@@ -79,8 +79,9 @@ class PoolLoRAHook:
 
         def add(logits):
             a, b = self.pool.stacked_group(HEAD)
-            (y,) = self.backend.run_lora(hidden, a[0], (b[0][0],), (logits,), info, prefill=prefill,
-                                         parallel=self.pool.parallel(HEAD))
+            # The stacked [1, S, ...] buffers with layer 0: kernels read them in place.
+            (y,) = self.backend.run_lora(hidden, a, (b[0],), (logits,), info, prefill=prefill,
+                                         parallel=self.pool.parallel(HEAD), layer=0)
             return y
 
         logits = jax.lax.cond(info.uses(SLOT_HEAD), add, lambda y: y, logits)

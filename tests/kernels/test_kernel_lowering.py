@@ -112,3 +112,36 @@ def test_gpu_single_launch_lowering_real_shapes():
     block = BlockSizes(tm=16, bk=256, bn=256, single_launch=True)
     text = lower_bgmv("qwen2_5_7b", 1, "gpu", layers=28, block=block)
     assert text.count("__gpu$xla.gpu.triton") == 4  # one kernel per projection group
+
+
+VOCABS = {"llama3_8b": 128256, "qwen2_5_7b": 152064}
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("model,tp", [("llama3_8b", 1), ("llama3_8b", 8), ("qwen2_5_7b", 4)])
+def test_lm_head_adapter_lowering_real_shapes(platform, model, tp):
+    """lm_head adapters: x [T, hidden], A [1, S, R, hidden], B [1, S, R, vocab / tp] (the head is
+    column-parallel on the vocabulary), added to f32 logits, decode and (TPU) prefill."""
+    hidden, vocab, t = MODELS[model][0], VOCABS[model] // tp, 64
+    x, a = sds((t, hidden), bf16), sds((1, NUM_SLOTS, RANK, hidden), bf16)
+    b, logits = (sds((1, NUM_SLOTS, RANK, vocab), bf16),), (sds((t, vocab), f32),)
+    meta = (sds((t,), i32), sds((NUM_SLOTS,), f32), sds((NUM_SLOTS,), i32))
+
+    def step(x, a, b, logits, slots, scal, ranks):
+        return bgmv(x, a, b, logits, slots, scal, ranks, layer=0, platform=platform)
+
+    if platform == "gpu":
+        with gpu_lowering_target():
+            text = jax.jit(step).trace(x, a, b, logits, *meta).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2
+        return
+    text = jax.jit(step).trace(x, a, b, logits, *meta).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 2
+    seg = (sds((t,), i32), sds((t,), i32), sds((NUM_SLOTS + 1,), i32), sds((NUM_SLOTS,), i32),
+           sds((NUM_SLOTS,), f32), sds((NUM_SLOTS,), i32))
+
+    def prefill(x, a, b, logits, *m):
+        return sgmv(x, a, b, logits, *m, layer=0, platform="tpu")
+
+    assert jax.jit(prefill).trace(x, a, b, logits, *seg).lower(lowering_platforms=("tpu",)).as_text().count(
+        "tpu_custom_call") == 2
