@@ -147,7 +147,7 @@ def test_base_and_adapter_completions_match_the_runtime(app, files, reference):
     assert any(reference(p, None) != reference(p, "ad0") for p in PROMPTS)
 
 
-def _peft_greedy(base_dir, adapter_dir, ids: list[int], steps: int, eos: int) -> list[int]:
+def _peft_greedy(base_dir, adapter_dir, ids: list[int], steps: int, eos: tuple[int, ...]) -> list[int]:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -158,7 +158,7 @@ def _peft_greedy(base_dir, adapter_dir, ids: list[int], steps: int, eos: int) ->
     with torch.no_grad():
         for _ in range(steps):
             token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            if token == eos:
+            if token in eos:
                 break
             out.append(token)
             ids.append(token)
@@ -187,7 +187,7 @@ def test_dora_embedding_and_head_adapters_over_http_match_peft(app, files, refer
         changed = False
         for prompt in PROMPTS[:2]:
             ids = tokenizer.encode(prompt)
-            want = _peft_greedy(base, path, ids, MAX_TOKENS, tokenizer.eos_token_id)
+            want = _peft_greedy(base, path, ids, MAX_TOKENS, tokenizer.eos_token_ids)
             got = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
             assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), (name, prompt)
             changed |= got.choices[0].text != reference(prompt, None)
