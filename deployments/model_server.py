@@ -279,7 +279,7 @@ class LoRAModelServer:
         snapshot = self._metrics.snapshot(
             self._engine.stats(),
             manager.stats() if manager is not None else None,
-            slots_used=sum(r["slot"] is not None for r in rows),
+            slots_used=len({r["slot"] for r in rows if r["slot"] is not None}),  # names may share a slot
             slots_total=manager.num_slots if manager is not None else 0,
         )
         return routing_stats(rows, snapshot)
