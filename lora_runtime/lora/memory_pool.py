@@ -112,7 +112,11 @@ class LoRAMemoryPool:
         a, b, scale, shift = [], [], [], []
         for g, parallel, biased in zip(layout.groups, layout.parallel, layout.biased):
             depth, fan_in, outs = group_dims(model_config, g)
-            sharded = (() if g == EMBED else outs) if parallel == "column" else (fan_in,)
+            # The dimensions the mesh splits (the embedding's vocab only where it divides it).
+            if g == EMBED:
+                sharded = (fan_in,) if layout.vocab_sharded else ()
+            else:
+                sharded = outs if parallel == "column" else (fan_in,)
             for dim in sharded:
                 if dim % tp:
                     raise ValueError(f"group {g!r} dimension {dim} is not divisible by tensor parallel size {tp}")

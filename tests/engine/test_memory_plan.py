@@ -4,6 +4,8 @@ configuration that does not fit is refused, naming the part, before any weight i
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import jax
@@ -49,6 +51,11 @@ def test_weights_and_pool_are_what_gets_allocated(tp):
     # Room for embed/lm_head adapters and DoRA scales is counted as allocated, too.
     full = LoRAMemoryPool.create(MODEL, mesh, num_slots=3, max_lora_rank=8, dtype=MODEL.dtype, outer=True, dora=True)
     assert adapter_pool_bytes(MODEL, tp, 3, 8, outer=True, dora=True) == _device_bytes(full) > _device_bytes(pool)
+    if tp > 1:  # a vocabulary the mesh does not divide: embedding A replicated, head row-parallel
+        odd = dataclasses.replace(MODEL, vocab_size=MODEL.vocab_size + 1)
+        pool = LoRAMemoryPool.create(odd, mesh, num_slots=3, max_lora_rank=8, dtype=odd.dtype, outer=True, dora=True)
+        assert pool.parallel("lm_head") == "row"
+        assert adapter_pool_bytes(odd, tp, 3, 8, outer=True, dora=True) == _device_bytes(pool)
 
 
 def _temp_bytes(jitted, *args) -> int:

@@ -75,6 +75,42 @@ def test_backends_agree_with_the_reference(kind, tp, prefill, base_dir, adapter_
     manager.close()
 
 
+def test_a_vocabulary_the_mesh_does_not_divide(tmp_path):
+    """Vocab 98 on 4 devices: the embedding's A stays whole and the head adapter runs
+    row-parallel; logits and embeddings equal the one-device reference's."""
+    from tests.lora.peft_adapters import make_base_model, make_peft_adapter
+
+    base = make_base_model(tmp_path / "base98", vocab_size=98)
+    adapter = make_peft_adapter(base, tmp_path / "eh98", r=4, alpha=8, target_modules=["embed_tokens", "lm_head"],
+                                use_dora=False, seed=8)
+    rng = np.random.default_rng(4)
+    outs = []
+    for tp, make in ((4, BACKENDS["xla"]), (1, ReferenceLoRABackend)):
+        mesh = make_mesh(tp, jax.devices()[:tp])
+        config, model = load_model(str(base), mesh)
+        manager = _manager(config, mesh, model, outer=True, dora=True)
+        assert manager.pool.parallel("lm_head") == ("row" if tp == 4 else "column")
+        manager.register("eh", str(adapter))
+        slot = manager.acquire_slot("eh")
+        slots = np.array([slot, -1, slot, slot], np.int32)
+        info = manager.prepare_lora_batch(slots)
+        tokens = np.array([0, 5, 97, 50], np.int32)
+        x = rng.normal(size=(4, config.hidden_size)).astype(np.float32) if tp == 4 else x
+        logits = rng.normal(size=(4, config.vocab_size)).astype(np.float32) if tp == 4 else logits
+        backend = make(mesh)
+
+        @jax.jit
+        def f(pool, info, tokens, x, logits):
+            hook = PoolLoRAHook(backend, pool, info, prefill=False)
+            return hook.embed(tokens, x), hook.head(x, logits)
+
+        outs.append(jax.tree.map(np.asarray, f(manager.pool, info, tokens, x, logits)))
+        manager.close()
+    for got, want in zip(*outs):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(outs[1][1], logits)
+
+
 def test_pool_without_room_refuses_with_the_option_named(base_dir, extra_adapter_dirs):
     mesh = make_mesh(1, jax.devices()[:1])
     config, model = load_model(str(base_dir), mesh)
