@@ -308,7 +308,8 @@ def sync_entries(adapters: dict[str, dict]) -> list:
     from lora_runtime.lora.manager import RegistryEntry
 
     return [
-        RegistryEntry(name=name, source=e["source"], version=e["version"], pinned=e["pinned"])
+        RegistryEntry(name=name, source=e["source"], version=e["version"], pinned=e["pinned"],
+                      content=bytes.fromhex(e["content_id"]) if e.get("content_id") else None)
         for name, e in adapters.items()
     ]
 

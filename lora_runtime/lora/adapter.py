@@ -194,7 +194,7 @@ class LoRAAdapter:
                     f"adapter {name!r}: tensor {k!r} has shape {t.shape}, but the base model's is {want} "
                     "(a resized vocabulary is not supported)")
         return cls(name=name, rank=max(rank_of.values()), scaling=slot_scaling, weights=weights,
-                   content_id=content_id(slot_scaling, weights),
+                   content_id=content_id(slot_scaling, weights, {m: t for m, (_, t) in saved_base.items()}),
                    saved_base={m: t for m, (_, t) in saved_base.items()})
 
     def pool_weights(self, model_config, max_lora_rank: int, dtype,
@@ -247,11 +247,17 @@ def check_room(adapter: LoRAAdapter, *, dora: bool, outer: bool) -> None:
             "for DoRA scales (lora_dora is off)")
 
 
-def content_id(scaling: float, weights: Mapping[tuple[int, str], ModuleWeights]) -> bytes:
+def content_id(scaling: float, weights: Mapping[tuple[int, str], ModuleWeights],
+               saved_base: Mapping[str, np.ndarray] | None = None) -> bytes:
     """A hash of everything an adapter's output depends on: its modules' weights (dtype, shape
-    and bytes) and scalings. Not its name or source: two names for the same weights share it."""
+    and bytes) and scalings, and the base weights it saved (checked against the served
+    model's, so equal ids pass or fail that check alike). Not its name or source: two names
+    for the same weights share it."""
     h = hashlib.blake2b(digest_size=16)
     h.update(struct.pack("<d", scaling))
+    for module, t in sorted((saved_base or {}).items()):
+        h.update(f"base:{module}:{t.dtype.str}:{t.shape}".encode())
+        h.update(np.ascontiguousarray(t).tobytes())
     for (layer, module), w in sorted(weights.items()):
         h.update(f"{layer}:{module}:{w.a.dtype.str}:{w.a.shape}:{w.b.dtype.str}:{w.b.shape}".encode())
         h.update(struct.pack("<d", w.ratio))

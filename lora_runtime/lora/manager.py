@@ -50,6 +50,7 @@ class RegistryEntry:
     source: str  # URL (see sources.py)
     version: int
     pinned: bool = False
+    content: bytes | None = None  # the content id the admin validated, when the registry records it
 
 
 @dataclasses.dataclass
@@ -401,6 +402,10 @@ class LoRAManager:
         if old is not None and (old.version, old.source) != (entry.version, entry.source):
             self._retire(entry.name)
         self._registry[entry.name] = entry
+        key = (entry.name, entry.version)
+        if entry.content is not None and key not in self._content_of:
+            # Known before any fetch: a slot or host copy of that content serves it as it is.
+            self._content_of[key] = entry.content
 
     def _retire(self, name: str) -> None:
         """Forgets every version of `name`; what no other registered name shares (same content)

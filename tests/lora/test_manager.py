@@ -434,3 +434,15 @@ def test_new_weights_under_an_old_name_never_reuse_its_slot(manager, adapter_dir
     assert new != old or manager.stats().evictions == 0
     # The old content is gone from the host cache: one copy, of the current weights.
     assert manager.host_cache_bytes == parsed(adapter_dirs["r8_rslora"], model_config).nbytes
+
+
+def test_a_registry_content_id_saves_the_fetch_of_a_known_adapter(manager, adapter_dirs, model_config):
+    """An entry that carries the content id the admin validated is served from the slot (or
+    host copy) of that content without reading its files again."""
+    content = parsed(adapter_dirs["r4"], model_config).content_id
+    manager.sync([RegistryEntry("a", str(adapter_dirs["r4"]), 1, content=content),
+                  RegistryEntry("b", str(adapter_dirs["r4"]), 1, content=content)])
+    slot = use(manager, "a")
+    fetches = manager.stats().fetches
+    assert use(manager, "b") == slot and manager.stats().fetches == fetches == 1
+    assert manager.content_of("b") == content and manager.stats().loads == 1
