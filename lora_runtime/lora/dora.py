@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lora_runtime.lora.adapter import NO_LAYER, LoRAAdapter, module_shapes, outer_shapes
+from lora_runtime.lora.adapter import EMBED, NO_LAYER, LoRAAdapter, module_shapes, outer_shapes
 from lora_runtime.lora.base_weights import BaseWeights
 from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, plain_terms
 from lora_runtime.model.lora_hook import GROUP_SLICES
@@ -87,7 +87,7 @@ def warm_up_scales(base: BaseWeights, model_config, rank: int, groups: tuple[str
     shapes = {**module_shapes(model_config), **outer_shapes(model_config)}
     for g in groups:
         for module in GROUP_SLICES.get(g, (g,)):
-            if module not in shapes or g == "embed_tokens":
+            if module not in shapes or g == EMBED:
                 continue
             fan_in, fan_out = shapes[module]
             kernel, out_in = base.kernel(0 if g in GROUP_SLICES else NO_LAYER, module)

@@ -458,18 +458,18 @@ class LoRAManager:
         s.last_used = self._tick
         return slot
 
-    def _is_pinned(self, s: _Slot) -> bool:
-        if s.content is None or s.stale:
-            return False
-        return any(e.pinned and self._content_of.get((e.name, e.version)) == s.content
-                   for e in self._registry.values())
+    def _pinned_contents(self) -> set[bytes]:
+        return {c for e in self._registry.values() if e.pinned
+                and (c := self._content_of.get((e.name, e.version))) is not None}
 
     def _free_slot(self) -> int | None:
         """An empty slot, else the least recently used unpinned slot nobody holds."""
         for i, s in enumerate(self._slots):
             if s.content is None:
                 return i
-        candidates = [i for i, s in enumerate(self._slots) if s.refcount == 0 and not self._is_pinned(s)]
+        pinned = self._pinned_contents()
+        candidates = [i for i, s in enumerate(self._slots)
+                      if s.refcount == 0 and (s.stale or s.content not in pinned)]
         return min(candidates, key=lambda i: self._slots[i].last_used, default=None)
 
     def warm_up(self) -> None:
@@ -510,7 +510,7 @@ class LoRAManager:
                     f"({saved.nbytes} bytes; a trained or replaced {module} is not supported)")
         return dataclasses.replace(adapter, saved_base={}) if adapter.saved_base else adapter
 
-    def _make_resident(self, entry: RegistryEntry, adapter: LoRAAdapter, weights: Weights | None) -> int:
+    def _make_resident(self, entry: RegistryEntry, adapter: LoRAAdapter, weights: Weights) -> int:
         """The slot of `entry`'s content, written now unless another name's slot holds it."""
         key = (entry.name, entry.version)
         self._content_of[key] = adapter.content_id
@@ -523,8 +523,6 @@ class LoRAManager:
             raise CapacityError(
                 f"no slot for adapter {entry.name!r}: all {self.num_slots} slots are held by requests or pinned"
             )
-        if weights is None:
-            weights = self._pool_weights(adapter)
         start = time.perf_counter()
         self._pool = write_slot(self._pool, slot, *weights)
         if self._slots[slot].content is not None:
@@ -568,18 +566,12 @@ class LoRAManager:
             return
         with self._lock:
             self._staging.discard(key)
-            # weights None: a slot held the content when padding was skipped; if it is gone
-            # by now, the next is_ready stages it again.
-            if weights is not None and self._is_current(entry) and self._resident(key) is None:
+            if self._is_current(entry) and self._resident(key) is None:
                 self._staged[key] = _Staged(adapter, weights, time.monotonic())
 
-    def _prepare(self, entry: RegistryEntry) -> tuple[LoRAAdapter, Weights | None]:
-        """The adapter (host cache, else fetched) and its weights padded for a slot write
-        (None when a slot holds its content already: nothing to write)."""
+    def _prepare(self, entry: RegistryEntry) -> tuple[LoRAAdapter, Weights]:
+        """The adapter (host cache, else fetched) and its weights padded for a slot write."""
         adapter = self._host_adapter(entry)
-        with self._lock:
-            if adapter.content_id in self._slot_of_content:
-                return adapter, None
         return adapter, self._pool_weights(adapter)
 
     def _host_adapter(self, entry: RegistryEntry) -> LoRAAdapter:

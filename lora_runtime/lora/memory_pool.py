@@ -94,7 +94,7 @@ class LoRAMemoryPool:
     mesh: jax.sharding.Mesh
     num_slots: int
     max_lora_rank: int
-    layout: PoolLayout | None = None
+    layout: PoolLayout
     scale: tuple[tuple[jax.Array, ...], ...] = ()  # per group: n × f32[L, S, out_i] (DoRA); () without
     shift: tuple[tuple[jax.Array, ...], ...] = ()  # per group: n × f32[L, S, out_i] where biased, else ()
 
@@ -136,18 +136,17 @@ class LoRAMemoryPool:
 
     @property
     def groups(self) -> tuple[str, ...]:
-        return GROUPS if self.layout is None else self.layout.groups
+        return self.layout.groups
 
     def holds(self, group: str) -> bool:
         return group in self.groups
 
     @property
     def dora(self) -> bool:
-        return self.layout is not None and self.layout.dora
+        return self.layout.dora
 
     def parallel(self, group: str) -> str:
-        return self.layout.parallel[self.groups.index(group)] if self.layout else (
-            "column" if group in COLUMN_GROUPS else "row")
+        return self.layout.parallel[self.groups.index(group)]
 
     def group(self, layer, group: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """(A [S, n*R, in], B n × [S, R, out_i]) of one layer and group; `layer` may be traced."""
@@ -182,8 +181,6 @@ class LoRAMemoryPool:
         return self.nbytes // self.num_slots
 
     def _specs(self, group: str) -> tuple[P, P, P]:
-        if self.layout is None:
-            return pool_specs(group) + (P(None, None, None),)
         return self.layout.specs(group)
 
     def slot_shardings(self) -> tuple[tuple[NamedSharding, tuple[NamedSharding, ...]], ...]:
@@ -206,13 +203,6 @@ class LoRAMemoryPool:
     def term_shardings(self, terms) -> tuple[tuple[NamedSharding, ...], ...]:
         """Shardings of the scale (or shift) buffers `terms`, per group."""
         return tuple(tuple(NamedSharding(self.mesh, self._specs(g)[2]) for _ in ts) for g, ts in zip(self.groups, terms))
-
-
-def pool_specs(group: str) -> tuple[P, P]:
-    """PartitionSpecs of a projection group's A [L, S, n*R, in] and each B_i [L, S, R, out_i]."""
-    if group in COLUMN_GROUPS:
-        return P(None, None, None, None), P(None, None, None, TENSOR_AXIS)
-    return P(None, None, None, TENSOR_AXIS), P(None, None, None, None)
 
 
 def _without_slot_axis(spec: P) -> P:
