@@ -38,9 +38,40 @@ class LoRABatchInfo:
         """bool[]: whether any token's adapter has `flag` (its extra work is skipped otherwise)."""
         if self.slot_flags is None:
             return jnp.zeros((), bool)
-        slots = self.token_slots
-        has = (self.slot_flags[jnp.maximum(slots, 0)] & flag) != 0
+        slots = jnp.asarray(self.token_slots)
+        has = (jnp.asarray(self.slot_flags)[jnp.maximum(slots, 0)] & flag) != 0
         return jnp.any(has & (slots >= 0))
+
+    def for_class(self, first: int, count: int) -> LoRABatchInfo:
+        """The view of one rank class (slots [first, first + count), see memory_pool): its
+        tokens keep their class-local slot, every other token has -1, and the sorted order
+        and segments start at the class's tokens, contiguous once sorted by slot. Runs in
+        the step (arrays may be traced); the whole pool's class is the info itself."""
+        if first == 0 and count == self.num_slots:
+            return self
+        ts = jnp.asarray(self.token_slots)
+        mine = (ts >= first) & (ts < first + count)
+        seg = jnp.asarray(self.segment_slots)
+        used = seg >= 0
+        before = jnp.sum(used & (seg < first), dtype=jnp.int32)  # used segments ascend by slot
+        upto = jnp.sum(used & (seg < first + count), dtype=jnp.int32)
+        starts = jnp.asarray(self.segment_starts)
+        lo, hi = starts[before], starts[upto]
+        n = seg.shape[0]
+        moved = jnp.minimum(jnp.arange(n + 1, dtype=jnp.int32) + before, n)
+        i = jnp.arange(n)
+        seg_moved = jnp.where(i < upto - before, seg[jnp.minimum(i + before, n - 1)] - first, -1)
+        flags = None if self.slot_flags is None else jnp.asarray(self.slot_flags)[first:first + count]
+        return LoRABatchInfo(
+            token_slots=jnp.where(mine, ts - first, -1).astype(jnp.int32),
+            slot_scalings=jnp.asarray(self.slot_scalings)[first:first + count],
+            slot_ranks=jnp.asarray(self.slot_ranks)[first:first + count],
+            sorted_order=jnp.roll(jnp.asarray(self.sorted_order), -lo),
+            segment_starts=(jnp.clip(starts[moved], lo, hi) - lo).astype(jnp.int32),
+            segment_slots=seg_moved.astype(jnp.int32),
+            num_segments=upto - before,
+            slot_flags=flags,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -59,17 +59,18 @@ def dora_terms(pool: LoRAMemoryPool, base: BaseWeights, adapter: LoRAAdapter) ->
     terms = plain_terms(pool)
     if terms is None or not adapter.use_dora:
         return terms
-    for g, scales, shifts in zip(pool.groups, pool.scale, pool.shift):
+    rank = pool.classes[pool.class_for_rank(adapter.rank)].rank  # what its weights are padded to
+    for g, scales, shifts in zip(pool.groups, *pool.term_shapes()):
         if not scales:
             continue
         modules = GROUP_SLICES.get(g, (g,))
-        depth = scales[0].shape[0]
+        depth = scales[0][0]
         layers = range(depth) if g in GROUP_SLICES else (NO_LAYER,)
         new_scale = [x.copy() for x in terms.scale[g]]
         new_shift = [x.copy() for x in terms.shift[g]]
         for i, module in enumerate(modules):
             for row, layer in enumerate(layers):
-                g_vec = module_scale(base, adapter, layer, module, pool.max_lora_rank)
+                g_vec = module_scale(base, adapter, layer, module, rank)
                 if g_vec is None:
                     continue
                 new_scale[i][row] = np.asarray(g_vec)

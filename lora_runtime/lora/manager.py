@@ -21,7 +21,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -95,23 +95,35 @@ class _Staged:
 class LoRAManager:
     """Which adapters a replica knows, caches on the host, and holds in device slots."""
 
-    def __init__(self, model_config, mesh: jax.sharding.Mesh, *, num_slots: int, max_lora_rank: int,
-                 max_cpu_loras: int, max_cpu_bytes: int, source_policy: SourcePolicy, dtype,
-                 fetch_workers: int = 2, base_weights: BaseWeights | None = None, outer: bool = False,
-                 dora: bool = False):
-        """`base_weights`: the served model's weights, which DoRA adapters and the base weights
+    def __init__(self, model_config, mesh: jax.sharding.Mesh, *, max_lora_rank: int, max_cpu_loras: int,
+                 max_cpu_bytes: int, source_policy: SourcePolicy, dtype, num_slots: int | None = None,
+                 rank_classes: Sequence[tuple[int, int]] | None = None, fetch_workers: int = 2,
+                 base_weights: BaseWeights | None = None, outer: bool = False, dora: bool = False):
+        """`num_slots` slots of rank `max_lora_rank`, or the `rank_classes` ((rank, slots)
+        pairs, the widest `max_lora_rank`; memory_plan.pool_classes sizes them): an adapter
+        takes a slot of the narrowest class it fits, a wider one's free slot before evicting.
+        `base_weights`: the served model's weights, which DoRA adapters and the base weights
         PEFT saves with embed/head adapters are checked against; `outer`: the pool holds
         embed_tokens and lm_head adapters; `dora`: it holds DoRA scales (needs base_weights)."""
         if dora and base_weights is None:
             raise ValueError("dora=True needs the base model's weights (base_weights)")
+        if rank_classes is not None:
+            if num_slots is not None:
+                raise ValueError("give num_slots or rank_classes, not both")
+            widest = max(int(r) for r, _ in rank_classes)
+            if widest != max_lora_rank:
+                raise ValueError(f"the widest rank class ({widest}) must be {max_lora_rank=}")
+            shape = dict(classes=rank_classes)
+        else:
+            shape = dict(num_slots=num_slots, max_lora_rank=max_lora_rank)
         self.model_config = model_config
         self.max_lora_rank = max_lora_rank
         self.source_policy = source_policy
         self.base_weights = base_weights
-        self._pool = LoRAMemoryPool.create(model_config, mesh, num_slots=num_slots,
-                                           max_lora_rank=max_lora_rank, dtype=dtype, outer=outer, dora=dora)
+        self._pool = LoRAMemoryPool.create(model_config, mesh, dtype=dtype, outer=outer, dora=dora, **shape)
         self._host = HostAdapterCache(max_bytes=max_cpu_bytes, max_count=max_cpu_loras)
-        self._slots = [_Slot() for _ in range(num_slots)]
+        self._slots = [_Slot() for _ in range(self._pool.num_slots)]
+        self._rank_of_content: dict[bytes, int] = {}  # for choosing a class before the weights are at hand
         self._content_of: dict[Key, bytes] = {}  # registered versions parsed at least once
         self._slot_of_content: dict[bytes, int] = {}
         self._registry: dict[str, RegistryEntry] = {}
@@ -119,7 +131,7 @@ class LoRAManager:
         # Adapters padded for a slot write ahead of admission (a few at a time: they are large).
         self._staged: collections.OrderedDict[Key, _Staged] = collections.OrderedDict()
         self._staging: set[Key] = set()
-        self.max_staged = max(1, min(num_slots, 4))
+        self.max_staged = max(1, min(self._pool.num_slots, 4))
         self._fetch_failed: dict[Key, Exception] = {}  # background fetches that failed, told once
         self._owner: Callable[[Callable], object] | None = None
         self._lock = threading.RLock()
@@ -227,9 +239,17 @@ class LoRAManager:
                 content = self._content_of.get(key)
                 out.append({"name": name, "source": e.source, "version": e.version, "pinned": e.pinned,
                             "slot": slot, "refcount": 0 if slot is None else self._slots[slot].refcount,
+                            "slot_rank": None if slot is None else self._pool.classes[self._pool.class_of(slot)].rank,
                             "host_cached": self._cached(key) is not None,
                             "content_id": None if content is None else content.hex()})
             return out
+
+    def slot_classes(self) -> dict[int, tuple[int, int]]:
+        """Per rank class of the pool: slot rank -> (slots holding an adapter, slots)."""
+        with self._lock:
+            return {rc.rank: (sum(self._slots[i].content is not None
+                                  for i in range(rc.first_slot, rc.first_slot + rc.num_slots)), rc.num_slots)
+                    for rc in self._pool.classes}
 
     def can_acquire(self, name: str) -> bool:
         """Whether acquire_slot(name) would not wait for a slot now (no I/O)."""
@@ -237,7 +257,12 @@ class LoRAManager:
             entry = self._registry.get(name)
             if entry is None:
                 return True  # acquire_slot fails at once: the request learns it is not registered
-            return self._resident((name, entry.version)) is not None or self._free_slot() is not None
+            key = (name, entry.version)
+            if self._resident(key) is not None:
+                return True
+            # A rank not known yet (never fetched) asks for the narrowest class.
+            rank = self._rank_of_content.get(self._content_of.get(key), 1)
+            return self._free_slot(rank) is not None
 
     # ---- registry ----------------------------------------------------------------------
 
@@ -257,8 +282,9 @@ class LoRAManager:
 
         def apply() -> None:
             with self._lock:
-                if pinned and self._free_slot() is None:
-                    raise CapacityError(f"cannot pin adapter {name!r}: all {self.num_slots} slots are held or pinned")
+                if pinned and self._free_slot(adapter.rank) is None:
+                    raise CapacityError(f"cannot pin adapter {name!r}: all {self._slots_for(adapter.rank)} slots of "
+                                        f"rank >= {adapter.rank} are held or pinned")
                 self._apply_entry(entry)
                 self._remember((name, version), adapter)
                 if pinned:
@@ -418,6 +444,7 @@ class LoRAManager:
             del self._fetch_failed[key]
         for content in contents - live:
             self._host.pop(content)
+            self._rank_of_content.pop(content, None)
             slot = self._slot_of_content.get(content)
             if slot is None:
                 continue
@@ -430,6 +457,7 @@ class LoRAManager:
         """Records what `key` holds and caches it on the host (once per content). A content
         a stale slot still holds becomes live again."""
         self._content_of[key] = adapter.content_id
+        self._rank_of_content[adapter.content_id] = adapter.rank
         if self._host.get(adapter.content_id) is None:  # a hit marks it most recently used
             self._host.put(adapter.content_id, adapter)
         slot = self._slot_of_content.get(adapter.content_id)
@@ -444,6 +472,10 @@ class LoRAManager:
     def _cached(self, key: Key) -> LoRAAdapter | None:
         content = self._content_of.get(key)
         return None if content is None else self._host.peek(content)
+
+    def _slots_for(self, rank: int) -> int:
+        """How many slots are wide enough for an adapter of `rank`."""
+        return sum(rc.num_slots for rc in self._pool.classes if rc.rank >= rank)
 
     def _free(self, slot: int) -> None:
         s = self._slots[slot]
@@ -462,37 +494,60 @@ class LoRAManager:
         return {c for e in self._registry.values() if e.pinned
                 and (c := self._content_of.get((e.name, e.version))) is not None}
 
-    def _free_slot(self) -> int | None:
-        """An empty slot, else the least recently used unpinned slot nobody holds."""
-        for i, s in enumerate(self._slots):
-            if s.content is None:
-                return i
+    def _free_slot(self, rank: int) -> int | None:
+        """A slot for an adapter of `rank`: an empty one of the narrowest class it fits, else
+        of a wider class, else the least recently used unpinned slot nobody holds of the
+        narrowest class that has one (eviction stays within a class)."""
+        fitting = [rc for rc in self._pool.classes if rc.rank >= rank]
+        for rc in fitting:
+            for i in range(rc.first_slot, rc.first_slot + rc.num_slots):
+                if self._slots[i].content is None:
+                    return i
         pinned = self._pinned_contents()
-        candidates = [i for i, s in enumerate(self._slots)
-                      if s.refcount == 0 and (s.stale or s.content not in pinned)]
-        return min(candidates, key=lambda i: self._slots[i].last_used, default=None)
+        for rc in fitting:
+            candidates = [i for i in range(rc.first_slot, rc.first_slot + rc.num_slots)
+                          if (s := self._slots[i]).refcount == 0 and (s.stale or s.content not in pinned)]
+            if candidates:
+                return min(candidates, key=lambda i: self._slots[i].last_used)
+        return None
 
     def warm_up(self) -> None:
-        """Compiles the slot write (one program serves every slot) by writing zeros into an
-        empty slot, and the DoRA scale of each module shape, so the first adapter load after
-        warm-up compiles nothing."""
-        if self._pool.dora:
-            warm_up_scales(self.base_weights, self.model_config, self.max_lora_rank, self._pool.groups)
+        """Compiles the slot writes (one program serves every slot of a class and written
+        rank: an adapter is padded to the narrowest class it fits and may land in a wider one)
+        by writing zeros into empty slots, and the DoRA scale of each module shape and class
+        rank, so the first adapter load after warm-up compiles nothing."""
+        pool = self._pool
+        if pool.dora:
+            for rc in pool.classes:
+                warm_up_scales(self.base_weights, self.model_config, rc.rank, pool.groups)
         with self._lock:
-            slot = next((i for i, s in enumerate(self._slots) if s.content is None), None)
-            if slot is None:
-                return  # every slot already written: the write is compiled
-            pool = self._pool
-            zeros = {g: (np.zeros((a.shape[0], *a.shape[2:]), np.float32),
-                         tuple(np.zeros((b.shape[0], *b.shape[2:]), np.float32) for b in bs))
-                     for g, a, bs in zip(pool.groups, pool.a, pool.b)}
-            self._pool = write_slot(pool, slot, zeros)
+            for rc in pool.classes:
+                slot = next((i for i in range(rc.first_slot, rc.first_slot + rc.num_slots)
+                             if self._slots[i].content is None), None)
+                if slot is None:
+                    continue  # every slot of the class already written
+                for narrow in pool.classes:
+                    if narrow.rank <= rc.rank:
+                        self._pool = write_slot(self._pool, slot, self._zero_weights(narrow.rank))
+
+    def _zero_weights(self, rank: int) -> dict:
+        """An empty adapter's pool layout at `rank`."""
+        pool = self._pool
+        top = len(pool.classes) - 1
+        out = {}
+        for g in pool.groups:
+            a, bs = pool.stacked_group(g, top)
+            n = len(bs)
+            out[g] = (np.zeros((a.shape[0], n * rank, a.shape[3]), np.float32),
+                      tuple(np.zeros((b.shape[0], rank, b.shape[3]), np.float32) for b in bs))
+        return out
 
     def _pool_weights(self, adapter: LoRAAdapter) -> Weights:
         """The adapter padded to the pool layout, with its DoRA terms; host work (and the
         device work of DoRA's norms) kept out of the lock."""
         pool = self._pool
-        weights = adapter.pool_weights(self.model_config, self.max_lora_rank, pool.dtype, pool.holds(EMBED))
+        rank = pool.classes[pool.class_for_rank(adapter.rank)].rank  # the narrowest class it fits
+        weights = adapter.pool_weights(self.model_config, rank, pool.dtype, pool.holds(EMBED))
         return weights, dora_terms(pool, self.base_weights, adapter)
 
     def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
@@ -518,10 +573,11 @@ class LoRAManager:
         if slot is not None:
             self._slots[slot].stale = False
             return slot
-        slot = self._free_slot()
+        slot = self._free_slot(adapter.rank)
         if slot is None:
             raise CapacityError(
-                f"no slot for adapter {entry.name!r}: all {self.num_slots} slots are held by requests or pinned"
+                f"no slot for adapter {entry.name!r}: all {self._slots_for(adapter.rank)} slots of rank >= "
+                f"{adapter.rank} are held by requests or pinned"
             )
         start = time.perf_counter()
         self._pool = write_slot(self._pool, slot, *weights)
@@ -532,6 +588,7 @@ class LoRAManager:
         self._slots[slot] = _Slot(content=adapter.content_id, last_used=self._tick, scaling=adapter.scaling,
                                   rank=adapter.rank, flags=_flags(adapter))
         self._slot_of_content[adapter.content_id] = slot
+        self._rank_of_content[adapter.content_id] = adapter.rank
         self._stats.loads += 1
         self._stats.load_seconds += time.perf_counter() - start
         return slot

@@ -1,27 +1,33 @@
 """Device buffers holding the adapters of every slot, laid out as backends read them.
 
-Per projection group, stacked over layers:
-    a[g]: [L, S, n*R, in]            b[g]: n × [L, S, R, out_i]
-so `pool.group(layer, g)` gives the backend layout `A: [S, n*R, in]`,
-`B: n × [S, R, out_i]` (lora_runtime/lora/backend/base.py), and the model's hook hands
-backends `pool.stacked_group(g)` with the layer index instead, so kernels read a layer
-in place (a slice feeding a custom call would be copied each step). Column groups (qkv,
-gate_up) keep A replicated and shard each B_i on out; row groups (o, down) shard A on
-in and keep B replicated, matching the base weights' tensor-parallel layout.
+The slots come in rank classes (`RankClass`: a rank and a slot count, ascending by rank);
+one class of `max_lora_rank` is the padded pool every engine ships, several let a rank-8
+adapter take an 8-row slot instead of a 64-row one. Slot ids are global: class c owns
+slots [first_slot, first_slot + num_slots), so the per-slot metadata of a step (scaling,
+rank, flags) stays one array and a class's tokens are contiguous once sorted by slot.
+
+Per class c and projection group, stacked over layers:
+    a[c][g]: [L, S_c, n*R_c, in]          b[c][g]: n × [L, S_c, R_c, out_i]
+so `pool.stacked_group(g, c)` gives the backend layout (lora_runtime/lora/backend/base.py)
+with the layer index kept apart: kernels read a layer in place (a slice feeding a custom
+call would be copied each step). Column groups (qkv, gate_up) keep A replicated and shard
+each B_i on out; row groups (o, down) shard A on in and keep B replicated, matching the
+base weights' tensor-parallel layout.
 
 A pool created with `outer=True` also holds the groups "embed_tokens" (A [1, S, R, vocab],
 B [1, S, R, hidden]; A sharded on vocab like the base embedding) and "lm_head" (A
 [1, S, R, hidden], B [1, S, R, vocab]; column-parallel on vocab like the base head, or
 row-parallel when the mesh does not divide the vocabulary). With `dora=True` it holds
-DoRA's per-output scale of every slot, `scale[g]`: n × [L, S, out_i] f32 (1 for a plain
-adapter), sharded like the outputs, and for groups whose base layer has a bias,
-`shift[g]` = (1 - scale) * bias; the step computes y = scale * (base + delta) + shift.
+DoRA's per-output scale of every slot, `scale[c][g]`: n × [L, S_c, out_i] f32 (1 for a
+plain adapter), sharded like the outputs, and for groups whose base layer has a bias,
+`shift[c][g]` = (1 - scale) * bias; the step computes y = scale * (base + delta) + shift.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +78,38 @@ class PoolLayout:
         return self.dora and group != EMBED
 
 
+@dataclasses.dataclass(frozen=True)
+class RankClass:
+    """Slots [first_slot, first_slot + num_slots) of the pool, each `rank` rows wide."""
+
+    rank: int
+    num_slots: int
+    first_slot: int
+
+    def holds(self, slot: int) -> bool:
+        return self.first_slot <= slot < self.first_slot + self.num_slots
+
+
+def rank_classes(spec: Sequence[tuple[int, int]]) -> tuple[RankClass, ...]:
+    """Classes from (rank, slots) pairs: ascending distinct ranks, every count positive."""
+    spec = [(int(r), int(n)) for r, n in spec]
+    if not spec:
+        raise ValueError("a pool needs at least one rank class")
+    ranks = [r for r, _ in spec]
+    if ranks != sorted(set(ranks)):
+        raise ValueError(f"rank classes {ranks} must be distinct and ascending")
+    for r, n in spec:
+        if r <= 0:
+            raise ValueError(f"rank class {r} must be positive")
+        if n <= 0:
+            raise ValueError(f"rank class {r} has num_slots={n}; it must be positive")
+    out, first = [], 0
+    for r, n in spec:
+        out.append(RankClass(rank=r, num_slots=n, first_slot=first))
+        first += n
+    return tuple(out)
+
+
 def group_dims(model_config, group: str) -> tuple[int, int, tuple[int, ...]]:
     """(layers, in, (out_i per slice)) of a pool group."""
     if group in OUTER_MODULES:
@@ -83,35 +121,42 @@ def group_dims(model_config, group: str) -> tuple[int, int, tuple[int, ...]]:
 
 @functools.partial(
     jax.tree_util.register_dataclass, data_fields=("a", "b", "scale", "shift"),
-    meta_fields=("mesh", "num_slots", "max_lora_rank", "layout"),
+    meta_fields=("mesh", "classes", "layout"),
 )
 @dataclasses.dataclass(frozen=True)
 class LoRAMemoryPool:
     """Every slot's adapter weights for all layers and groups; a pytree of device arrays."""
 
-    a: tuple[jax.Array, ...]  # per group in layout.groups: [L, S, n*R, in]
-    b: tuple[tuple[jax.Array, ...], ...]  # per group: n × [L, S, R, out_i]
+    a: tuple[tuple[jax.Array, ...], ...]  # per class, per group in layout.groups: [L, S_c, n*R_c, in]
+    b: tuple[tuple[tuple[jax.Array, ...], ...], ...]  # per class, per group: n × [L, S_c, R_c, out_i]
     mesh: jax.sharding.Mesh
-    num_slots: int
-    max_lora_rank: int
+    classes: tuple[RankClass, ...]
     layout: PoolLayout
-    scale: tuple[tuple[jax.Array, ...], ...] = ()  # per group: n × f32[L, S, out_i] (DoRA); () without
-    shift: tuple[tuple[jax.Array, ...], ...] = ()  # per group: n × f32[L, S, out_i] where biased, else ()
+    scale: tuple = ()  # per class, per group: n × f32[L, S_c, out_i] (DoRA); () without
+    shift: tuple = ()  # per class, per group: n × f32[L, S_c, out_i] where biased, else ()
 
     @classmethod
-    def create(cls, model_config, mesh: jax.sharding.Mesh, *, num_slots: int, max_lora_rank: int,
-               dtype, outer: bool = False, dora: bool = False) -> LoRAMemoryPool:
-        """An empty pool of `num_slots` slots of rank `max_lora_rank`, sharded on `mesh`;
-        `outer`: room for embed_tokens and lm_head adapters, `dora`: for DoRA scales."""
-        if num_slots <= 0:
-            raise ValueError(f"{num_slots=} must be positive")
-        if max_lora_rank <= 0:
-            raise ValueError(f"{max_lora_rank=} must be positive")
+    def create(cls, model_config, mesh: jax.sharding.Mesh, *, dtype, num_slots: int | None = None,
+               max_lora_rank: int | None = None, classes: Sequence[tuple[int, int]] | None = None,
+               outer: bool = False, dora: bool = False) -> LoRAMemoryPool:
+        """An empty pool sharded on `mesh`: `num_slots` slots of rank `max_lora_rank`, or the
+        rank `classes` ((rank, slots) pairs); `outer`: room for embed_tokens and lm_head
+        adapters, `dora`: for DoRA scales."""
+        if classes is None:
+            if num_slots is None or max_lora_rank is None:
+                raise ValueError("a pool needs num_slots and max_lora_rank, or rank classes")
+            if num_slots <= 0:
+                raise ValueError(f"{num_slots=} must be positive")
+            if max_lora_rank <= 0:
+                raise ValueError(f"{max_lora_rank=} must be positive")
+            classes = ((max_lora_rank, num_slots),)
+        elif num_slots is not None or max_lora_rank is not None:
+            raise ValueError("give rank classes or num_slots and max_lora_rank, not both")
+        classes = rank_classes(classes)
         tp = mesh.shape.get(TENSOR_AXIS, 1)
         layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora)
-        a, b, scale, shift = [], [], [], []
-        for g, parallel, biased in zip(layout.groups, layout.parallel, layout.biased):
-            depth, fan_in, outs = group_dims(model_config, g)
+        for g, parallel in zip(layout.groups, layout.parallel):
+            _, fan_in, outs = group_dims(model_config, g)
             # The dimensions the mesh splits (the embedding's vocab only where it divides it).
             if g == EMBED:
                 sharded = (fan_in,) if layout.vocab_sharded else ()
@@ -120,19 +165,15 @@ class LoRAMemoryPool:
             for dim in sharded:
                 if dim % tp:
                     raise ValueError(f"group {g!r} dimension {dim} is not divisible by tensor parallel size {tp}")
-            a_spec, b_spec, s_spec = layout.specs(g)
-            a.append(zeros_on((depth, num_slots, len(outs) * max_lora_rank, fan_in), dtype,
-                              NamedSharding(mesh, a_spec)))
-            b.append(tuple(zeros_on((depth, num_slots, max_lora_rank, o), dtype, NamedSharding(mesh, b_spec))
-                           for o in outs))
-            if dora:
-                on = layout.has_scale(g)
-                scale.append(tuple(_ones_on((depth, num_slots, o), NamedSharding(mesh, s_spec)) for o in outs)
-                             if on else ())
-                shift.append(tuple(zeros_on((depth, num_slots, o), jnp.float32, NamedSharding(mesh, s_spec))
-                                   for o in outs) if on and biased else ())
-        return cls(a=tuple(a), b=tuple(b), mesh=mesh, num_slots=num_slots, max_lora_rank=max_lora_rank,
-                   layout=layout, scale=tuple(scale), shift=tuple(shift))
+        a, b, scale, shift = [], [], [], []
+        for rc in classes:
+            parts = _class_buffers(model_config, mesh, layout, rc, dtype)
+            a.append(parts[0])
+            b.append(parts[1])
+            scale.append(parts[2])
+            shift.append(parts[3])
+        return cls(a=tuple(a), b=tuple(b), mesh=mesh, classes=classes, layout=layout,
+                   scale=tuple(scale) if dora else (), shift=tuple(shift) if dora else ())
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -148,37 +189,59 @@ class LoRAMemoryPool:
     def parallel(self, group: str) -> str:
         return self.layout.parallel[self.groups.index(group)]
 
-    def group(self, layer, group: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """(A [S, n*R, in], B n × [S, R, out_i]) of one layer and group; `layer` may be traced."""
-        g = self.groups.index(group)
-        return self.a[g][layer], tuple(b[layer] for b in self.b[g])
+    @property
+    def num_slots(self) -> int:
+        return sum(rc.num_slots for rc in self.classes)
 
-    def stacked_group(self, group: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """(A [L, S, n*R, in], B n × [L, S, R, out_i]) of one group, all layers."""
-        g = self.groups.index(group)
-        return self.a[g], self.b[g]
+    @property
+    def max_lora_rank(self) -> int:
+        return self.classes[-1].rank
 
-    def dora_terms(self, group: str) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        """(scale, shift) of a group, each n × f32[L, S, out_i] (shift () without a bias)."""
+    def class_of(self, slot: int) -> int:
+        """The index of the rank class holding `slot`."""
+        _check_slot(self, slot)
+        return next(i for i, rc in enumerate(self.classes) if rc.holds(slot))
+
+    def class_for_rank(self, rank: int) -> int:
+        """The index of the narrowest class an adapter of `rank` fits."""
+        for i, rc in enumerate(self.classes):
+            if rc.rank >= rank:
+                return i
+        raise ValueError(f"{rank=} exceeds the pool's widest rank class ({self.max_lora_rank})")
+
+    def group(self, layer, group: str, c: int = 0) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """(A [S_c, n*R_c, in], B n × [S_c, R_c, out_i]) of one layer, group and class;
+        `layer` may be traced."""
+        a, bs = self.stacked_group(group, c)
+        return a[layer], tuple(b[layer] for b in bs)
+
+    def stacked_group(self, group: str, c: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """(A [L, S_c, n*R_c, in], B n × [L, S_c, R_c, out_i]) of one group and class, all layers."""
         g = self.groups.index(group)
-        return self.scale[g], self.shift[g]
+        return self.a[c][g], self.b[c][g]
+
+    def dora_terms(self, group: str, c: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """(scale, shift) of a group and class, each n × f32[L, S_c, out_i] (shift () without a bias)."""
+        g = self.groups.index(group)
+        return self.scale[c][g], self.shift[c][g]
 
     @property
     def num_layers(self) -> int:
-        return self.a[0].shape[0]
+        return self.a[0][0].shape[0]
 
     @property
     def dtype(self):
-        return self.a[0].dtype
+        return self.a[0][0].dtype
 
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
 
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes one slot write moves (an adapter's padded pool layout)."""
-        return self.nbytes // self.num_slots
+    def slot_nbytes(self, c: int = 0) -> int:
+        """Bytes of one slot of class `c` (an adapter's padded layout, DoRA terms included)."""
+        leaves = jax.tree_util.tree_leaves((self.a[c], self.b[c], self.scale[c] if self.dora else (),
+                                            self.shift[c] if self.dora else ()))
+        return sum(x.nbytes for x in leaves) // self.classes[c].num_slots
 
     def _specs(self, group: str) -> tuple[P, P, P]:
         return self.layout.specs(group)
@@ -186,23 +249,35 @@ class LoRAMemoryPool:
     def slot_shardings(self) -> tuple[tuple[NamedSharding, tuple[NamedSharding, ...]], ...]:
         """Shardings of one slot's weights ([L, n*R, in] and [L, R, out_i]) per group."""
         out = []
-        for g, bs in zip(self.groups, self.b):
+        for g, bs in zip(self.groups, self.b[0]):
             a_spec, b_spec, _ = self._specs(g)
             out.append((NamedSharding(self.mesh, _without_slot_axis(a_spec)),
                         tuple(NamedSharding(self.mesh, _without_slot_axis(b_spec)) for _ in bs)))
         return tuple(out)
 
-    def shardings(self) -> tuple[tuple[NamedSharding, tuple[NamedSharding, ...]], ...]:
-        """Shardings of each group's A and B_i buffers."""
-        out = []
-        for g, bs in zip(self.groups, self.b):
-            a_spec, b_spec, _ = self._specs(g)
-            out.append((NamedSharding(self.mesh, a_spec), tuple(NamedSharding(self.mesh, b_spec) for _ in bs)))
-        return tuple(out)
+    def term_shapes(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        """Per group, the [L, out_i] shapes of one slot's DoRA scales and shifts."""
+        if not self.dora:
+            return (), ()
+        return tuple(tuple((x.shape[0], x.shape[2]) for x in ts) for ts in self.scale[0]), \
+            tuple(tuple((x.shape[0], x.shape[2]) for x in ts) for ts in self.shift[0])
 
-    def term_shardings(self, terms) -> tuple[tuple[NamedSharding, ...], ...]:
-        """Shardings of the scale (or shift) buffers `terms`, per group."""
-        return tuple(tuple(NamedSharding(self.mesh, self._specs(g)[2]) for _ in ts) for g, ts in zip(self.groups, terms))
+
+def _class_buffers(model_config, mesh, layout: PoolLayout, rc: RankClass, dtype):
+    """(A, B, scale, shift) per group of one empty rank class."""
+    a, b, scale, shift = [], [], [], []
+    for g, biased in zip(layout.groups, layout.biased):
+        depth, fan_in, outs = group_dims(model_config, g)
+        a_spec, b_spec, s_spec = layout.specs(g)
+        a.append(zeros_on((depth, rc.num_slots, len(outs) * rc.rank, fan_in), dtype, NamedSharding(mesh, a_spec)))
+        b.append(tuple(zeros_on((depth, rc.num_slots, rc.rank, o), dtype, NamedSharding(mesh, b_spec))
+                       for o in outs))
+        on = layout.has_scale(g)
+        scale.append(tuple(_ones_on((depth, rc.num_slots, o), NamedSharding(mesh, s_spec)) for o in outs)
+                     if on else ())
+        shift.append(tuple(zeros_on((depth, rc.num_slots, o), jnp.float32, NamedSharding(mesh, s_spec))
+                           for o in outs) if on and biased else ())
+    return tuple(a), tuple(b), tuple(scale), tuple(shift)
 
 
 def _without_slot_axis(spec: P) -> P:
@@ -226,9 +301,34 @@ def plain_terms(pool: LoRAMemoryPool) -> DoraTerms | None:
     """The DoRA terms of an adapter without DoRA (scale 1, shift 0), for a pool that holds them."""
     if not pool.dora:
         return None
-    scale = {g: tuple(np.ones((x.shape[0], x.shape[2]), np.float32) for x in ts) for g, ts in zip(pool.groups, pool.scale)}
-    shift = {g: tuple(np.zeros((x.shape[0], x.shape[2]), np.float32) for x in ts) for g, ts in zip(pool.groups, pool.shift)}
-    return DoraTerms(scale=scale, shift=shift)
+    scales, shifts = pool.term_shapes()
+    return DoraTerms(scale={g: tuple(np.ones(s, np.float32) for s in ss) for g, ss in zip(pool.groups, scales)},
+                     shift={g: tuple(np.zeros(s, np.float32) for s in ss) for g, ss in zip(pool.groups, shifts)})
+
+
+def slot_rank(pool: LoRAMemoryPool, weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]) -> int:
+    """The rank an adapter's pool layout was padded to (LoRAAdapter.pool_weights), checked
+    against the pool's groups and shapes."""
+    missing = [g for g in pool.groups if g not in weights]
+    if missing:
+        raise ValueError(f"slot weights lack groups {missing} the pool holds (pool_weights(outer=...))")
+    rank = None
+    for g, (a, bs) in weights.items():
+        if g not in pool.groups:
+            raise ValueError(f"slot weights hold group {g!r}, which the pool does not")
+        want_a, want_b = pool.a[-1][pool.groups.index(g)], pool.b[-1][pool.groups.index(g)]
+        n = len(want_b)
+        r = a.shape[1] // n if a.ndim == 3 else -1
+        ok = (len(bs) == n and a.ndim == 3 and a.shape[1] == n * r
+              and (a.shape[0], a.shape[2]) == (want_a.shape[0], want_a.shape[3])
+              and all(x.shape == (y.shape[0], r, y.shape[3]) for x, y in zip(bs, want_b)))
+        if not ok or r > pool.max_lora_rank or (rank is not None and r != rank):
+            raise ValueError(f"slot weights for group {g!r} have shapes {a.shape}, {[x.shape for x in bs]}; "
+                             f"pool wants ({want_a.shape[0]}, {n}*rank, {want_a.shape[3]}), "
+                             f"{[(y.shape[0], 'rank', y.shape[3]) for y in want_b]} with one rank <= "
+                             f"{pool.max_lora_rank} for every group")
+        rank = r
+    return rank
 
 
 def put_slot_weights(pool: LoRAMemoryPool,
@@ -243,84 +343,116 @@ def put_slot_weights(pool: LoRAMemoryPool,
     if not pool.dora:
         return tuple(out), (), ()
     terms = terms or plain_terms(pool)
+    scale_shapes, shift_shapes = pool.term_shapes()
 
-    def put(values: dict, bufs) -> tuple:
+    def put(values: dict, shapes) -> tuple:
         out = []
-        for g, held in zip(pool.groups, bufs):
+        for g, held in zip(pool.groups, shapes):
             xs = values.get(g, ())
-            if len(xs) != len(held) or any(x.shape != (h.shape[0], h.shape[2]) for x, h in zip(xs, held)):
+            if len(xs) != len(held) or any(x.shape != h for x, h in zip(xs, held)):
                 raise ValueError(f"DoRA terms for group {g!r} have shapes {[x.shape for x in xs]}; the pool "
-                                 f"wants {[(h.shape[0], h.shape[2]) for h in held]}")
+                                 f"wants {list(held)}")
             sharding = NamedSharding(pool.mesh, _without_slot_axis(pool._specs(g)[2]))
             out.append(tuple(jax.device_put(np.asarray(x, np.float32), sharding) for x in xs))
         return tuple(out)
 
-    return tuple(out), put(terms.scale, pool.scale), put(terms.shift, pool.shift)
+    return tuple(out), put(terms.scale, scale_shapes), put(terms.shift, shift_shapes)
 
 
-def _set_slot(pool: LoRAMemoryPool, slot: jax.Array, weights, scale=(), shift=()) -> LoRAMemoryPool:
-    """`weights[g] = (A, B_tuple)` of one slot (and its DoRA scale/shift), or scalars to fill it with."""
-    a = tuple(buf.at[:, slot].set(w[0]) for buf, w in zip(pool.a, weights))
-    b = tuple(tuple(buf.at[:, slot].set(x) for buf, x in zip(bufs, w[1])) for bufs, w in zip(pool.b, weights))
-    sc = tuple(tuple(buf.at[:, slot].set(x) for buf, x in zip(bufs, xs)) for bufs, xs in zip(pool.scale, scale))
-    sh = tuple(tuple(buf.at[:, slot].set(x) for buf, x in zip(bufs, xs)) for bufs, xs in zip(pool.shift, shift))
-    return dataclasses.replace(pool, a=a, b=b, scale=sc if pool.dora else (), shift=sh if pool.dora else ())
+def _widen(x: jax.Array, n: int, rank: int, axis: int) -> jax.Array:
+    """A slot's [L, n*r, ...] (axis 1) array padded with zero rows to n*rank, slice by slice."""
+    r = x.shape[axis] // n
+    if r == rank:
+        return x
+    parts = x.reshape(x.shape[:axis] + (n, r) + x.shape[axis + 1:])
+    pad = [(0, 0)] * parts.ndim
+    pad[axis + 1] = (0, rank - r)
+    return jnp.pad(parts, pad).reshape(x.shape[:axis] + (n * rank,) + x.shape[axis + 1:])
 
 
-def _clear_slot(pool: LoRAMemoryPool, slot: jax.Array) -> LoRAMemoryPool:
-    zeros = tuple((jnp.zeros((), pool.dtype), tuple(jnp.zeros((), pool.dtype) for _ in bs)) for bs in pool.b)
-    ones = tuple(tuple(jnp.ones((), jnp.float32) for _ in ts) for ts in pool.scale)
-    nothing = tuple(tuple(jnp.zeros((), jnp.float32) for _ in ts) for ts in pool.shift)
-    return _set_slot(pool, slot, zeros, ones, nothing)
+def _set_slot(part, slot: jax.Array, weights, scale=(), shift=(), *, rank: int):
+    """One class's buffers with `slot` holding `weights[g] = (A, B_tuple)` (padded to the
+    class's `rank` here, on the device) and its DoRA scale/shift, or scalars to fill it with."""
+    a_buf, b_buf, sc_buf, sh_buf = part
+    a = tuple(buf.at[:, slot].set(w[0] if jnp.ndim(w[0]) == 0 else _widen(w[0], len(w[1]), rank, 1))
+              for buf, w in zip(a_buf, weights))
+    b = tuple(tuple(buf.at[:, slot].set(x if jnp.ndim(x) == 0 else _widen(x, 1, rank, 1)) for buf, x in zip(bufs, w[1]))
+              for bufs, w in zip(b_buf, weights))
+    sc = tuple(tuple(buf.at[:, slot].set(x) for buf, x in zip(bufs, xs)) for bufs, xs in zip(sc_buf, scale))
+    sh = tuple(tuple(buf.at[:, slot].set(x) for buf, x in zip(bufs, xs)) for bufs, xs in zip(sh_buf, shift))
+    return a, b, sc, sh
+
+
+def _clear_slot(part, slot: jax.Array, *, rank: int):
+    a_buf, b_buf, sc_buf, sh_buf = part
+    zeros = tuple((jnp.zeros((), buf.dtype), tuple(jnp.zeros((), buf.dtype) for _ in bs))
+                  for buf, bs in zip(a_buf, b_buf))
+    ones = tuple(tuple(jnp.ones((), jnp.float32) for _ in ts) for ts in sc_buf)
+    nothing = tuple(tuple(jnp.zeros((), jnp.float32) for _ in ts) for ts in sh_buf)
+    return _set_slot(part, slot, zeros, ones, nothing, rank=rank)
 
 
 @functools.cache
-def updater(kind: str, out_shardings: LoRAMemoryPool):
-    """The jitted slot update ("write" or "clear") for pools sharded as `out_shardings`.
+def updater(kind: str, rank: int, out_shardings):
+    """The jitted slot update ("write" or "clear") of one rank class's buffers, sharded as
+    `out_shardings`.
 
     Explicit output shardings keep every buffer's sharding exactly as created (XLA
     would otherwise normalize trivial ones), so a step jitted on the pool never
-    recompiles after a write. One compile per pool layout, whatever the slot.
+    recompiles after a write. One compile per class and written rank, whatever the slot.
     """
     fn = {"write": _set_slot, "clear": _clear_slot}[kind]
-    return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
+    return jax.jit(functools.partial(fn, rank=rank), donate_argnums=0, out_shardings=out_shardings)
 
 
-def _sharding_tree(pool: LoRAMemoryPool) -> LoRAMemoryPool:
-    sh = pool.shardings()
-    return dataclasses.replace(pool, a=tuple(x[0] for x in sh), b=tuple(x[1] for x in sh),
-                               scale=pool.term_shardings(pool.scale), shift=pool.term_shardings(pool.shift))
+def _part(pool: LoRAMemoryPool, c: int):
+    """Class c's buffers as the updater takes them: (A, B, scale, shift) per group."""
+    if pool.dora:
+        return pool.a[c], pool.b[c], pool.scale[c], pool.shift[c]
+    return pool.a[c], pool.b[c], (), ()
+
+
+def _part_shardings(pool: LoRAMemoryPool, c: int):
+    return jax.tree.map(lambda x: x.sharding, _part(pool, c))
+
+
+def _with_part(pool: LoRAMemoryPool, c: int, part) -> LoRAMemoryPool:
+    a, b, sc, sh = part
+
+    def put(xs, x):
+        return xs[:c] + (x,) + xs[c + 1:]
+
+    return dataclasses.replace(pool, a=put(pool.a, a), b=put(pool.b, b),
+                               scale=put(pool.scale, sc) if pool.dora else (),
+                               shift=put(pool.shift, sh) if pool.dora else ())
 
 
 def write_slot(pool: LoRAMemoryPool, slot: int,
                weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]],
                terms: DoraTerms | None = None) -> LoRAMemoryPool:
-    """A pool with `slot` holding `weights` (LoRAAdapter.pool_weights) and, for a pool with
-    DoRA room, the adapter's DoRA `terms` (None: a plain adapter); `pool` is donated.
+    """A pool with `slot` holding `weights` (LoRAAdapter.pool_weights at any rank up to the
+    slot's class) and, for a pool with DoRA room, the adapter's DoRA `terms` (None: a plain
+    adapter); the slot's class buffers are donated.
 
-    The slot index is traced, so every slot shares one compiled update, and the
+    The slot index is traced, so every slot of a class shares one compiled update, and the
     donated buffers are updated in place: the write moves one adapter's bytes.
     """
-    _check_slot(pool, slot)
-    missing = [g for g in pool.groups if g not in weights]
-    if missing:
-        raise ValueError(f"slot weights lack groups {missing} the pool holds (pool_weights(outer=...))")
-    for g, (a, bs) in weights.items():
-        if g not in pool.groups:
-            raise ValueError(f"slot weights hold group {g!r}, which the pool does not")
-        want_a, want_b = pool.a[pool.groups.index(g)], pool.b[pool.groups.index(g)]
-        if a.shape != (want_a.shape[0], *want_a.shape[2:]) or any(
-                x.shape != (y.shape[0], *y.shape[2:]) for x, y in zip(bs, want_b)) or len(bs) != len(want_b):
-            raise ValueError(f"slot weights for group {g!r} have shapes {a.shape}, {[x.shape for x in bs]}; "
-                             f"pool wants {(want_a.shape[0], *want_a.shape[2:])}, "
-                             f"{[(y.shape[0], *y.shape[2:]) for y in want_b]}")
-    return updater("write", _sharding_tree(pool))(pool, jnp.int32(slot), *put_slot_weights(pool, weights, terms))
+    c = pool.class_of(slot)
+    rc = pool.classes[c]
+    rank = slot_rank(pool, weights)
+    if rank > rc.rank:
+        raise ValueError(f"slot weights of rank {rank} do not fit {slot=}, whose rank class holds rank {rc.rank}")
+    fn = updater("write", rc.rank, _part_shardings(pool, c))
+    part = fn(_part(pool, c), jnp.int32(slot - rc.first_slot), *put_slot_weights(pool, weights, terms))
+    return _with_part(pool, c, part)
 
 
 def clear_slot(pool: LoRAMemoryPool, slot: int) -> LoRAMemoryPool:
-    """A pool with `slot` all zero; `pool` is donated."""
-    _check_slot(pool, slot)
-    return updater("clear", _sharding_tree(pool))(pool, jnp.int32(slot))
+    """A pool with `slot` all zero; its class's buffers are donated."""
+    c = pool.class_of(slot)
+    rc = pool.classes[c]
+    fn = updater("clear", rc.rank, _part_shardings(pool, c))
+    return _with_part(pool, c, fn(_part(pool, c), jnp.int32(slot - rc.first_slot)))
 
 
 def _check_slot(pool: LoRAMemoryPool, slot: int) -> None:

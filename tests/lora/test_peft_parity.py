@@ -56,11 +56,16 @@ def test_adapters_change_the_logits(base_dir, reference, prompts):
             assert rel_err(peft_logits(base_dir, None, ids), ref) > 100 * TOL, adapter
 
 
-@pytest.mark.parametrize("tp", [1, 4])
-def test_mixed_adapter_prefill_matches_peft(tp, base_dir, all_dirs, prompts, reference):
+# A rank-aware pool: ranks 4 / 8 / 16 in classes too small for some, so adapters spill wider.
+RANK_CLASSES = ((4, 1), (8, 2), (16, 4))
+
+
+@pytest.mark.parametrize("tp,classes", [(1, None), (4, None), (1, RANK_CLASSES), (4, RANK_CLASSES)])
+def test_mixed_adapter_prefill_matches_peft(tp, classes, base_dir, all_dirs, prompts, reference):
     mesh = make_mesh(tp, jax.devices()[:tp])
     config, model = load_model(str(base_dir), mesh)
-    manager = LoRAManager(config, mesh, num_slots=len(all_dirs), max_lora_rank=16, max_cpu_loras=8,
+    shape = dict(num_slots=len(all_dirs)) if classes is None else dict(rank_classes=classes)
+    manager = LoRAManager(config, mesh, **shape, max_lora_rank=16, max_cpu_loras=8,
                           max_cpu_bytes=1 << 24,
                           source_policy=SourcePolicy(allowed_roots=None, max_adapter_bytes=1 << 24),
                           dtype=config.dtype, base_weights=BaseWeights(model), outer=True, dora=True)
@@ -94,9 +99,12 @@ def test_mixed_adapter_prefill_matches_peft(tp, base_dir, all_dirs, prompts, ref
     logits, _ = step(state, manager.pool, as_i32(tokens), as_i32(positions), pages.prefill(rows, positions),
                      cache, info)
     logits = np.asarray(logits)
+    if classes is not None:  # every class in use, one adapter spilled into a wider class
+        ranks = {e["name"]: e["slot_rank"] for e in manager.list_adapters()}
+        assert set(ranks.values()) == {4, 8, 16} and ranks["embed_head"] > 4, ranks
     start = 0
     for (adapter, n), ref in zip(REQUESTS, reference):
         err = rel_err(logits[start:start + n], ref)
-        assert err < TOL, f"{adapter=} {tp=} {err=}"
+        assert err < TOL, f"{adapter=} {tp=} {classes=} {err=}"
         start += n
     manager.close()

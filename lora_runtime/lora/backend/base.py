@@ -4,8 +4,10 @@ Pool layout (one layer, one projection group; decided once, shared by all backen
 and kernels):
     A: [S, n_slices * R, in]          the group's shrink weights, slices stacked on rank
     B: tuple of n_slices [S, R, out_i] the expand weights of each slice
-S slots, R = max_lora_rank; an adapter of rank r < R fills rows [0, r) of each slice
-and leaves the rest zero, so padded rows contribute nothing. Every method also takes
+S slots of rank R (one rank class of the pool, lora_runtime/lora/memory_pool.py: the hook
+calls a backend once per class with that class's arrays and a view of the step's metadata
+in which only the class's tokens have a slot); an adapter of rank r < R fills rows [0, r)
+of each slice and leaves the rest zero, so padded rows contribute nothing. Every method also takes
 `layer`: when given, A and B are the whole pool stacked over layers (A [L, S, n*R, in],
 B_i [L, S, R, out_i], as LoRAMemoryPool holds them) and the method applies that layer;
 the kernels read it in place, so no layer slice is copied out of the stack.
