@@ -9,7 +9,7 @@ from kernels.common import default_platform
 from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
-from lora_runtime.engine.memory_plan import MemoryPlan, device_memory_bytes, plan_memory
+from lora_runtime.engine.memory_plan import MemoryPlan, device_memory_bytes, plan_memory, pool_classes
 from lora_runtime.engine.runner import ModelRunner
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.llama import LlamaModel
@@ -81,10 +81,11 @@ def assemble_engine(
         from lora_runtime.lora.base_weights import BaseWeights
 
         backend = select_backend(config.lora_backend, mesh=mesh)
+        classes = pool_classes(model_config, config, mesh.shape.get("tensor", 1))
         manager = LoRAManager(
             model_config,
             mesh,
-            num_slots=config.max_loras_per_batch,
+            **(dict(rank_classes=classes) if classes else dict(num_slots=config.max_loras_per_batch)),
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
             max_cpu_bytes=config.max_cpu_lora_bytes,

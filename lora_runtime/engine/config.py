@@ -52,6 +52,11 @@ class EngineConfig(BaseModel):
         4, ge=0, description="Device adapter slots, so distinct adapters in one batch; 0 disables LoRA."
     )
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank a slot can hold.")
+    lora_rank_classes: list[int] | dict[int, float] | None = Field(
+        None, description="Slot widths of a rank-aware pool, e.g. [8, 16, 32, 64] (the widest is max_lora_rank): "
+        "the bytes of max_loras_per_batch slots of max_lora_rank are split among the classes (equally, or by the "
+        "shares of a {rank: share} mapping), each in slots of its own rank, and an adapter takes a slot of the "
+        "narrowest class it fits, so low-rank adapters do not pay for padding. None: every slot max_lora_rank wide.")
     lora_dora: bool = Field(
         True, description="Slots hold DoRA's per-output scales (f32, one per output of every target module), so "
         "DoRA adapters (use_dora) are served; off saves that memory and refuses them.")
@@ -89,9 +94,29 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or None")
+        shares = self.rank_class_shares()
+        if shares is not None:
+            bad = {r: v for r, v in shares.items() if r <= 0 or v <= 0}
+            if bad:
+                raise ValueError(f"lora_rank_classes {bad}: every rank and share must be positive")
+            if max(shares) != self.max_lora_rank:
+                raise ValueError(f"lora_rank_classes {sorted(shares)}: the widest class must be "
+                                 f"max_lora_rank={self.max_lora_rank}")
+            ranks = self.lora_rank_classes
+            if isinstance(ranks, list) and len(set(ranks)) != len(ranks):
+                raise ValueError(f"lora_rank_classes {self.lora_rank_classes} repeats a rank")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
         return self
+
+    def rank_class_shares(self) -> dict[int, float] | None:
+        """{rank: share of the pool bytes} of lora_rank_classes (a list shares equally)."""
+        spec = self.lora_rank_classes
+        if not spec:
+            return None
+        if isinstance(spec, dict):
+            return {int(r): float(v) for r, v in spec.items()}
+        return {int(r): 1.0 for r in spec}
 
     @property
     def prefill_budget(self) -> int:

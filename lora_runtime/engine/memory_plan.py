@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -94,12 +95,14 @@ def weights_bytes(model_config: ModelConfig, mesh: jax.sharding.Mesh) -> int:
 
 
 def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_lora_rank: int, *,
-                       outer: bool = False, dora: bool = False) -> int:
-    """Bytes of the adapter pool on one device (its layout: lora_runtime/lora/memory_pool.py)."""
+                       outer: bool = False, dora: bool = False,
+                       classes: Sequence[tuple[int, int]] | None = None) -> int:
+    """Bytes of the adapter pool on one device (its layout: lora_runtime/lora/memory_pool.py):
+    `num_slots` slots of rank `max_lora_rank`, or the rank `classes` ((rank, slots) pairs)."""
     from lora_runtime.lora.memory_pool import TENSOR_AXIS as POOL_AXIS, PoolLayout, group_dims
 
-    if num_slots == 0:
-        return 0
+    if classes is None:
+        classes = ((max_lora_rank, num_slots),) if num_slots else ()
     itemsize = jnp.dtype(model_config.dtype).itemsize
     layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora)
 
@@ -107,15 +110,34 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
         return math.prod(n // tp if i < len(spec) and spec[i] == POOL_AXIS else n for i, n in enumerate(shape))
 
     total = 0
-    for g, biased in zip(layout.groups, layout.biased):
-        depth, fan_in, outs = group_dims(model_config, g)
-        a_spec, b_spec, s_spec = layout.specs(g)
-        total += per_device((depth, num_slots, len(outs) * max_lora_rank, fan_in), a_spec) * itemsize
-        total += sum(per_device((depth, num_slots, max_lora_rank, o), b_spec) for o in outs) * itemsize
-        if layout.has_scale(g):
-            terms = 2 if biased else 1  # f32 scale, and shift where the base layer has a bias
-            total += terms * sum(per_device((depth, num_slots, o), s_spec) for o in outs) * 4
+    for rank, slots in classes:
+        for g, biased in zip(layout.groups, layout.biased):
+            depth, fan_in, outs = group_dims(model_config, g)
+            a_spec, b_spec, s_spec = layout.specs(g)
+            total += per_device((depth, slots, len(outs) * rank, fan_in), a_spec) * itemsize
+            total += sum(per_device((depth, slots, rank, o), b_spec) for o in outs) * itemsize
+            if layout.has_scale(g):
+                terms = 2 if biased else 1  # f32 scale, and shift where the base layer has a bias
+                total += terms * sum(per_device((depth, slots, o), s_spec) for o in outs) * 4
     return total
+
+
+def pool_classes(model_config: ModelConfig, config: EngineConfig, tp: int) -> tuple[tuple[int, int], ...] | None:
+    """The (rank, slots) classes of `config.lora_rank_classes`, sized from the bytes of
+    `max_loras_per_batch` slots of `max_lora_rank` (so classes never take more memory than
+    the padded pool): each class gets its share of those bytes in slots of its own rank.
+    None: the padded pool (no classes configured, or LoRA off)."""
+    spec = config.rank_class_shares()
+    if spec is None or not config.max_loras_per_batch:
+        return None
+    kw = dict(outer=config.lora_embedding_modules, dora=config.lora_dora)
+    budget = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank, **kw)
+    total = sum(spec.values())
+    out = []
+    for rank, share in sorted(spec.items()):
+        per_slot = adapter_pool_bytes(model_config, tp, 1, rank, **kw)
+        out.append((rank, max(1, int(budget * share / total) // per_slot)))
+    return tuple(out)
 
 
 def workspace_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
@@ -160,7 +182,8 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
     tp = mesh.shape.get(TENSOR_AXIS, 1)
     weights = weights_bytes(model_config, mesh)
     pool = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank,
-                              outer=config.lora_embedding_modules, dora=config.lora_dora)
+                              outer=config.lora_embedding_modules, dora=config.lora_dora,
+                              classes=pool_classes(model_config, config, tp))
     workspace = workspace_bytes(model_config, config, tp)
     per_block = block_bytes(model_config, block_size) // tp
     blocks_per_seq = math.ceil(config.max_seq_len / block_size)

@@ -101,6 +101,26 @@ def test_mixed_adapter_batch_matches_peft(checkpoint, adapters, peft_greedy, bac
         engine.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+def test_rank_classes_serve_mixed_ranks_like_peft(checkpoint, adapters, peft_greedy, backend):
+    """A rank-aware pool in the bytes of 2 padded rank-16 slots: ranks 4, 8, 8 and 16 take their
+    narrowest classes, spill wider, evict within a class, and every output equals PEFT's."""
+    engine = _engine(checkpoint, adapters, lora_backend=backend, max_loras_per_batch=2,
+                     lora_rank_classes=[4, 8, 16], max_wait_steps=4)
+    try:
+        pool = engine.lora_manager.pool
+        assert [(c.rank, c.num_slots) for c in pool.classes] == [(4, 2), (8, 1), (16, 1)]
+        names = [None, *adapters] * 2
+        jobs = [(n, p) for n in names for p in PROMPTS[:2]]
+        outs = engine.generate_batch([p for _, p in jobs], GREEDY, [n for n, _ in jobs])
+        for (name, prompt), out in zip(jobs, outs):
+            assert out.token_ids == peft_greedy[name, prompt], (name, prompt)
+        assert engine.lora_manager.stats().evictions > 0
+        assert engine.compiles_after_warmup == 0
+    finally:
+        engine.shutdown()
+
+
 def test_slot_limit_fairness_and_unknown_adapters(checkpoint, adapters, peft_greedy):
     # 2 slots, 4 adapters: requests wait for a slot, never more than 2 adapters per batch.
     engine = _engine(checkpoint, adapters, max_loras_per_batch=2, max_wait_steps=4)

@@ -20,7 +20,7 @@ from lora_runtime.engine.build import assemble_engine
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.memory_plan import (
-    MemoryPlanError, adapter_pool_bytes, plan_memory, weights_bytes, workspace_bytes,
+    MemoryPlanError, adapter_pool_bytes, plan_memory, pool_classes, weights_bytes, workspace_bytes,
 )
 from lora_runtime.lora.memory_pool import LoRAMemoryPool
 from lora_runtime.model.kv_cache import block_bytes
@@ -37,6 +37,40 @@ def _device_bytes(arrays) -> int:
     first = jax.devices()[0]
     return sum(s.data.nbytes for a in jax.tree_util.tree_leaves(arrays) for s in a.addressable_shards
                if s.device == first)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_rank_classes_split_the_padded_pool_bytes(tp):
+    """Classes share the bytes of max_loras_per_batch padded slots (equally, or by the given
+    shares), each in slots of its own rank; what the plan counts is what gets allocated."""
+    mesh = make_mesh(tp)
+    kw = dict(outer=True, dora=True)
+    config = EngineConfig(max_batch=8, max_loras_per_batch=8, max_lora_rank=64, lora_rank_classes=[8, 16, 64])
+    classes = pool_classes(MODEL, config, tp)
+    assert [r for r, _ in classes] == [8, 16, 64]
+    budget = adapter_pool_bytes(MODEL, tp, 8, 64, **kw)
+    per_class = [adapter_pool_bytes(MODEL, tp, n, r, **kw) for r, n in classes]
+    one_slot = [adapter_pool_bytes(MODEL, tp, 1, r, **kw) for r, _ in classes]
+    for got, slot in zip(per_class, one_slot):
+        assert budget / 3 - slot < got <= budget / 3  # each class its third, in whole slots
+    assert classes[0][1] > 3 * classes[2][1]  # many more narrow slots than wide ones
+    used = adapter_pool_bytes(MODEL, tp, 0, 0, classes=classes, **kw)
+    assert used == sum(per_class) <= budget
+    pool = LoRAMemoryPool.create(MODEL, mesh, classes=classes, dtype=MODEL.dtype, **kw)
+    assert _device_bytes(pool) == used and pool.num_slots == sum(n for _, n in classes)
+    plan = plan_memory(MODEL, config, mesh, platform="gpu", block_size=16, device_bytes=GIB)
+    assert plan.adapter_pool_bytes == used
+    shared = pool_classes(MODEL, config.model_copy(update={"lora_rank_classes": {8: 3, 64: 1}}), tp)
+    narrow, wide = (adapter_pool_bytes(MODEL, tp, n, r, **kw) for r, n in shared)
+    assert 2.5 < narrow / wide <= 3.5
+    assert pool_classes(MODEL, config.model_copy(update={"lora_rank_classes": None}), tp) is None
+
+
+def test_bad_rank_classes_are_refused_naming_the_arg():
+    for classes, match in (([8, 16], "widest class must be max_lora_rank=64"), ([8, 8, 64], "repeats a rank"),
+                           ({8: 0, 64: 1}, "must be positive"), ([0, 64], "must be positive")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(max_lora_rank=64, lora_rank_classes=classes)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
