@@ -158,7 +158,7 @@ class ReplicaMetrics:
         return RequestTrace(self, self.labels.label(adapter), self._clock)
 
     def snapshot(self, engine_stats: Mapping[str, float], lora_stats=None, slots_used: int = 0,
-                 slots_total: int = 0) -> dict:
+                 slots_total: int = 0, class_slots: Mapping[int, tuple[int, int]] | None = None) -> dict:
         """Everything /metrics shows for this replica, as plain data."""
         return {
             "requests": [[a, s, n] for (a, s), n in sorted(self.requests.items())],
@@ -174,6 +174,8 @@ class ReplicaMetrics:
             "lora": {} if lora_stats is None else {k: dataclasses.asdict(lora_stats)[k] for k in LORA_COUNTERS},
             "slots_used": slots_used,
             "slots_total": slots_total,
+            # slot rank -> [used, total] per rank class of the pool (LoRAManager.slot_classes)
+            "class_slots": {str(r): list(v) for r, v in sorted((class_slots or {}).items())},
         }
 
 
@@ -209,6 +211,11 @@ class ClusterCollector:
         used = GaugeMetricFamily(f"{PREFIX}_adapter_slots_used", "Device adapter slots holding an adapter",
                                  labels=["replica"])
         total = GaugeMetricFamily(f"{PREFIX}_adapter_slots", "Device adapter slots", labels=["replica"])
+        class_used = GaugeMetricFamily(f"{PREFIX}_adapter_class_slots_used",
+                                       "Device adapter slots holding an adapter, per slot rank class",
+                                       labels=["replica", "rank"])
+        class_total = GaugeMetricFamily(f"{PREFIX}_adapter_class_slots", "Device adapter slots per slot rank class",
+                                        labels=["replica", "rank"])
         lora = {
             k: CounterMetricFamily(f"{PREFIX}_adapter_{k}", f"Adapter {k.replace('_', ' ')}", labels=["replica"])
             for k in LORA_COUNTERS
@@ -228,13 +235,17 @@ class ClusterCollector:
             waiting.add_metric([replica], s["waiting"])
             used.add_metric([replica], s["slots_used"])
             total.add_metric([replica], s["slots_total"])
+            for rank, (n_used, n_total) in s.get("class_slots", {}).items():
+                class_used.add_metric([replica, rank], n_used)
+                class_total.add_metric([replica, rank], n_total)
             for k, v in s["lora"].items():
                 lora[k].add_metric([replica], v)
             for k, v in s["engine"].items():
                 engine[k].add_metric([replica], v)
             for k, v in s["engine_gauges"].items():
                 gauges[k].add_metric([replica], v)
-        yield from (req, p_tok, g_tok, running, waiting, used, total, *lora.values(), *engine.values(),
+        yield from (req, p_tok, g_tok, running, waiting, used, total, class_used, class_total, *lora.values(),
+                    *engine.values(),
                     *gauges.values())
         yield _histogram("time_to_first_token_seconds", "Time to first token", snaps, "ttft")
         yield _histogram("inter_token_seconds", "Time between output tokens", snaps, "inter_token")

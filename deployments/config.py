@@ -64,6 +64,10 @@ class AppArgs(BaseModel):
     max_lora_rank: int = Field(
         64, description="Largest adapter rank accepted; each slot is this wide (smaller ranks zero-padded)."
     )
+    lora_rank_classes: list[int] | dict[int, float] | None = Field(
+        None, description="Rank-aware slots, e.g. [8, 16, 32, 64] (widest = max_lora_rank): the bytes of "
+        "max_loras_per_batch padded slots split among the classes (equally, or {rank: share}), each in slots of "
+        "its own width; an adapter takes the narrowest class it fits. None: every slot max_lora_rank wide.")
     lora_dora: bool = Field(
         True, description="Serve DoRA adapters (use_dora): each slot holds f32 per-output scales for them.")
     lora_embedding_modules: bool = Field(
@@ -237,6 +241,14 @@ class AppArgs(BaseModel):
                 f"max_loras_per_batch={self.max_loras_per_batch} exceeds "
                 f"max_batch={self.max_batch}: a batch cannot use more adapters than sequences"
             )
+        if self.lora_rank_classes is not None:
+            from pydantic import ValidationError
+
+            try:
+                self.engine_config()  # the engine's own checks of the classes, at deploy time
+            except ValidationError as err:
+                reasons = (str(e.get("ctx", {}).get("error", e["msg"])) for e in err.errors())
+                raise ValueError("; ".join(reasons)) from None
         return self
 
     @property
@@ -259,6 +271,7 @@ class AppArgs(BaseModel):
             prefix_cache_min_tokens=self.prefix_cache_min_tokens,
             max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_lora_rank,
+            lora_rank_classes=self.lora_rank_classes,
             lora_dora=self.lora_dora,
             lora_embedding_modules=self.lora_embedding_modules,
             max_cpu_loras=self.max_cpu_loras,

@@ -281,6 +281,7 @@ class LoRAModelServer:
             manager.stats() if manager is not None else None,
             slots_used=len({r["slot"] for r in rows if r["slot"] is not None}),  # names may share a slot
             slots_total=manager.num_slots if manager is not None else 0,
+            class_slots=manager.slot_classes() if manager is not None else None,
         )
         return routing_stats(rows, snapshot)
 

@@ -107,7 +107,7 @@ def test_render_aggregates_replicas_in_prometheus_text():
         engine = {"running": i, "waiting": 2, "prefix_cache_query_tokens": 40 + i, "prefix_cache_hit_tokens": 16 * i,
                   "extend_steps": 3 * i, "decode_steps": 7, "preemptions": 5 * i, "kv_blocks": 100,
                   "kv_blocks_free": 60 + i, "kv_capacity_tokens": 1600, "memory_kv_cache_bytes": 1 << 20}
-        snaps[rid] = m.snapshot(engine, stats, slots_used=i + 1, slots_total=4)
+        snaps[rid] = m.snapshot(engine, stats, slots_used=i + 1, slots_total=4, class_slots={8: (i, 3), 64: (1, 1)})
     got = samples(render(lambda: snaps))
     assert got[("multilora_requests_total", (("adapter", "a1"), ("replica", "r1"), ("status", "ok")))] == 2
     assert got[("multilora_prompt_tokens_total", (("adapter", "a1"), ("replica", "r0")))] == 4
@@ -115,6 +115,9 @@ def test_render_aggregates_replicas_in_prometheus_text():
     assert got[("multilora_adapter_host_hits_total", (("replica", "r0"),))] == 2
     assert got[("multilora_adapter_slots_used", (("replica", "r1"),))] == 2
     assert got[("multilora_adapter_slots", (("replica", "r0"),))] == 4
+    assert got[("multilora_adapter_class_slots_used", (("rank", "8"), ("replica", "r1")))] == 1
+    assert got[("multilora_adapter_class_slots", (("rank", "8"), ("replica", "r0")))] == 3
+    assert got[("multilora_adapter_class_slots_used", (("rank", "64"), ("replica", "r0")))] == 1
     assert got[("multilora_running_requests", (("replica", "r1"),))] == 1
     assert got[("multilora_prefix_cache_query_tokens_total", (("replica", "r1"),))] == 41
     assert got[("multilora_prefix_cache_hit_tokens_total", (("replica", "r0"),))] == 0
@@ -151,7 +154,7 @@ def test_dashboard_queries_only_metrics_that_are_exported():
     used = set(re.findall(r"multilora_[a-z_]+", " ".join(exprs)))
     m = ReplicaMetrics()
     m.start("a").finish("ok", 1, 1)
-    exported = {name for name, _ in samples(render(lambda: {"r": m.snapshot({}, LoRAStats(), 0, 1)}))}
+    exported = {name for name, _ in samples(render(lambda: {"r": m.snapshot({}, LoRAStats(), 0, 1, {8: (0, 1)})}))}
     assert used and used <= exported, used - exported
     hit_rate = next(p for p in dash["panels"] if p["title"].startswith("Prefix cache hit rate"))
     assert all("multilora_prefix_cache_hit_tokens_total" in t["expr"] and

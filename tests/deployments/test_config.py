@@ -28,6 +28,8 @@ def test_defaults_are_the_demo():
         ("routing_load_slack", -0.1, "routing_load_slack=-0.1"),
         ("routing_hot_rate", 0.0, "routing_hot_rate=0.0"),
         ("routing_max_homes", 0, "routing_max_homes=0"),
+        ("lora_rank_classes", [8, 16], r"lora_rank_classes \[8, 16\]: the widest class must be max_lora_rank=64"),
+        ("lora_rank_classes", {8: -1, 64: 1}, "must be positive"),
         ("routing_rate_half_life_s", -1.0, "routing_rate_half_life_s=-1.0"),
         ("max_prefill_tokens", 8, "max_prefill_tokens=8"),
         ("prefix_cache_min_tokens", 0, "prefix_cache_min_tokens=0"),
@@ -54,6 +56,13 @@ def test_prefill_and_prefix_cache_args_reach_the_engine_config():
     cfg = AppArgs(max_prefill_tokens=32, enable_prefix_caching=False, prefix_cache_min_tokens=24).engine_config()
     assert cfg.max_prefill_tokens == 32 and cfg.prefill_budget == 32
     assert not cfg.enable_prefix_caching and cfg.prefix_cache_min_tokens == 24
+
+
+def test_rank_classes_reach_the_engine_config():
+    engine = AppArgs(lora_rank_classes=[8, 16, 64]).engine_config()
+    assert engine.rank_class_shares() == {8: 1.0, 16: 1.0, 64: 1.0}
+    assert AppArgs(lora_rank_classes={16: 2, 64: 1}).engine_config().rank_class_shares() == {16: 2.0, 64: 1.0}
+    assert AppArgs().engine_config().lora_rank_classes is None
 
 
 def test_kv_cache_args_reach_the_engine_config():

@@ -21,6 +21,18 @@ APP = "multilora"
 ADMIN_ACTOR = "lora_admin_metrics"  # its own registry, apart from the other integration tests
 ADAPTERS = ("reverse", "upper")
 REQUESTS_PER_ADAPTER = 4
+RANK_CLASSES = [8, 16, 64]  # these replicas run a rank-aware pool
+
+
+def _class_slots(args: dict) -> dict[int, int]:
+    """Slots per rank class of one replica, as the memory plan sizes them for `args`."""
+    from cluster.admin import resolve_model_path
+    from deployments.config import AppArgs
+    from lora_runtime.engine.memory_plan import pool_classes
+    from lora_runtime.model.config import ModelConfig
+
+    a = AppArgs(**args)
+    return dict(pool_classes(ModelConfig.from_pretrained(resolve_model_path(a.model)), a.engine_config(), 1))
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +43,8 @@ def two_replicas(cluster, tmp_path_factory):
     config["http_options"] = {"host": "127.0.0.1", "port": cluster.http_port}
     args = config["applications"][0]["args"]
     args.update(num_replicas=2, registry_url=str(root / "registry.json"), admin_actor_name=ADMIN_ACTOR,
-                drain_timeout_s=1.0)
+                drain_timeout_s=1.0, lora_rank_classes=RANK_CLASSES)
+    cluster.class_slots = _class_slots(args)
     path = root / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     cluster.cli("serve", "deploy", str(path), "-a", cluster.dashboard_url)
@@ -112,8 +125,13 @@ def test_affinity_routing_and_prometheus_scrape(two_replicas, prometheus):
     assert text.status_code == 200
     assert text.headers["content-type"].startswith("text/plain")
 
-    replicas = [s["metric"]["replica"] for s in _wait_for(prometheus, "multilora_adapter_slots", 8)]
+    slots = two_replicas.class_slots
+    assert sorted(slots) == RANK_CLASSES and sum(slots.values()) > 4  # more slots than 4 padded ones
+    replicas = [s["metric"]["replica"] for s in _wait_for(prometheus, "multilora_adapter_slots",
+                                                          2 * sum(slots.values()))]
     assert len(replicas) == 2, replicas
+    for rank, n in slots.items():
+        _wait_for(prometheus, f'multilora_adapter_class_slots{{rank="{rank}"}}', 2 * n)
     for adapter in ADAPTERS:
         expr = f'multilora_requests_total{{adapter="{adapter}",status="ok"}}'
         try:
@@ -125,6 +143,9 @@ def test_affinity_routing_and_prometheus_scrape(two_replicas, prometheus):
         assert len(series) == 1, series
         assert float(series[0]["value"][1]) == REQUESTS_PER_ADAPTER
         assert series[0]["metric"]["replica"] == rendezvous_order(adapter, replicas)[0]
+    # Scraped after the requests: the adapters they used hold slots of the classes they fit.
+    used = _query(prometheus, "sum(multilora_adapter_class_slots_used)")
+    assert float(used[0]["value"][1]) >= len(ADAPTERS), used
     n = REQUESTS_PER_ADAPTER * len(ADAPTERS)
     _wait_for(prometheus, "sum(multilora_time_to_first_token_seconds_count)", n)
     [tokens] = _query(prometheus, "sum(multilora_generation_tokens_total)")
@@ -142,7 +163,7 @@ def test_prefix_cache_counters_reach_prometheus(two_replicas, prometheus):
     shared = "the quick brown fox jumps over "  # 32 tokens with BOS (the demo tokenizer reads characters)
     # Every replica's series are scraped before the requests (each replica exports them from
     # its start, whatever it serves), so Prometheus sees the counters rise.
-    _wait_for(prometheus, "multilora_adapter_slots", 8)
+    _wait_for(prometheus, "multilora_adapter_slots", 2 * sum(two_replicas.class_slots.values()))
     cached = []
     for word in ("hello=", "serving="):
         r = httpx.post(f"{base}/v1/completions", timeout=120,
