@@ -170,3 +170,14 @@ def write_random_adapter(out_dir, model_config: ModelConfig, *, r: int, alpha: f
         )
     )
     return out
+
+
+def decode_step_s(engine, adapters, prompt, params, repeats: int) -> float:
+    """Best mean decode-step time over `repeats` batches of len(adapters) requests."""
+    best = float("inf")
+    for _ in range(repeats):
+        before = dict(engine.counters)
+        engine.generate_batch([prompt] * len(adapters), params, adapters)
+        steps = engine.counters["decode_steps"] - before["decode_steps"]
+        best = min(best, (engine.counters["decode_seconds"] - before["decode_seconds"]) / steps)
+    return best

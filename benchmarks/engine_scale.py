@@ -48,7 +48,7 @@ import numpy as np
 from benchmarks.common import (
     demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter, write_random_checkpoint,
 )
-from benchmarks.multi_lora import _decode_step_s
+from benchmarks.common import decode_step_s
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.sampling import SamplingParams
 from lora_runtime.lora.adapter import module_shapes
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
 
     off = synthetic_engine(model_config, config.model_copy(update={"max_loras_per_batch": 0}), tokenizer).start()
     try:
-        off_s = _decode_step_s(off, [None] * STREAMS, prompt, params, repeats)
+        off_s = decode_step_s(off, [None] * STREAMS, prompt, params, repeats)
         compiles = off.compiles_after_warmup
     finally:
         off.shutdown()
@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> None:
             distinct = names[1:1 + STREAMS]
             engine.generate_batch([prompt] * (STREAMS + 1), SamplingParams(max_tokens=2, ignore_eos=True),
                                   distinct + ["warm"])  # all resident but "cold"
-            base_s = _decode_step_s(engine, [None] * STREAMS, prompt, params, repeats)
-            many_s = _decode_step_s(engine, distinct, prompt, params, repeats)
+            base_s = decode_step_s(engine, [None] * STREAMS, prompt, params, repeats)
+            many_s = decode_step_s(engine, distinct, prompt, params, repeats)
             _progress(f"LoRA on: base traffic {1e3 * base_s:.1f} ms, {STREAMS} adapters {1e3 * many_s:.1f} ms")
             submit_p99 = _submit_p99_ms(engine, distinct, prompt, submits)
             warm_gap = _streams_gap_s(engine, distinct, "warm", prompt, new_tokens)

@@ -14,7 +14,8 @@ plus a magnitude vector each) and 8 adapters that also target embed_tokens and l
 each against its own byte roofline: DoRA reads one f32 scale per output, the head adapter
 rank x (hidden + vocab) more weights. Last line: `lora_over_base_step=<f>
 roofline_ratio=<f> base_traffic_over_no_lora=<f> slot_load_ms=<f> recompiles=<n>
-dora_over_plain_step=<f> embed_head_over_plain_step=<f>`.
+dora_over_plain_step=<f> embed_head_over_plain_step=<f>` and benchmarks.rank_pool's
+`resident_adapters_per_gib=<f> vs_padded=<f> rank_aware_over_padded_step=<f>`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import tempfile
 import jax
 import numpy as np
 
+from benchmarks import rank_pool
 from benchmarks.common import (
-    best_time, demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter,
+    best_time, decode_step_s, demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter,
 )
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.sampling import SamplingParams
@@ -34,17 +36,6 @@ from lora_runtime.lora.adapter import module_shapes
 from lora_runtime.lora.memory_pool import LoRAMemoryPool, write_slot
 from lora_runtime.lora.sources import SourcePolicy, load_adapter
 from lora_runtime.model.sharding import make_mesh
-
-
-def _decode_step_s(engine, adapters, prompt, params, repeats: int) -> float:
-    """Best mean decode-step time over `repeats` batches of len(adapters) requests."""
-    best = float("inf")
-    for _ in range(repeats):
-        before = dict(engine.counters)
-        engine.generate_batch([prompt] * len(adapters), params, adapters)
-        steps = engine.counters["decode_steps"] - before["decode_steps"]
-        best = min(best, (engine.counters["decode_seconds"] - before["decode_seconds"]) / steps)
-    return best
 
 
 def _slot_write_ms(model_config, adapter, slots: int, rank: int) -> float:
@@ -85,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     lora_off = synthetic_engine(model_config, config.model_copy(update={"max_loras_per_batch": 0}), tokenizer)
     lora_off.start()
     try:
-        off_s = _decode_step_s(lora_off, [None] * distinct, prompt, params, repeats)
+        off_s = decode_step_s(lora_off, [None] * distinct, prompt, params, repeats)
         recompiles = lora_off.compiles_after_warmup
     finally:
         lora_off.shutdown()
@@ -102,13 +93,13 @@ def main(argv: list[str] | None = None) -> None:
             warm = SamplingParams(max_tokens=2, ignore_eos=True)
             # Make every adapter resident first: this measures decoding, not loading.
             engine.generate_batch([prompt] * distinct, warm, names["plain"])
-            base_s = _decode_step_s(engine, [None] * distinct, prompt, params, repeats)
-            one_s = _decode_step_s(engine, [names["plain"][0]] * distinct, prompt, params, repeats)
-            many_s = _decode_step_s(engine, names["plain"], prompt, params, repeats)
+            base_s = decode_step_s(engine, [None] * distinct, prompt, params, repeats)
+            one_s = decode_step_s(engine, [names["plain"][0]] * distinct, prompt, params, repeats)
+            many_s = decode_step_s(engine, names["plain"], prompt, params, repeats)
             kind_s = {"plain": many_s}
             for kind in ("dora", "embed_head"):
                 engine.generate_batch([prompt] * distinct, warm, names[kind])
-                kind_s[kind] = _decode_step_s(engine, names[kind], prompt, params, repeats)
+                kind_s[kind] = decode_step_s(engine, names[kind], prompt, params, repeats)
             recompiles += engine.compiles_after_warmup
             names = names["plain"]
             adapter = load_adapter(names[0], f"{tmp}/{names[0]}", SourcePolicy(None, 1 << 30), model_config, rank)
@@ -140,10 +131,11 @@ def main(argv: list[str] | None = None) -> None:
         ],
     )
     print_table(["pool slots", "slot_write_ms"], [(8, write_small), (64, write_large)])
+    ranked = rank_pool.report(args.quick)  # the rank-aware pool against the padded one
     print(f"lora_over_base_step={many_s / off_s:.4f} roofline_ratio={roofline[distinct]:.4f} "
           f"base_traffic_over_no_lora={base_s / off_s:.4f} slot_load_ms={write_small:.3f} recompiles={recompiles} "
           f"dora_over_plain_step={kind_s['dora'] / many_s:.4f} "
-          f"embed_head_over_plain_step={kind_s['embed_head'] / many_s:.4f}")
+          f"embed_head_over_plain_step={kind_s['embed_head'] / many_s:.4f} {ranked}")
 
 
 if __name__ == "__main__":
