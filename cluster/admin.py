@@ -48,8 +48,10 @@ class AdapterValidator:
 
     def __init__(self, model: str, max_lora_rank: int, adapter_roots: list[str] | None,
                  max_adapter_bytes: int, *, base_name: str, lora_dora: bool = True,
-                 lora_embedding_modules: bool = True):
+                 lora_embedding_modules: bool = True, modules_to_save_max_bytes: int = 0, dtype: str | None = None):
         self.model = model
+        self.modules_to_save_max_bytes = modules_to_save_max_bytes
+        self.dtype = dtype  # the served dtype (None: the checkpoint's), which sizes modules_to_save copies
         self.lora_dora = lora_dora
         self.lora_embedding_modules = lora_embedding_modules
         self.base_name = base_name
@@ -78,9 +80,11 @@ class AdapterValidator:
 
         policy = SourcePolicy(allowed_roots=self.adapter_roots, max_adapter_bytes=self.max_adapter_bytes)
         adapter = load_adapter(name, source, policy, self.model_config(), self.max_lora_rank)
-        check_room(adapter, dora=self.lora_dora, outer=self.lora_embedding_modules)
+        check_room(adapter, dora=self.lora_dora, outer=self.lora_embedding_modules,
+                   saved_max_bytes=self.modules_to_save_max_bytes, dtype=self.dtype or self.model_config().dtype)
         return {"rank": int(adapter.rank), "use_dora": adapter.use_dora,
                 "target_modules": sorted({m for _, m in adapter.modules}),
+                "modules_to_save": sorted(adapter.saved_modules),
                 "content_id": adapter.content_id.hex(), **self.base().entry_fields()}
 
 

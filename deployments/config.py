@@ -72,6 +72,11 @@ class AppArgs(BaseModel):
         True, description="Serve DoRA adapters (use_dora): each slot holds f32 per-output scales for them.")
     lora_embedding_modules: bool = Field(
         True, description="Serve adapters of embed_tokens and lm_head: each slot holds rank x vocab rows for each.")
+    lora_modules_to_save_max_bytes: int = Field(
+        0, ge=0, description="Serve modules_to_save copies of embed_tokens and lm_head up to this many bytes per "
+        "adapter (in the served dtype; larger ones are refused with their size); 0 refuses modules_to_save.")
+    lora_modules_to_save_slots: int = Field(
+        1, ge=1, description="Adapters with modules_to_save copies each replica holds on its devices at once.")
     max_cpu_loras: int = Field(64, description="Adapters kept in each replica's host cache.")
     max_adapter_bytes: int = Field(1 << 30, description="Largest adapter accepted, in bytes.")
     lora_backend: str = Field("auto", description="LoRA backend: auto, reference, xla or pallas.")
@@ -274,6 +279,8 @@ class AppArgs(BaseModel):
             lora_rank_classes=self.lora_rank_classes,
             lora_dora=self.lora_dora,
             lora_embedding_modules=self.lora_embedding_modules,
+            lora_modules_to_save_max_bytes=self.lora_modules_to_save_max_bytes,
+            lora_modules_to_save_slots=self.lora_modules_to_save_slots,
             max_cpu_loras=self.max_cpu_loras,
             lora_backend=self.lora_backend,
             tensor_parallel_size=self.tensor_parallel_size,
@@ -289,7 +296,8 @@ class AppArgs(BaseModel):
 
         return AdapterValidator(self.model, self.max_lora_rank, self.adapter_roots, self.max_adapter_bytes,
                                 base_name=self.served_model_name, lora_dora=self.lora_dora,
-                                lora_embedding_modules=self.lora_embedding_modules)
+                                lora_embedding_modules=self.lora_embedding_modules,
+                                modules_to_save_max_bytes=self.lora_modules_to_save_max_bytes, dtype=self.dtype)
 
     @property
     def served_model_name(self) -> str:

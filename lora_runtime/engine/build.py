@@ -96,6 +96,8 @@ def assemble_engine(
             base_weights=BaseWeights(model),
             outer=config.lora_embedding_modules,
             dora=config.lora_dora,
+            saved_module_bytes=config.lora_modules_to_save_max_bytes,
+            saved_slots=config.lora_modules_to_save_slots,
         )
     runner = ModelRunner(model, model_config, config, mesh, backend, num_blocks=plan.num_blocks,
                          block_size=plan.block_size, attention_platform=platform, interpret=interpret)

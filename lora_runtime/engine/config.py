@@ -63,6 +63,14 @@ class EngineConfig(BaseModel):
     lora_embedding_modules: bool = Field(
         True, description="Slots hold embed_tokens and lm_head adapters (rank x vocab each); off saves that "
         "memory and refuses adapters that target them.")
+    lora_modules_to_save_max_bytes: int = Field(
+        0, ge=0, description="Largest modules_to_save copy (a trained embed_tokens and/or lm_head, vocab x hidden "
+        "each) one adapter may bring, in bytes of the served dtype; adapters over it are refused with their size. "
+        "When one module fits, lora_modules_to_save_slots copies of each of the two are held on the device. "
+        "0 refuses modules_to_save.")
+    lora_modules_to_save_slots: int = Field(
+        1, ge=1, description="Adapters with modules_to_save copies the device holds at once (each slot is a whole "
+        "embed_tokens and lm_head); one more evicts the least recently used idle one.")
     max_cpu_loras: int = Field(64, ge=1, description="Adapters kept in the host cache.")
     max_cpu_lora_bytes: int = Field(
         2 << 30, ge=1, description="Bytes of adapter weights kept in the host cache."

@@ -715,7 +715,7 @@ class Engine:
 def _reads_head(inputs: StepInputs, pool) -> bool:
     """Whether prompt log-probabilities after this prefill need a program of their own: a base
     prefill's, or an adapter prefill's when the pool holds lm_head adapters."""
-    return inputs.lora is None or (pool is not None and pool.holds("lm_head"))
+    return inputs.lora is None or (pool is not None and pool.adapts("lm_head"))
 
 
 def _builds_of(job: Callable[[], None]) -> int:

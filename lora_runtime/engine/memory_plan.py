@@ -122,6 +122,19 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
     return total
 
 
+def saved_module_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
+    """Bytes on one device of the saved-module slots (modules_to_save copies of embed_tokens
+    and lm_head, see memory_pool): none unless one module fits lora_modules_to_save_max_bytes."""
+    from lora_runtime.lora.memory_pool import saved_modules_within
+
+    if not config.max_loras_per_batch:
+        return 0
+    modules = saved_modules_within(model_config, config.lora_modules_to_save_max_bytes, model_config.dtype)
+    vocab = model_config.vocab_size // tp if model_config.vocab_size % tp == 0 else model_config.vocab_size
+    one = vocab * model_config.hidden_size * jnp.dtype(model_config.dtype).itemsize
+    return len(modules) * config.lora_modules_to_save_slots * one
+
+
 def pool_classes(model_config: ModelConfig, config: EngineConfig, tp: int) -> tuple[tuple[int, int], ...] | None:
     """The (rank, slots) classes of `config.lora_rank_classes`, sized from the bytes of
     `max_loras_per_batch` slots of `max_lora_rank` (so classes never take more memory than
@@ -184,6 +197,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
     pool = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank,
                               outer=config.lora_embedding_modules, dora=config.lora_dora,
                               classes=pool_classes(model_config, config, tp))
+    pool += saved_module_bytes(model_config, config, tp)
     workspace = workspace_bytes(model_config, config, tp)
     per_block = block_bytes(model_config, block_size) // tp
     blocks_per_seq = math.ceil(config.max_seq_len / block_size)

@@ -294,10 +294,10 @@ def _sample_impl(logits, counts, seen, sampling, seq_rows):
 
 def _head_lora(inputs: StepInputs, pool) -> tuple:
     """(pool, adapter batch) for prompt log-probabilities read from this prefill's hidden states:
-    the head's adapters apply when the pool holds lm_head ones; else (None, None)."""
+    the head's adapters apply when the pool holds lm_head ones (LoRA or saved copies); else (None, None)."""
     from lora_runtime.lora.adapter import HEAD
 
-    if inputs.lora is None or pool is None or not pool.holds(HEAD):
+    if inputs.lora is None or pool is None or not pool.adapts(HEAD):
         return None, None
     return pool, inputs.lora
 

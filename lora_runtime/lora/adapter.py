@@ -16,6 +16,12 @@ both are held here as (in, out) = (vocab, hidden) modules). PEFT then also saves
 modules' base weights (`...base_layer.weight`); they are kept aside (`saved_base`) for
 the manager to check against the served base model: equal, they change nothing.
 
+`modules_to_save` may list embed_tokens and lm_head: PEFT then trains a whole copy of the
+module and saves it (`model.embed_tokens.weight`, `lm_head.weight`, both [vocab, hidden]),
+which replaces the base module for that adapter's tokens (`saved_modules`). Such copies are
+as large as the module (1 GiB for a bf16 Llama-3-8B head), so a server serves them only up
+to a byte cap per adapter (`check_room`) and holds a few of them in their own device slots.
+
 DoRA (`use_dora: true`) adds a magnitude vector per module
 (`...{module}.lora_magnitude_vector`, [out]). PEFT computes a DoRA module as
     y = g * (W x + scale * B A x) + (1 - g) * bias,   g = magnitude / ||W + scale * B A||_row
@@ -54,11 +60,14 @@ _KEY = re.compile(
     r"lora_magnitude_vector(?:\.weight)?)$"
 )
 _OUTER_KEY = re.compile(
-    _PREFIX + r"(?:model\.(embed_tokens)\.(lora_embedding_A|lora_embedding_B|base_layer\.weight)"
-    r"|(lm_head)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector(?:\.weight)?|base_layer\.weight))$"
+    _PREFIX + r"(?:model\.(embed_tokens)\.(lora_embedding_A|lora_embedding_B|base_layer\.weight|weight)"
+    r"|(lm_head)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector(?:\.weight)?|base_layer\.weight|weight))$"
 )
+# Parts: A, B, DoRA magnitude M, the base weight W PEFT saves beside an embed/head LoRA, and
+# the whole trained copy S of a module in modules_to_save.
 _PART = {"lora_A.weight": "A", "lora_B.weight": "B", "lora_embedding_A": "A", "lora_embedding_B": "B",
-         "lora_magnitude_vector": "M", "lora_magnitude_vector.weight": "M", "base_layer.weight": "W"}
+         "lora_magnitude_vector": "M", "lora_magnitude_vector.weight": "M", "base_layer.weight": "W",
+         "weight": "S"}
 _SUPPORTED_CONFIG = {"bias": "none"}
 
 
@@ -119,11 +128,18 @@ class LoRAAdapter:
     # Base weights PEFT saved with embed/head targets (module -> [out, in] as HF stores them);
     # the manager checks them against the served model and drops them.
     saved_base: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # The trained copies of modules_to_save (embed_tokens, lm_head -> [vocab, hidden] as HF
+    # stores both), which replace the base module for this adapter.
+    saved_modules: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(w.a.nbytes + w.b.nbytes + (0 if w.magnitude is None else w.magnitude.nbytes)
-                   for w in self.weights.values())
+                   for w in self.weights.values()) + sum(t.nbytes for t in self.saved_modules.values())
+
+    def saved_nbytes(self, dtype) -> int:
+        """Bytes of the saved modules once cast to `dtype` (what their device slots take)."""
+        return sum(t.size for t in self.saved_modules.values()) * np.dtype(dtype).itemsize
 
     @property
     def modules(self) -> frozenset[tuple[int, str]]:
@@ -148,10 +164,16 @@ class LoRAAdapter:
                 f"adapter {name!r}: use_dora=True with target module 'model.embed_tokens' is not supported "
                 "(DoRA on the projections and lm_head is)")
         rank_of, scale_of = _module_ranks_and_scalings(name, cfg, targets, max_lora_rank)
+        to_save = _resolve_saved(name, cfg, model_config.num_layers)
+        for module in sorted(to_save & {m for _, m in targets}):
+            raise InvalidAdapterError(
+                f"adapter {name!r}: {module!r} is both in target_modules and in modules_to_save (PEFT trains one or "
+                "the other)")
         tensors = read_safetensors(name, safetensors)
         default = _scaling(cfg["lora_alpha"], cfg["r"], cfg["use_rslora"])
         slot_scaling = default if default != 0.0 else 1.0
-        found, saved_base = _group_tensors(name, tensors, model_config.num_layers)
+        found, saved_base, saved = _group_tensors(name, tensors, model_config.num_layers)
+        saved_modules = _check_saved(name, saved, to_save, model_config)
         for key in sorted(targets - found.keys()):
             raise InvalidAdapterError(
                 f"adapter {name!r}: target module {module_path(*key)!r} has no lora_A/lora_B tensors"
@@ -194,8 +216,9 @@ class LoRAAdapter:
                     f"adapter {name!r}: tensor {k!r} has shape {t.shape}, but the base model's is {want} "
                     "(a resized vocabulary is not supported)")
         return cls(name=name, rank=max(rank_of.values()), scaling=slot_scaling, weights=weights,
-                   content_id=content_id(slot_scaling, weights, {m: t for m, (_, t) in saved_base.items()}),
-                   saved_base={m: t for m, (_, t) in saved_base.items()})
+                   content_id=content_id(slot_scaling, weights, {m: t for m, (_, t) in saved_base.items()},
+                                         saved_modules),
+                   saved_base={m: t for m, (_, t) in saved_base.items()}, saved_modules=saved_modules)
 
     def pool_weights(self, model_config, max_lora_rank: int, dtype,
                      outer: bool = False) -> dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]]:
@@ -233,9 +256,18 @@ class LoRAAdapter:
         return out
 
 
-def check_room(adapter: LoRAAdapter, *, dora: bool, outer: bool) -> None:
+def check_room(adapter: LoRAAdapter, *, dora: bool, outer: bool, saved_max_bytes: int = 0, dtype=None) -> None:
     """InvalidAdapterError, naming the option, if the adapter needs room the slots lack:
-    DoRA scales (`lora_dora`) or embedding and lm_head adapters (`lora_embedding_modules`)."""
+    DoRA scales (`lora_dora`), embedding and lm_head adapters (`lora_embedding_modules`), or
+    modules_to_save copies of more than `saved_max_bytes` in the served `dtype`
+    (`lora_modules_to_save_max_bytes`)."""
+    if adapter.saved_modules:
+        nbytes = adapter.saved_nbytes(dtype)
+        if nbytes > saved_max_bytes:
+            raise InvalidAdapterError(
+                f"adapter {adapter.name!r} saves {sorted(adapter.saved_modules)} (modules_to_save): {nbytes} bytes "
+                f"({nbytes / 2**20:.1f} MiB in {np.dtype(dtype).name}), over this server's "
+                f"lora_modules_to_save_max_bytes={saved_max_bytes}")
     targets = sorted(m for layer, m in adapter.modules if layer == NO_LAYER)
     if targets and not outer:
         raise InvalidAdapterError(
@@ -248,16 +280,18 @@ def check_room(adapter: LoRAAdapter, *, dora: bool, outer: bool) -> None:
 
 
 def content_id(scaling: float, weights: Mapping[tuple[int, str], ModuleWeights],
-               saved_base: Mapping[str, np.ndarray] | None = None) -> bytes:
+               saved_base: Mapping[str, np.ndarray] | None = None,
+               saved_modules: Mapping[str, np.ndarray] | None = None) -> bytes:
     """A hash of everything an adapter's output depends on: its modules' weights (dtype, shape
-    and bytes) and scalings, and the base weights it saved (checked against the served
-    model's, so equal ids pass or fail that check alike). Not its name or source: two names
-    for the same weights share it."""
+    and bytes) and scalings, the base weights it saved (checked against the served model's,
+    so equal ids pass or fail that check alike) and its modules_to_save copies. Not its name
+    or source: two names for the same weights share it."""
     h = hashlib.blake2b(digest_size=16)
     h.update(struct.pack("<d", scaling))
-    for module, t in sorted((saved_base or {}).items()):
-        h.update(f"base:{module}:{t.dtype.str}:{t.shape}".encode())
-        h.update(np.ascontiguousarray(t).tobytes())
+    for tag, tensors in (("base", saved_base), ("saved", saved_modules)):
+        for module, t in sorted((tensors or {}).items()):
+            h.update(f"{tag}:{module}:{t.dtype.str}:{t.shape}".encode())
+            h.update(np.ascontiguousarray(t).tobytes())
     for (layer, module), w in sorted(weights.items()):
         h.update(f"{layer}:{module}:{w.a.dtype.str}:{w.a.shape}:{w.b.dtype.str}:{w.b.shape}".encode())
         h.update(struct.pack("<d", w.ratio))
@@ -300,7 +334,7 @@ def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
     for field, ok in _SUPPORTED_CONFIG.items():
         if cfg.get(field, ok) not in (ok, None):
             raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported (need {ok!r})")
-    for field in ("modules_to_save", "target_parameters", "layer_replication", "trainable_token_indices"):
+    for field in ("target_parameters", "layer_replication", "trainable_token_indices"):
         if cfg.get(field):
             raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported")
     if cfg.get("lora_bias"):
@@ -320,6 +354,58 @@ def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
     return {**cfg, "r": r, "lora_alpha": alpha, "use_rslora": bool(cfg.get("use_rslora", False)),
             "use_dora": bool(use_dora),
             "rank_pattern": cfg.get("rank_pattern") or {}, "alpha_pattern": cfg.get("alpha_pattern") or {}}
+
+
+def _resolve_saved(name: str, cfg: Mapping[str, Any], num_layers: int) -> frozenset[str]:
+    """The modules modules_to_save selects, as PEFT matches it (a module whose name ends with
+    an entry); only embed_tokens and lm_head can be served that way."""
+    entries = cfg.get("modules_to_save") or []
+    if isinstance(entries, str):
+        entries = [entries]
+    if not isinstance(entries, list) or not all(isinstance(e, str) and e for e in entries):
+        raise InvalidAdapterError(
+            f"adapter {name!r}: modules_to_save={cfg.get('modules_to_save')!r} must be a list of module names")
+    out = set()
+    for entry in entries:
+        matched = [k for k in _all_module_names(num_layers) if k.endswith(entry)]
+        if not matched:
+            raise InvalidAdapterError(
+                f"adapter {name!r}: modules_to_save entry {entry!r} selects neither embed_tokens nor lm_head "
+                f"(only {list(OUTER_MODULES)} can be saved)")
+        others = [k for k in matched if k.split(".")[-1] not in OUTER_MODULES]
+        if others:
+            raise InvalidAdapterError(
+                f"adapter {name!r}: modules_to_save entry {entry!r} selects {others[0]!r}; only "
+                f"{list(OUTER_MODULES)} can be saved")
+        out.update(k.split(".")[-1] for k in matched)
+    return frozenset(out)
+
+
+def _check_saved(name: str, saved: Mapping[str, tuple[str, np.ndarray]], to_save: frozenset[str],
+                 model_config) -> dict[str, np.ndarray]:
+    """The modules_to_save copies (module -> [vocab, hidden]), checked against the config and
+    the base model's shapes."""
+    for module, (key, _) in sorted(saved.items()):
+        if module not in to_save:
+            raise InvalidAdapterError(
+                f"adapter {name!r}: tensor {key!r} is a saved module that modules_to_save does not list")
+    want = (model_config.vocab_size, model_config.hidden_size)
+    out = {}
+    for module in sorted(to_save):
+        if module not in saved:
+            path = "model.embed_tokens" if module == EMBED else module
+            raise InvalidAdapterError(
+                f"adapter {name!r}: tensor 'base_model.model.{path}.weight' is missing (modules_to_save lists "
+                f"{module!r})")
+        key, t = saved[module]
+        if t.shape != want:
+            raise InvalidAdapterError(
+                f"adapter {name!r}: tensor {key!r} has shape {t.shape}, but the base model's is {want} "
+                "(a resized vocabulary is not supported)")
+        if not np.isfinite(t.astype(np.float32)).all():
+            raise InvalidAdapterError(f"adapter {name!r}: tensor {key!r} has non-finite values")
+        out[module] = t
+    return out
 
 
 def _all_module_names(num_layers: int) -> list[str]:
@@ -431,10 +517,12 @@ def _expected_key(key: tuple[int, str], part: str) -> str:
 
 
 def _group_tensors(name: str, tensors: Mapping[str, np.ndarray], num_layers: int):
-    """(layer, module) -> part -> (key, tensor) for parts A, B, M (DoRA magnitude), and the
-    saved base weights of embed/head (module -> (key, tensor)); refuses unknown keys."""
+    """(layer, module) -> part -> (key, tensor) for parts A, B, M (DoRA magnitude), the saved
+    base weights of embed/head and their modules_to_save copies (each module -> (key,
+    tensor)); refuses unknown keys."""
     found: dict[tuple[int, str], dict[str, tuple[str, np.ndarray]]] = {}
     saved_base: dict[str, tuple[str, np.ndarray]] = {}
+    saved: dict[str, tuple[str, np.ndarray]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is not None:
@@ -452,8 +540,8 @@ def _group_tensors(name: str, tensors: Mapping[str, np.ndarray], num_layers: int
                     f"adapter {name!r}: tensor key {key!r} is not a LoRA weight of a known module")
             layer, module = NO_LAYER, m.group(1) or m.group(3)
             part = _PART[m.group(2) or m.group(4)]
-            if part == "W":
-                saved_base[module] = (key, t)
+            if part in "WS":
+                (saved_base if part == "W" else saved)[module] = (key, t)
                 continue
         slot = found.setdefault((layer, module), {})
         if part in slot:
@@ -463,4 +551,4 @@ def _group_tensors(name: str, tensors: Mapping[str, np.ndarray], num_layers: int
         for part in "AB":
             if part not in parts:
                 raise InvalidAdapterError(f"adapter {name!r}: tensor {_expected_key(key, part)!r} is missing")
-    return found, saved_base
+    return found, saved_base, saved

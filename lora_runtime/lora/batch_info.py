@@ -10,6 +10,8 @@ import numpy as np
 
 # Bits of LoRABatchInfo.slot_flags: what a slot's adapter holds beside the projections' A and B.
 SLOT_DORA, SLOT_EMBED, SLOT_HEAD = 1, 2, 4
+# Columns of LoRABatchInfo.slot_saved: the saved-module slot (modules_to_save) of each module.
+SAVED_COLUMNS = {"embed_tokens": 0, "lm_head": 1}
 
 
 @jax.tree_util.register_dataclass
@@ -33,6 +35,17 @@ class LoRABatchInfo:
     segment_slots: jax.Array  # i32[N]
     num_segments: jax.Array  # i32[]
     slot_flags: jax.Array | None = None  # i32[S]: SLOT_DORA | SLOT_EMBED | SLOT_HEAD bits of each slot
+    # i32[S, 2]: each slot's saved-module slot per SAVED_COLUMNS module (memory_pool), -1 for none
+    slot_saved: jax.Array | None = None
+
+    def saved_slots(self, module: str, token_slots: jax.Array) -> jax.Array:
+        """i32[T]: the saved-module slot of `module` for each of `token_slots` (global
+        slots), -1 where its adapter has none."""
+        if self.slot_saved is None:
+            return jnp.full(jnp.shape(token_slots), -1, jnp.int32)
+        slots = jnp.asarray(token_slots)
+        saved = jnp.asarray(self.slot_saved)[jnp.maximum(slots, 0), SAVED_COLUMNS[module]]
+        return jnp.where(slots >= 0, saved, -1)
 
     def uses(self, flag: int) -> jax.Array:
         """bool[]: whether any token's adapter has `flag` (its extra work is skipped otherwise)."""
@@ -62,6 +75,7 @@ class LoRABatchInfo:
         i = jnp.arange(n)
         seg_moved = jnp.where(i < upto - before, seg[jnp.minimum(i + before, n - 1)] - first, -1)
         flags = None if self.slot_flags is None else jnp.asarray(self.slot_flags)[first:first + count]
+        saved = None if self.slot_saved is None else jnp.asarray(self.slot_saved)[first:first + count]
         return LoRABatchInfo(
             token_slots=jnp.where(mine, ts - first, -1).astype(jnp.int32),
             slot_scalings=jnp.asarray(self.slot_scalings)[first:first + count],
@@ -71,6 +85,7 @@ class LoRABatchInfo:
             segment_slots=seg_moved.astype(jnp.int32),
             num_segments=upto - before,
             slot_flags=flags,
+            slot_saved=saved,
         )
 
     @property
@@ -88,6 +103,7 @@ def build_batch_info(
     slot_ranks: np.ndarray,  # i32[S]
     max_segments: int | None = None,
     slot_flags: np.ndarray | None = None,  # i32[S], SLOT_* bits
+    slot_saved: np.ndarray | None = None,  # i32[S, 2], saved-module slots (SAVED_COLUMNS), -1 none
 ) -> LoRABatchInfo:
     """Computes the sorted/segment metadata on the host (cheap numpy) and packs it.
 
@@ -123,4 +139,6 @@ def build_batch_info(
         segment_slots=segment_slots,
         num_segments=np.int32(n),
         slot_flags=np.zeros(num_slots, np.int32) if slot_flags is None else np.asarray(slot_flags, np.int32),
+        slot_saved=(np.full((num_slots, len(SAVED_COLUMNS)), -1, np.int32) if slot_saved is None
+                    else np.asarray(slot_saved, np.int32)),
     )

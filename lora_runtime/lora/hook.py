@@ -19,7 +19,9 @@ class PoolLoRAHook:
     inside the jitted step. Each rank class of the pool runs the backend's op on its own
     tokens at its own width (the others see slot -1), adding into the same outputs. Work an
     adapter of the step does not need (DoRA scales, embedding or head deltas) is skipped by
-    a branch on the step's slot flags."""
+    a branch on the step's slot flags. A token whose adapter saved a trained copy of the
+    embedding or the head (modules_to_save) reads that copy instead of the base module's,
+    each saved-module slot behind a branch on whether any token of the step uses it."""
 
     def __init__(self, backend: BaseLoRABackend, pool: LoRAMemoryPool, info: LoRABatchInfo, *, prefill: bool):
         self.backend = backend
@@ -55,7 +57,17 @@ class PoolLoRAHook:
         return self._dora(group, layer, ys, self.class_infos, self.info.token_slots)
 
     def embed(self, tokens: jax.Array, x: jax.Array) -> jax.Array:  # i32[T], [T, H] -> [T, H]
-        """The embeddings with each token's embed_tokens adapter added."""
+        """The embeddings with each token's embed_tokens adapter added, or its saved copy's
+        row instead of the base one."""
+        if self.pool.has_saved(EMBED):
+            table = self.pool.saved_table(EMBED)  # [S', V, H]
+            saved = self.info.saved_slots(EMBED, self.info.token_slots)
+
+            def replace(x):
+                row = table[jnp.maximum(saved, 0), jnp.clip(tokens, 0, table.shape[1] - 1)]
+                return jnp.where((saved >= 0)[:, None], row.astype(x.dtype), x)
+
+            x = jax.lax.cond(jnp.any(saved >= 0), replace, lambda x: x, x)
         if not self.pool.holds(EMBED):
             return x
 
@@ -75,14 +87,19 @@ class PoolLoRAHook:
 
     def head(self, hidden: jax.Array, logits: jax.Array,
              rows: jax.Array | None = None) -> jax.Array:  # [N, H], f32[N, V] -> f32[N, V]
-        """The logits with each row's lm_head adapter added (and its DoRA scale); row i is
-        token rows[i] of the step (None: row i is token i)."""
-        if not self.pool.holds(HEAD):
+        """The logits with each row's lm_head adapter added (and its DoRA scale), or computed
+        by its saved copy of the head instead; row i is token rows[i] of the step (None: row i
+        is token i)."""
+        if not self.pool.adapts(HEAD):
             return logits
         infos, prefill, slots = self.class_infos, self.prefill, self.info.token_slots
         if rows is not None:  # a subset of the tokens: per-row slots, the decode kernel's path
             infos = tuple(dataclasses.replace(i, token_slots=i.token_slots[rows]) for i in infos)
             prefill, slots = False, slots[rows]
+        if self.pool.has_saved(HEAD):
+            logits = self._saved_head(hidden, logits, self.info.saved_slots(HEAD, slots))
+        if not self.pool.holds(HEAD):
+            return logits
 
         def add(logits):
             for c, info in enumerate(infos):
@@ -94,6 +111,18 @@ class PoolLoRAHook:
 
         logits = jax.lax.cond(_uses(self.info, SLOT_HEAD, slots), add, lambda y: y, logits)
         return self._dora(HEAD, 0, (logits,), infos, slots)[0]
+
+    def _saved_head(self, hidden: jax.Array, logits: jax.Array, saved: jax.Array) -> jax.Array:
+        """Rows whose adapter has saved-module slot k of lm_head (saved[i] == k) get their
+        logits from that copy: one head matmul per slot some row uses, none for the others."""
+        table = self.pool.saved_table(HEAD)  # [S', H, V]
+        for k in range(table.shape[0]):
+            def replace(logits, k=k):
+                y = jnp.dot(hidden, table[k], preferred_element_type=jnp.float32)
+                return jnp.where((saved == k)[:, None], y, logits)
+
+            logits = jax.lax.cond(jnp.any(saved == k), replace, lambda y: y, logits)
+        return logits
 
     def _dora(self, group: str, layer: int, ys: tuple[jax.Array, ...], infos: tuple[LoRABatchInfo, ...],
               slots: jax.Array) -> tuple[jax.Array, ...]:

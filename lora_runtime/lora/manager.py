@@ -12,6 +12,10 @@ Adapters are identified by content (LoRAAdapter.content_id, a hash of the weight
 scalings), not by name: the host cache and the device slots are keyed by it, so two names
 for the same weights share one host copy and one slot, re-registering the same weights
 reloads nothing, and new weights under an old name get a slot of their own.
+
+An adapter with modules_to_save copies (embed_tokens, lm_head) also takes a saved-module
+slot per copy; those are few, so making room for one may evict the least recently used idle
+adapter holding one, whatever its rank class.
 """
 
 from __future__ import annotations
@@ -28,17 +32,19 @@ import numpy as np
 
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidAdapterError, ServingError
 from lora_runtime.lora.adapter import EMBED, HEAD, LoRAAdapter, check_room
-from lora_runtime.lora.batch_info import SLOT_DORA, SLOT_EMBED, SLOT_HEAD, LoRABatchInfo, build_batch_info
+from lora_runtime.lora.batch_info import (SAVED_COLUMNS, SLOT_DORA, SLOT_EMBED, SLOT_HEAD, LoRABatchInfo,
+                                          build_batch_info)
 from lora_runtime.lora.base_weights import BaseWeights, same_weights
 from lora_runtime.lora.dora import dora_terms, warm_up_scales
 from lora_runtime.lora.host_cache import HostAdapterCache
-from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, write_slot
+from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, saved_modules_within, write_saved, write_slot
 from lora_runtime.lora.sources import SourcePolicy, load_adapter
 
 Key = tuple[str, int]  # (adapter name, version)
 # (group -> (A [L, n*R, in], (B_i [L, R, out_i], ...)) in the pool's dtype (LoRAAdapter.pool_weights),
-#  the DoRA terms for a pool that holds them, else None)
-Weights = tuple[dict, DoraTerms | None]
+#  the DoRA terms for a pool that holds them, else None,
+#  the modules_to_save copies in the pool's dtype: module -> [vocab, hidden])
+Weights = tuple[dict, DoraTerms | None, dict[str, np.ndarray]]
 STAGED_TTL_S = 5.0  # a staged adapter nobody took for this long may make room for another
 
 
@@ -77,6 +83,7 @@ class _Slot:
     rank: int = 0
     stale: bool = False  # no registered name has this content any more: freed when refcount reaches 0
     flags: int = 0  # SLOT_* bits (batch_info): DoRA, embedding and head adapters
+    saved: dict[str, int] = dataclasses.field(default_factory=dict)  # module -> its saved-module slot
 
     @property
     def refcount(self) -> int:
@@ -98,13 +105,16 @@ class LoRAManager:
     def __init__(self, model_config, mesh: jax.sharding.Mesh, *, max_lora_rank: int, max_cpu_loras: int,
                  max_cpu_bytes: int, source_policy: SourcePolicy, dtype, num_slots: int | None = None,
                  rank_classes: Sequence[tuple[int, int]] | None = None, fetch_workers: int = 2,
-                 base_weights: BaseWeights | None = None, outer: bool = False, dora: bool = False):
+                 base_weights: BaseWeights | None = None, outer: bool = False, dora: bool = False,
+                 saved_module_bytes: int = 0, saved_slots: int = 1):
         """`num_slots` slots of rank `max_lora_rank`, or the `rank_classes` ((rank, slots)
         pairs, the widest `max_lora_rank`; memory_plan.pool_classes sizes them): an adapter
         takes a slot of the narrowest class it fits, a wider one's free slot before evicting.
         `base_weights`: the served model's weights, which DoRA adapters and the base weights
         PEFT saves with embed/head adapters are checked against; `outer`: the pool holds
-        embed_tokens and lm_head adapters; `dora`: it holds DoRA scales (needs base_weights)."""
+        embed_tokens and lm_head adapters; `dora`: it holds DoRA scales (needs base_weights);
+        `saved_module_bytes`: the most bytes of modules_to_save copies one adapter may bring
+        (0 refuses them), held in `saved_slots` saved-module slots per module that fits."""
         if dora and base_weights is None:
             raise ValueError("dora=True needs the base model's weights (base_weights)")
         if rank_classes is not None:
@@ -120,10 +130,14 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.source_policy = source_policy
         self.base_weights = base_weights
-        self._pool = LoRAMemoryPool.create(model_config, mesh, dtype=dtype, outer=outer, dora=dora, **shape)
+        self.saved_module_bytes = saved_module_bytes
+        saved = saved_modules_within(model_config, saved_module_bytes, dtype)
+        self._pool = LoRAMemoryPool.create(model_config, mesh, dtype=dtype, outer=outer, dora=dora,
+                                           saved_modules=saved, saved_slots=saved_slots if saved else 0, **shape)
         self._host = HostAdapterCache(max_bytes=max_cpu_bytes, max_count=max_cpu_loras)
         self._slots = [_Slot() for _ in range(self._pool.num_slots)]
         self._rank_of_content: dict[bytes, int] = {}  # for choosing a class before the weights are at hand
+        self._saved_of_content: dict[bytes, tuple[str, ...]] = {}  # the modules_to_save copies of each
         self._content_of: dict[Key, bytes] = {}  # registered versions parsed at least once
         self._slot_of_content: dict[bytes, int] = {}
         self._registry: dict[str, RegistryEntry] = {}
@@ -240,6 +254,8 @@ class LoRAManager:
                 out.append({"name": name, "source": e.source, "version": e.version, "pinned": e.pinned,
                             "slot": slot, "refcount": 0 if slot is None else self._slots[slot].refcount,
                             "slot_rank": None if slot is None else self._pool.classes[self._pool.class_of(slot)].rank,
+                            "modules_to_save": None if content is None or content not in self._rank_of_content
+                            else list(self._saved_of_content.get(content, ())),
                             "host_cached": self._cached(key) is not None,
                             "content_id": None if content is None else content.hex()})
             return out
@@ -261,8 +277,9 @@ class LoRAManager:
             if self._resident(key) is not None:
                 return True
             # A rank not known yet (never fetched) asks for the narrowest class.
-            rank = self._rank_of_content.get(self._content_of.get(key), 1)
-            return self._free_slot(rank) is not None
+            content = self._content_of.get(key)
+            slot = self._free_slot(self._rank_of_content.get(content, 1))
+            return slot is not None and self._saved_plan(self._saved_of_content.get(content, ()), slot) is not None
 
     # ---- registry ----------------------------------------------------------------------
 
@@ -282,9 +299,14 @@ class LoRAManager:
 
         def apply() -> None:
             with self._lock:
-                if pinned and self._free_slot(adapter.rank) is None:
-                    raise CapacityError(f"cannot pin adapter {name!r}: all {self._slots_for(adapter.rank)} slots of "
-                                        f"rank >= {adapter.rank} are held or pinned")
+                if pinned:
+                    slot = self._free_slot(adapter.rank)
+                    if slot is None:
+                        raise CapacityError(f"cannot pin adapter {name!r}: all {self._slots_for(adapter.rank)} slots "
+                                            f"of rank >= {adapter.rank} are held or pinned")
+                    if self._saved_plan(tuple(adapter.saved_modules), slot) is None:
+                        raise CapacityError(f"cannot pin adapter {name!r}: all {self._pool.num_saved_slots} "
+                                            "modules_to_save slots are held or pinned")
                 self._apply_entry(entry)
                 self._remember((name, version), adapter)
                 if pinned:
@@ -400,11 +422,12 @@ class LoRAManager:
             scalings = np.array([s.scaling for s in self._slots], np.float32)
             ranks = np.array([s.rank for s in self._slots], np.int32)
             flags = np.array([s.flags for s in self._slots], np.int32)
+            saved = np.array([[s.saved.get(m, -1) for m in SAVED_COLUMNS] for s in self._slots], np.int32)
             used = np.unique(token_slots[token_slots >= 0])
             for slot in used:
                 if slot < self.num_slots and self._slots[slot].refcount == 0:
                     raise ValueError(f"token slot {int(slot)} is not held by any request")
-        return build_batch_info(token_slots, scalings, ranks, max_segments, flags)
+        return build_batch_info(token_slots, scalings, ranks, max_segments, flags, saved)
 
     def close(self) -> None:
         """Stops the background fetch threads."""
@@ -445,6 +468,7 @@ class LoRAManager:
         for content in contents - live:
             self._host.pop(content)
             self._rank_of_content.pop(content, None)
+            self._saved_of_content.pop(content, None)
             slot = self._slot_of_content.get(content)
             if slot is None:
                 continue
@@ -458,6 +482,7 @@ class LoRAManager:
         a stale slot still holds becomes live again."""
         self._content_of[key] = adapter.content_id
         self._rank_of_content[adapter.content_id] = adapter.rank
+        self._saved_of_content[adapter.content_id] = tuple(adapter.saved_modules)
         if self._host.get(adapter.content_id) is None:  # a hit marks it most recently used
             self._host.put(adapter.content_id, adapter)
         slot = self._slot_of_content.get(adapter.content_id)
@@ -511,11 +536,37 @@ class LoRAManager:
                 return min(candidates, key=lambda i: self._slots[i].last_used)
         return None
 
+    def _saved_plan(self, modules: Sequence[str], slot: int) -> dict[str, tuple[int, int | None]] | None:
+        """For an adapter taking `slot` with modules_to_save copies of `modules`: module ->
+        (its saved-module slot, the adapter slot to evict for it or None); None if some module
+        has no saved-module slot free or held by an idle unpinned adapter. Whatever `slot`
+        holds now leaves it, so its saved-module slots count as free."""
+        plan, evicted = {}, {slot}
+        pinned = self._pinned_contents() if modules else set()
+        for module in modules:
+            if module in plan:
+                continue
+            used = {s.saved[module]: i for i, s in enumerate(self._slots) if module in s.saved and i not in evicted}
+            free = [j for j in range(self._pool.num_saved_slots) if j not in used]
+            if free:
+                plan[module] = (free[0], None)
+                continue
+            idle = [i for i in used.values()
+                    if (s := self._slots[i]).refcount == 0 and (s.stale or s.content not in pinned)]
+            if not idle:
+                return None
+            victim = min(idle, key=lambda i: self._slots[i].last_used)
+            evicted.add(victim)
+            # The victim's other saved-module slots are free for this adapter's other copies.
+            plan.update({m: (j, victim) for m, j in self._slots[victim].saved.items() if m in modules and m not in plan})
+        return plan
+
     def warm_up(self) -> None:
         """Compiles the slot writes (one program serves every slot of a class and written
         rank: an adapter is padded to the narrowest class it fits and may land in a wider one)
-        by writing zeros into empty slots, and the DoRA scale of each module shape and class
-        rank, so the first adapter load after warm-up compiles nothing."""
+        by writing zeros into empty slots, the DoRA scale of each module shape and class rank,
+        and the write of each saved-module table, so the first adapter load after warm-up
+        compiles nothing."""
         pool = self._pool
         if pool.dora:
             for rc in pool.classes:
@@ -529,6 +580,12 @@ class LoRAManager:
                 for narrow in pool.classes:
                     if narrow.rank <= rc.rank:
                         self._pool = write_slot(self._pool, slot, self._zero_weights(narrow.rank))
+            for module in pool.layout.saved:
+                used = {s.saved[module] for s in self._slots if module in s.saved}
+                free = next((j for j in range(pool.num_saved_slots) if j not in used), None)
+                if free is not None:
+                    shape = (self.model_config.vocab_size, self.model_config.hidden_size)
+                    self._pool = write_saved(self._pool, module, free, np.zeros(shape, pool.dtype))
 
     def _zero_weights(self, rank: int) -> dict:
         """An empty adapter's pool layout at `rank`."""
@@ -548,12 +605,14 @@ class LoRAManager:
         pool = self._pool
         rank = pool.classes[pool.class_for_rank(adapter.rank)].rank  # the narrowest class it fits
         weights = adapter.pool_weights(self.model_config, rank, pool.dtype, pool.holds(EMBED))
-        return weights, dora_terms(pool, self.base_weights, adapter)
+        saved = {m: np.asarray(t, pool.dtype) for m, t in adapter.saved_modules.items()}
+        return weights, dora_terms(pool, self.base_weights, adapter), saved
 
     def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """Refuses what this pool cannot hold (naming the option) and the base weights PEFT
         saved that differ from the served model's; returns the adapter without them."""
-        check_room(adapter, dora=self._pool.dora, outer=self._pool.holds(EMBED))
+        check_room(adapter, dora=self._pool.dora, outer=self._pool.holds(EMBED),
+                   saved_max_bytes=self.saved_module_bytes, dtype=self._pool.dtype)
         for module, saved in adapter.saved_base.items():
             if self.base_weights is None:
                 raise InvalidAdapterError(
@@ -579,16 +638,29 @@ class LoRAManager:
                 f"no slot for adapter {entry.name!r}: all {self._slots_for(adapter.rank)} slots of rank >= "
                 f"{adapter.rank} are held by requests or pinned"
             )
+        plan = self._saved_plan(tuple(adapter.saved_modules), slot)
+        if plan is None:
+            raise CapacityError(
+                f"no modules_to_save slot for adapter {entry.name!r}: all {self._pool.num_saved_slots} are held by "
+                "requests or pinned")
         start = time.perf_counter()
-        self._pool = write_slot(self._pool, slot, *weights)
+        lora, terms, saved = weights
+        self._pool = write_slot(self._pool, slot, lora, terms)
         if self._slots[slot].content is not None:
             self._stats.evictions += 1
             self._free(slot)
+        for module, (index, victim) in plan.items():
+            if victim is not None and self._slots[victim].content is not None:
+                self._stats.evictions += 1
+                self._free(victim)
+            self._pool = write_saved(self._pool, module, index, saved[module])
         self._tick += 1
         self._slots[slot] = _Slot(content=adapter.content_id, last_used=self._tick, scaling=adapter.scaling,
-                                  rank=adapter.rank, flags=_flags(adapter))
+                                  rank=adapter.rank, flags=_flags(adapter),
+                                  saved={m: j for m, (j, _) in plan.items()})
         self._slot_of_content[adapter.content_id] = slot
         self._rank_of_content[adapter.content_id] = adapter.rank
+        self._saved_of_content[adapter.content_id] = tuple(adapter.saved_modules)
         self._stats.loads += 1
         self._stats.load_seconds += time.perf_counter() - start
         return slot

@@ -21,6 +21,14 @@ row-parallel when the mesh does not divide the vocabulary). With `dora=True` it 
 DoRA's per-output scale of every slot, `scale[c][g]`: n × [L, S_c, out_i] f32 (1 for a
 plain adapter), sharded like the outputs, and for groups whose base layer has a bias,
 `shift[c][g]` = (1 - scale) * bias; the step computes y = scale * (base + delta) + shift.
+
+Adapters whose modules_to_save hold a trained embed_tokens or lm_head get a saved-module
+slot beside their adapter slot: `saved[m]` per module the pool has room for (embed_tokens
+[S', vocab, hidden], sharded on vocab like the base embedding; lm_head [S', hidden, vocab],
+like the base head's kernel). A step's LoRABatchInfo.slot_saved maps each adapter slot to
+its saved-module slots; a token whose adapter has one reads that copy instead of the base
+module. Saved-module slots are few (each is a whole module), so they are managed apart
+from the rank classes.
 """
 
 from __future__ import annotations
@@ -53,15 +61,26 @@ class PoolLayout:
     vocab_sharded: bool  # the embedding's A is sharded on vocab (the mesh divides it)
     dora: bool
     biased: tuple[bool, ...]  # per group: a DoRA shift is held (its base layer has a bias)
+    saved: tuple[str, ...] = ()  # modules (OUTER_MODULES order) with saved-module slots
 
     @classmethod
-    def of(cls, model_config, tp: int, *, outer: bool, dora: bool) -> PoolLayout:
+    def of(cls, model_config, tp: int, *, outer: bool, dora: bool, saved: Sequence[str] = ()) -> PoolLayout:
         groups = GROUPS + (OUTER_MODULES if outer else ())
         vocab_ok = model_config.vocab_size % tp == 0
         parallel = tuple("column" if g in COLUMN_GROUPS or (g == HEAD and vocab_ok) else "row" for g in groups)
         biased = tuple(dora and bool(getattr(model_config, _BIAS_FIELD[g], False)) if g in _BIAS_FIELD else False
                        for g in groups)
-        return cls(groups=groups, parallel=parallel, vocab_sharded=vocab_ok, dora=dora, biased=biased)
+        unknown = set(saved) - set(OUTER_MODULES)
+        if unknown:
+            raise ValueError(f"saved modules {sorted(unknown)}: only {list(OUTER_MODULES)} can be saved")
+        return cls(groups=groups, parallel=parallel, vocab_sharded=vocab_ok, dora=dora, biased=biased,
+                   saved=tuple(m for m in OUTER_MODULES if m in saved))
+
+    def saved_spec(self, module: str) -> P:
+        """PartitionSpec of a saved-module table: embed_tokens [S', vocab, hidden], lm_head
+        [S', hidden, vocab], the vocabulary split where the mesh divides it."""
+        vocab = TENSOR_AXIS if self.vocab_sharded else None
+        return P(None, vocab, None) if module == EMBED else P(None, None, vocab)
 
     def specs(self, group: str) -> tuple[P, P, P]:
         """PartitionSpecs of a group's A [L, S, n*R, in], each B_i [L, S, R, out_i] and each
@@ -120,7 +139,7 @@ def group_dims(model_config, group: str) -> tuple[int, int, tuple[int, ...]]:
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=("a", "b", "scale", "shift"),
+    jax.tree_util.register_dataclass, data_fields=("a", "b", "scale", "shift", "saved"),
     meta_fields=("mesh", "classes", "layout"),
 )
 @dataclasses.dataclass(frozen=True)
@@ -134,14 +153,17 @@ class LoRAMemoryPool:
     layout: PoolLayout
     scale: tuple = ()  # per class, per group: n × f32[L, S_c, out_i] (DoRA); () without
     shift: tuple = ()  # per class, per group: n × f32[L, S_c, out_i] where biased, else ()
+    saved: tuple = ()  # per module of layout.saved: its saved-module table (see the module docstring)
 
     @classmethod
     def create(cls, model_config, mesh: jax.sharding.Mesh, *, dtype, num_slots: int | None = None,
                max_lora_rank: int | None = None, classes: Sequence[tuple[int, int]] | None = None,
-               outer: bool = False, dora: bool = False) -> LoRAMemoryPool:
+               outer: bool = False, dora: bool = False, saved_modules: Sequence[str] = (),
+               saved_slots: int = 0) -> LoRAMemoryPool:
         """An empty pool sharded on `mesh`: `num_slots` slots of rank `max_lora_rank`, or the
         rank `classes` ((rank, slots) pairs); `outer`: room for embed_tokens and lm_head
-        adapters, `dora`: for DoRA scales."""
+        adapters, `dora`: for DoRA scales; `saved_slots` saved-module slots for each of
+        `saved_modules` (modules_to_save copies of embed_tokens and lm_head)."""
         if classes is None:
             if num_slots is None or max_lora_rank is None:
                 raise ValueError("a pool needs num_slots and max_lora_rank, or rank classes")
@@ -154,7 +176,9 @@ class LoRAMemoryPool:
             raise ValueError("give rank classes or num_slots and max_lora_rank, not both")
         classes = rank_classes(classes)
         tp = mesh.shape.get(TENSOR_AXIS, 1)
-        layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora)
+        if saved_modules and saved_slots <= 0:
+            raise ValueError(f"saved modules {list(saved_modules)} need saved_slots > 0, got {saved_slots}")
+        layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora, saved=saved_modules)
         for g, parallel in zip(layout.groups, layout.parallel):
             _, fan_in, outs = group_dims(model_config, g)
             # The dimensions the mesh splits (the embedding's vocab only where it divides it).
@@ -172,8 +196,10 @@ class LoRAMemoryPool:
             b.append(parts[1])
             scale.append(parts[2])
             shift.append(parts[3])
+        saved = tuple(zeros_on((saved_slots,) + saved_shape(model_config, m), dtype,
+                               NamedSharding(mesh, layout.saved_spec(m))) for m in layout.saved)
         return cls(a=tuple(a), b=tuple(b), mesh=mesh, classes=classes, layout=layout,
-                   scale=tuple(scale) if dora else (), shift=tuple(shift) if dora else ())
+                   scale=tuple(scale) if dora else (), shift=tuple(shift) if dora else (), saved=saved)
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -185,6 +211,22 @@ class LoRAMemoryPool:
     @property
     def dora(self) -> bool:
         return self.layout.dora
+
+    def has_saved(self, module: str) -> bool:
+        """Whether the pool has saved-module slots for `module` (modules_to_save copies)."""
+        return module in self.layout.saved
+
+    def adapts(self, module: str) -> bool:
+        """Whether an adapter may change `module` (embed_tokens or lm_head) here: a LoRA of it or a saved copy."""
+        return self.holds(module) or self.has_saved(module)
+
+    def saved_table(self, module: str) -> jax.Array:
+        """The saved-module table of `module`: embed_tokens [S', vocab, hidden], lm_head [S', hidden, vocab]."""
+        return self.saved[self.layout.saved.index(module)]
+
+    @property
+    def num_saved_slots(self) -> int:
+        return self.saved[0].shape[0] if self.saved else 0
 
     def parallel(self, group: str) -> str:
         return self.layout.parallel[self.groups.index(group)]
@@ -261,6 +303,19 @@ class LoRAMemoryPool:
             return (), ()
         return tuple(tuple((x.shape[0], x.shape[2]) for x in ts) for ts in self.scale[0]), \
             tuple(tuple((x.shape[0], x.shape[2]) for x in ts) for ts in self.shift[0])
+
+
+def saved_modules_within(model_config, max_bytes: int, dtype) -> tuple[str, ...]:
+    """The modules (embed_tokens, lm_head) whose whole copy in `dtype` fits `max_bytes`: the
+    ones a pool with that per-adapter cap on modules_to_save needs saved-module slots for."""
+    one = model_config.vocab_size * model_config.hidden_size * np.dtype(dtype).itemsize
+    return OUTER_MODULES if one <= max_bytes else ()
+
+
+def saved_shape(model_config, module: str) -> tuple[int, int]:
+    """One saved-module slot's shape: embed_tokens [vocab, hidden], lm_head [hidden, vocab] (the base head's kernel)."""
+    v, h = model_config.vocab_size, model_config.hidden_size
+    return (v, h) if module == EMBED else (h, v)
 
 
 def _class_buffers(model_config, mesh, layout: PoolLayout, rc: RankClass, dtype):
@@ -453,6 +508,35 @@ def clear_slot(pool: LoRAMemoryPool, slot: int) -> LoRAMemoryPool:
     rc = pool.classes[c]
     fn = updater("clear", rc.rank, _part_shardings(pool, c))
     return _with_part(pool, c, fn(_part(pool, c), jnp.int32(slot - rc.first_slot)))
+
+
+@functools.cache
+def _saved_updater(module: str, out_sharding):
+    """The jitted write of one saved-module slot, its table donated; the copy arrives as HF
+    stores it ([vocab, hidden]) and lm_head's is transposed to the kernel layout here."""
+
+    def put(table, index, weight):
+        return table.at[index].set(weight.T if module == HEAD else weight)
+
+    return jax.jit(put, donate_argnums=0, out_shardings=out_sharding)
+
+
+def write_saved(pool: LoRAMemoryPool, module: str, index: int, weight: np.ndarray) -> LoRAMemoryPool:
+    """A pool whose saved-module slot `index` of `module` holds `weight` ([vocab, hidden],
+    HF's layout of both modules); that module's table is donated."""
+    if not pool.has_saved(module):
+        raise ValueError(f"the pool has no saved-module slots for {module!r} (it holds {list(pool.layout.saved)})")
+    if not 0 <= index < pool.num_saved_slots:
+        raise ValueError(f"saved-module slot {index} outside [0, {pool.num_saved_slots})")
+    table = pool.saved_table(module)
+    want = table.shape[1:] if module == EMBED else table.shape[:0:-1]
+    if tuple(weight.shape) != tuple(want):
+        raise ValueError(f"saved {module} has shape {tuple(weight.shape)}, the pool wants {tuple(want)}")
+    vocab = TENSOR_AXIS if pool.layout.vocab_sharded else None
+    w = jax.device_put(np.asarray(weight, pool.dtype), NamedSharding(pool.mesh, P(vocab, None)))
+    i = pool.layout.saved.index(module)
+    new = _saved_updater(module, table.sharding)(table, jnp.int32(index), w)
+    return dataclasses.replace(pool, saved=pool.saved[:i] + (new,) + pool.saved[i + 1:])
 
 
 def _check_slot(pool: LoRAMemoryPool, slot: int) -> None:

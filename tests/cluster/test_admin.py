@@ -258,3 +258,31 @@ def test_entries_record_content_and_targets_and_room_is_checked(files, tmp_path)
         assert "dora2" not in actor.snapshot(None)["adapters"]
 
     asyncio.run(run())
+
+
+def test_modules_to_save_copies_are_served_up_to_the_cap(files, tmp_path):
+    """A modules_to_save copy of lm_head registers where the deployment's cap holds it (the
+    entry lists it) and is refused with its size in the served dtype where it does not."""
+    from lora_runtime.model.config import ModelConfig
+
+    saved = save_peft_adapter(files["base"], tmp_path / "saved", seed=6, rank=4, targets=("q_proj",),
+                              modules_to_save=["lm_head"])
+    config = ModelConfig.from_pretrained(str(files["base"]))
+    f32 = config.vocab_size * config.hidden_size * 4
+
+    def validator(cap, dtype=None):
+        return AdapterValidator(str(files["base"]), 16, None, 1 << 30, base_name="base",
+                                modules_to_save_max_bytes=cap, dtype=dtype)
+
+    async def run():
+        actor = _actor(tmp_path / "r.json")
+        entry = await actor.register("saved", str(saved), False, validator(f32))
+        assert entry["modules_to_save"] == ["lm_head"] and entry["target_modules"] == ["q_proj"]
+        with pytest.raises(InvalidAdapterError, match=f"{f32} bytes .* over this server's "
+                                                      f"lora_modules_to_save_max_bytes={f32 - 1}"):
+            await actor.register("saved2", str(saved), False, validator(f32 - 1))
+        # Served in bfloat16 the copy takes half the bytes, and fits half the cap.
+        await actor.register("saved_bf16", str(saved), False, validator(f32 // 2, "bfloat16"))
+        assert "saved2" not in actor.snapshot(None)["adapters"]
+
+    asyncio.run(run())

@@ -31,6 +31,8 @@ def test_defaults_are_the_demo():
         ("lora_rank_classes", [8, 16], r"lora_rank_classes \[8, 16\]: the widest class must be max_lora_rank=64"),
         ("lora_rank_classes", {8: -1, 64: 1}, "must be positive"),
         ("routing_rate_half_life_s", -1.0, "routing_rate_half_life_s=-1.0"),
+        ("lora_modules_to_save_max_bytes", -1, "lora_modules_to_save_max_bytes"),
+        ("lora_modules_to_save_slots", 0, "lora_modules_to_save_slots"),
         ("max_prefill_tokens", 8, "max_prefill_tokens=8"),
         ("prefix_cache_min_tokens", 0, "prefix_cache_min_tokens=0"),
         ("kv_block_size", 0, "kv_block_size=0"),
@@ -63,6 +65,15 @@ def test_rank_classes_reach_the_engine_config():
     assert engine.rank_class_shares() == {8: 1.0, 16: 1.0, 64: 1.0}
     assert AppArgs(lora_rank_classes={16: 2, 64: 1}).engine_config().rank_class_shares() == {16: 2.0, 64: 1.0}
     assert AppArgs().engine_config().lora_rank_classes is None
+
+
+def test_modules_to_save_args_reach_the_engine_and_the_validator():
+    args = AppArgs(lora_modules_to_save_max_bytes=1 << 20, lora_modules_to_save_slots=3, dtype="bfloat16")
+    engine = args.engine_config()
+    assert (engine.lora_modules_to_save_max_bytes, engine.lora_modules_to_save_slots) == (1 << 20, 3)
+    validator = args.adapter_validator()
+    assert (validator.modules_to_save_max_bytes, validator.dtype) == (1 << 20, "bfloat16")
+    assert AppArgs().engine_config().lora_modules_to_save_max_bytes == 0
 
 
 def test_kv_cache_args_reach_the_engine_config():

@@ -40,6 +40,10 @@ def adapters(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def peft_greedy(checkpoint, adapters):
     """PEFT's greedy tokens for each (adapter or None, prompt)."""
+    return _peft_greedy(checkpoint, adapters, PROMPTS)
+
+
+def _peft_greedy(checkpoint, adapters, prompts) -> dict:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -52,7 +56,7 @@ def peft_greedy(checkpoint, adapters):
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
         if name is not None:
             model = PeftModel.from_pretrained(model, adapters[name]).eval()
-        for prompt in PROMPTS:
+        for prompt in prompts:
             ids = tok.encode(prompt)
             gen = model.generate(
                 torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens,
@@ -115,6 +119,31 @@ def test_rank_classes_serve_mixed_ranks_like_peft(checkpoint, adapters, peft_gre
         outs = engine.generate_batch([p for _, p in jobs], GREEDY, [n for n, _ in jobs])
         for (name, prompt), out in zip(jobs, outs):
             assert out.token_ids == peft_greedy[name, prompt], (name, prompt)
+        assert engine.lora_manager.stats().evictions > 0
+        assert engine.compiles_after_warmup == 0
+    finally:
+        engine.shutdown()
+
+
+def test_modules_to_save_adapters_serve_like_peft(checkpoint, tmp_path):
+    """Adapters with trained copies of lm_head or embed_tokens (PEFT modules_to_save) decode what
+    PEFT generates, mixed with base traffic; two saved heads share one saved-module slot, so the
+    second waits for the first and evicts it; nothing compiles after warm-up."""
+    specs = {"save_head": dict(r=4, alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"], seed=11),
+             "save_head2": dict(r=8, alpha=8, target_modules=ALL, modules_to_save=["lm_head"], seed=12),
+             "save_embed": dict(r=4, alpha=16, target_modules=["v_proj"], modules_to_save=["embed_tokens"], seed=13)}
+    dirs = {name: make_peft_adapter(checkpoint, tmp_path / name, **spec) for name, spec in specs.items()}
+    want = _peft_greedy(checkpoint, dirs, PROMPTS[:2])
+    engine = _engine(checkpoint, dirs, lora_modules_to_save_max_bytes=1 << 24, lora_modules_to_save_slots=1,
+                     max_wait_steps=2)
+    try:
+        assert engine.lora_manager.pool.num_saved_slots == 1
+        jobs = [(n, p) for n in (None, *dirs) for p in PROMPTS[:2]]
+        outs = engine.generate_batch([p for _, p in jobs], GREEDY, [n for n, _ in jobs])
+        for (name, prompt), out in zip(jobs, outs):
+            assert out.token_ids == want[name, prompt], (name, prompt)
+        for name in dirs:  # each copy changed what the adapter generates
+            assert any(want[name, p] != want[None, p] for p in PROMPTS[:2]), name
         assert engine.lora_manager.stats().evictions > 0
         assert engine.compiles_after_warmup == 0
     finally:

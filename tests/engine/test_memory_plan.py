@@ -20,7 +20,8 @@ from lora_runtime.engine.build import assemble_engine
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.memory_plan import (
-    MemoryPlanError, adapter_pool_bytes, plan_memory, pool_classes, weights_bytes, workspace_bytes,
+    MemoryPlanError, adapter_pool_bytes, plan_memory, pool_classes, saved_module_bytes, weights_bytes,
+    workspace_bytes,
 )
 from lora_runtime.lora.memory_pool import LoRAMemoryPool
 from lora_runtime.model.kv_cache import block_bytes
@@ -64,6 +65,25 @@ def test_rank_classes_split_the_padded_pool_bytes(tp):
     narrow, wide = (adapter_pool_bytes(MODEL, tp, n, r, **kw) for r, n in shared)
     assert 2.5 < narrow / wide <= 3.5
     assert pool_classes(MODEL, config.model_copy(update={"lora_rank_classes": None}), tp) is None
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_saved_module_slots_are_counted_as_allocated(tp):
+    """modules_to_save slots (a whole embed_tokens and lm_head each, vocab sharded) are in the
+    plan's adapter pool bytes exactly as allocated, and only when one module fits the cap."""
+    mesh = make_mesh(tp)
+    one = MODEL.vocab_size * MODEL.hidden_size * np.dtype(MODEL.dtype).itemsize
+    config = EngineConfig(max_batch=8, max_loras_per_batch=3, max_lora_rank=8, lora_embedding_modules=False,
+                          lora_dora=False, lora_modules_to_save_max_bytes=one, lora_modules_to_save_slots=2)
+    assert saved_module_bytes(MODEL, config, tp) == 2 * 2 * one // tp
+    pool = LoRAMemoryPool.create(MODEL, mesh, num_slots=3, max_lora_rank=8, dtype=MODEL.dtype,
+                                 saved_modules=("embed_tokens", "lm_head"), saved_slots=2)
+    plan = plan_memory(MODEL, config, mesh, platform="gpu", block_size=16, device_bytes=GIB)
+    assert plan.adapter_pool_bytes == _device_bytes(pool) == adapter_pool_bytes(MODEL, tp, 3, 8) + 4 * one // tp
+    small = config.model_copy(update={"lora_modules_to_save_max_bytes": one - 1})
+    assert saved_module_bytes(MODEL, small, tp) == 0
+    assert plan_memory(MODEL, small, mesh, platform="gpu", block_size=16,
+                       device_bytes=GIB).adapter_pool_bytes == adapter_pool_bytes(MODEL, tp, 3, 8)
 
 
 def test_bad_rank_classes_are_refused_naming_the_arg():

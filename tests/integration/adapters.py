@@ -33,6 +33,8 @@ def save_peft_adapter(
         for name, p in peft_model.named_parameters():
             if "lora_magnitude_vector" in name:  # DoRA: around the merged weight's norms
                 p.mul_(torch.empty_like(p).uniform_(0.5, 1.5))
+            elif "modules_to_save" in name:  # a trained copy of a whole module: the base one moved
+                p.add_(torch.randn_like(p) * 0.1)
             elif "lora_" in name:
                 p.normal_(0.0, 0.2)
     peft_model.save_pretrained(out_dir, safe_serialization=True)

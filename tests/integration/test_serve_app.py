@@ -166,14 +166,17 @@ def _peft_greedy(base_dir, adapter_dir, ids: list[int], steps: int, eos: tuple[i
 
 
 def test_dora_embedding_and_head_adapters_over_http_match_peft(app, files, reference):
-    """Adapters other servers refuse (DoRA, embed_tokens and lm_head targets) register over the
-    admin API and serve what PEFT computes; the registry shows what each one targets."""
+    """Adapters other servers refuse (DoRA, embed_tokens and lm_head targets, modules_to_save
+    copies of both) register over the admin API and serve what PEFT computes; the registry
+    shows what each one targets and saves."""
     root, base = files["root"], files["base"]
     dirs = {
         "dora_http": save_peft_adapter(base, root / "dora_http", seed=41, rank=8,
                                        targets=("q_proj", "v_proj", "down_proj", "lm_head"), use_dora=True),
         "embed_head_http": save_peft_adapter(base, root / "embed_head_http", seed=42, rank=4,
                                              targets=("embed_tokens", "lm_head", "k_proj")),
+        "saved_head_http": save_peft_adapter(base, root / "saved_head_http", seed=43, rank=4,
+                                             targets=("q_proj",), modules_to_save=["lm_head", "embed_tokens"]),
     }
     for name, path in dirs.items():
         r = _register(app, name, str(path))
@@ -181,6 +184,7 @@ def test_dora_embedding_and_head_adapters_over_http_match_peft(app, files, refer
     listed = {e["name"]: e for e in httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH).json()["data"]}
     assert listed["dora_http"]["use_dora"] is True and "lm_head" in listed["dora_http"]["target_modules"]
     assert {"embed_tokens", "lm_head"} <= set(listed["embed_head_http"]["target_modules"])
+    assert listed["saved_head_http"]["modules_to_save"] == ["embed_tokens", "lm_head"]
     tokenizer = reference.engine.tokenizer
     client = _client(app)
     for name, path in dirs.items():

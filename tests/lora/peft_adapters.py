@@ -75,8 +75,9 @@ def make_peft_adapter(base_dir: Path, out_dir: Path, *, r: int, alpha: float, ta
 
 def scale_up_adapter(peft_model) -> None:
     """Makes a random PEFT adapter move the logits: nn.Linear's default init makes B small (so
-    B is scaled up), and DoRA's magnitudes start at the merged weight's norms (so each one is
-    scaled by a random factor in [0.5, 1.5], else DoRA would change no more than LoRA)."""
+    B is scaled up), DoRA's magnitudes start at the merged weight's norms (so each one is
+    scaled by a random factor in [0.5, 1.5], else DoRA would change no more than LoRA), and
+    modules_to_save copies start equal to the base module (so noise is added to them)."""
     import torch
 
     with torch.no_grad():
@@ -85,6 +86,8 @@ def scale_up_adapter(peft_model) -> None:
                 p.mul_(4.0)
             elif "lora_magnitude_vector" in name:
                 p.mul_(torch.empty_like(p).uniform_(0.5, 1.5))
+            elif "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.1)
 
 
 def peft_logits(base_dir: Path, adapter_dir: Path | None, ids: list[int]) -> np.ndarray:  # f32[len(ids), V]

@@ -139,9 +139,26 @@ def _bad_cases(model_config):
     """name -> (config, tensors, expected message fragment)."""
     cfg, t = hand_made(model_config, [(0, "q_proj"), (1, "q_proj")])
     shapes = module_shapes(model_config)
+    v, h = model_config.vocab_size, model_config.hidden_size
+    saved = np.ones((v, h), np.float32)  # a modules_to_save copy of embed_tokens or lm_head
     cases = {
         "bias": ({**cfg, "bias": "all"}, t, "bias='all'"),
-        "modules_to_save": ({**cfg, "modules_to_save": ["lm_head"]}, t, "modules_to_save"),
+        "modules_to_save": ({**cfg, "modules_to_save": ["lm_head"]}, t,
+                            "tensor 'base_model.model.lm_head.weight' is missing (modules_to_save lists 'lm_head')"),
+        "modules_to_save_unknown": ({**cfg, "modules_to_save": ["score"]}, t,
+                                    "modules_to_save entry 'score' selects neither embed_tokens nor lm_head"),
+        "modules_to_save_projection": ({**cfg, "modules_to_save": ["v_proj"]}, t,
+                                       "selects 'model.layers.0.self_attn.v_proj'; only ['embed_tokens', 'lm_head']"),
+        "modules_to_save_not_a_list": ({**cfg, "modules_to_save": [3]}, t, "modules_to_save=[3] must be a list"),
+        "modules_to_save_and_target": ({**cfg, "target_modules": ["q_proj", "lm_head"], "modules_to_save": ["lm_head"]},
+                                       t, "'lm_head' is both in target_modules and in modules_to_save"),
+        "saved_unlisted": (cfg, {**t, "base_model.model.lm_head.weight": saved}, "modules_to_save does not list"),
+        "saved_shape": ({**cfg, "modules_to_save": ["embed_tokens"]},
+                        {**t, "base_model.model.model.embed_tokens.weight": saved[:, :-1]},
+                        f"has shape {(v, h - 1)}, but the base model's is {(v, h)}"),
+        "saved_nan": ({**cfg, "modules_to_save": ["lm_head"]},
+                      {**t, "base_model.model.lm_head.weight": np.full_like(saved, np.nan)},
+                      "'base_model.model.lm_head.weight' has non-finite values"),
         "dora": ({**cfg, "use_dora": True}, t, "use_dora=True"),
         "peft_type": ({**cfg, "peft_type": "LOHA"}, t, "peft_type='LOHA'"),
         "embed_target": ({**cfg, "target_modules": ["q_proj", "embed_tokens"]}, t, "embed_tokens"),
@@ -174,7 +191,8 @@ def _bad_cases(model_config):
 
 
 BAD = [
-    "bias", "modules_to_save", "dora", "peft_type", "embed_target", "lm_head_target", "lm_head_regex",
+    "bias", "modules_to_save", "modules_to_save_unknown", "modules_to_save_projection", "modules_to_save_not_a_list",
+    "modules_to_save_and_target", "saved_unlisted", "saved_shape", "saved_nan", "dora", "peft_type", "embed_target", "lm_head_target", "lm_head_regex",
     "unknown_module", "regex_matches_nothing", "bad_regex", "rank_zero", "rank_over_max", "rank_pattern_over_max",
     "alpha_not_number", "shape", "rank_mismatch", "nan", "inf", "missing_b", "missing_module", "untargeted",
     "unknown_key", "layer_out_of_range", "int_dtype",
