@@ -5,6 +5,12 @@ Every executable JAX builds goes through one backend-compile event; one served f
 persistent cache also records a cache hit. A real compilation is the difference. Counts
 are kept per thread so an engine counts what its own loop compiled, whatever other
 engines in the process do.
+
+A host callback running inside a compiled step (Pallas interpret mode evaluates a kernel
+on the host that way) may itself compile JAX helpers, on whichever thread XLA runs the
+callback on, the step's caller included. Those are the callback's, not a program the engine
+dispatches, so they are counted apart (`callback_builds`): they never happen on TPU or GPU,
+where the kernels are compiled.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import collections
 import dataclasses
 import logging
 import os
+import sys
 import threading
 
 import jax
@@ -27,17 +34,30 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
 _compiles: collections.Counter = collections.Counter()  # thread id -> backend compiles (hits included)
 _hits: collections.Counter = collections.Counter()  # thread id -> persistent-cache hits
+_in_callbacks: collections.Counter = collections.Counter()  # thread id -> compiles inside host callbacks
 _installed = False
+_CALLBACK_FILE = os.path.join("jax", "_src", "callback.py")
+
+
+def _inside_host_callback() -> bool:
+    """Whether this thread is running a host callback of a compiled computation."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CALLBACK_FILE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _on_duration(event: str, duration: float, **_) -> None:
     if event == BACKEND_COMPILE_EVENT:
+        counter = _in_callbacks if _inside_host_callback() else _compiles
         with _lock:
-            _compiles[threading.get_ident()] += 1
+            counter[threading.get_ident()] += 1
 
 
 def _on_event(event: str, **_) -> None:
-    if event == CACHE_HIT_EVENT:
+    if event == CACHE_HIT_EVENT and not _inside_host_callback():
         with _lock:
             _hits[threading.get_ident()] += 1
 
@@ -70,6 +90,13 @@ def counts(thread_id: int | None = None) -> CompileCounts:
     tid = threading.get_ident() if thread_id is None else thread_id
     with _lock:
         return CompileCounts(_compiles[tid], _hits[tid])
+
+
+def callback_builds() -> int:
+    """Executables built inside host callbacks, on every thread of this process (in no other count)."""
+    install()
+    with _lock:
+        return sum(_in_callbacks.values())
 
 
 def process_counts() -> CompileCounts:

@@ -33,6 +33,25 @@ def test_a_compile_counts_on_the_thread_that_compiled_it():
     assert compile_events.counts().builds == here.builds  # this thread compiled nothing
 
 
+def test_compiles_inside_a_host_callback_are_counted_apart():
+    """A host callback inside a step (Pallas interpret mode's kernels) that builds a JAX helper,
+    on whichever thread XLA runs it, does not count as a compile of the step's caller."""
+    from jax.experimental import io_callback
+
+    helper = jax.jit(lambda x: jnp.tan(x) / 3.0)
+
+    def on_host(x):
+        return np.asarray(helper(np.asarray(x)))  # builds the helper program the first time
+
+    step = jax.jit(lambda x: io_callback(on_host, jax.ShapeDtypeStruct((6,), jnp.float32), x))
+    x = np.arange(6, dtype=np.float32)
+    step.lower(x).compile()  # the step's own build, ahead of the run
+    before, inside = compile_events.process_counts().builds, compile_events.callback_builds()
+    step(x).block_until_ready()
+    assert compile_events.process_counts().builds == before
+    assert compile_events.callback_builds() == inside + 1
+
+
 def test_the_cache_directory_defaults_under_the_users_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
