@@ -24,6 +24,7 @@ from prometheus_client.core import (
 PREFIX = "multilora"
 BASE_LABEL = "base"  # requests for the base model, no adapter
 OTHER_LABEL = "other"  # adapters past the label budget
+UNKNOWN_LABEL = "unknown"  # names that are not registered adapters
 STATUSES = ("ok", "error", "aborted")  # how a request ended
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -71,7 +72,7 @@ class AdapterLabels:
             return BASE_LABEL
         if adapter in self._named:
             return adapter
-        if len(self._named) < self.max_adapters and adapter not in (BASE_LABEL, OTHER_LABEL):
+        if len(self._named) < self.max_adapters and adapter not in (BASE_LABEL, OTHER_LABEL, UNKNOWN_LABEL):
             self._named.add(adapter)
             return adapter
         return OTHER_LABEL
@@ -96,9 +97,9 @@ class Histogram:
 class RequestTrace:
     """Timing of one request on a replica; ``finish`` records it once."""
 
-    def __init__(self, metrics: ReplicaMetrics, label: str, clock: Callable[[], float]):
+    def __init__(self, metrics: ReplicaMetrics, adapter: str | None, clock: Callable[[], float]):
         self._metrics = metrics
-        self._label = label
+        self._adapter = adapter  # labelled when it finishes: by then the replica knows if it is registered
         self._clock = clock
         self._start = clock()
         self._last: float | None = None
@@ -128,10 +129,11 @@ class RequestTrace:
         self._done = True
         m = self._metrics
         m.e2e.observe(self._clock() - self._start)
-        key = (self._label, status)
+        label = m.label(self._adapter)
+        key = (label, status)
         m.requests[key] = m.requests.get(key, 0) + 1
-        m.prompt_tokens[self._label] = m.prompt_tokens.get(self._label, 0) + prompt_tokens
-        m.generation_tokens[self._label] = m.generation_tokens.get(self._label, 0) + completion_tokens
+        m.prompt_tokens[label] = m.prompt_tokens.get(label, 0) + prompt_tokens
+        m.generation_tokens[label] = m.generation_tokens.get(label, 0) + completion_tokens
 
 
 class ReplicaMetrics:
@@ -143,9 +145,13 @@ class ReplicaMetrics:
     when the adapter is first served (their labels are not known before).
     """
 
-    def __init__(self, max_adapter_labels: int = 20, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_adapter_labels: int = 20, clock: Callable[[], float] = time.monotonic,
+                 is_registered: Callable[[str], bool] | None = None):
+        """`is_registered`: whether an adapter name is registered; names that are not share
+        the label "unknown" (None: every name is)."""
         self.labels = AdapterLabels(max_adapter_labels)
         self._clock = clock
+        self._is_registered = is_registered
         # (adapter label, status) -> count
         self.requests: dict[tuple[str, str], int] = {(BASE_LABEL, s): 0 for s in STATUSES}
         self.prompt_tokens: dict[str, int] = {BASE_LABEL: 0}
@@ -155,7 +161,14 @@ class ReplicaMetrics:
         self.e2e = Histogram(E2E_BUCKETS)
 
     def start(self, adapter: str | None) -> RequestTrace:
-        return RequestTrace(self, self.labels.label(adapter), self._clock)
+        return RequestTrace(self, adapter, self._clock)
+
+    def label(self, adapter: str | None) -> str:
+        """The label value of a request for `adapter`: a client's name for an adapter that is
+        not registered never becomes one."""
+        if adapter and self._is_registered is not None and not self._is_registered(adapter):
+            return UNKNOWN_LABEL
+        return self.labels.label(adapter)
 
     def snapshot(self, engine_stats: Mapping[str, float], lora_stats=None, slots_used: int = 0,
                  slots_total: int = 0, class_slots: Mapping[int, tuple[int, int]] | None = None) -> dict:

@@ -23,6 +23,7 @@ from cluster.admin import check_adapter_name, connect_admin, demo_adapter_source
 from cluster.auth import AdminAuth, AuthError
 from cluster.base_model import census
 from cluster.metrics import render
+from cluster.registry_view import RegistryView
 from cluster.serve_router import replica_metrics
 from deployments.config import AppArgs
 from deployments.openai_protocol import (
@@ -154,6 +155,8 @@ class OpenAIIngress:
         self._model_name: str | None = None
         self._created = int(time.time())
         await self._start_registry()
+        # Which models exist: an unknown one is refused here, before any router or replica sees it.
+        self._registry = await RegistryView(self._admin, self._base.fingerprint).start()
         # A first call through the server handle starts its router, which keeps what the
         # replicas publish: /metrics shows every replica's series from here on, not from the
         # first client request.
@@ -183,10 +186,23 @@ class OpenAIIngress:
         return self._model_name
 
     async def _adapter(self, model: str) -> str:
-        """The multiplexed model id a request's model is routed by: "" for the base model."""
+        """The multiplexed model id a request's model is routed by: "" for the base model. A
+        model that is neither the base nor a registered adapter is a 404 here: nothing a
+        client makes up reaches the router (which keeps per-adapter state), a replica or a
+        metric label."""
         base = await self._base_name()
         # The configured checkpoint path also names the base model, as in vLLM.
-        return "" if model in (base, self._args.model) else model
+        if model in (base, self._args.model):
+            return ""
+        try:
+            entry = await self._registry.lookup(model)
+        except Exception as e:  # Ray wraps what the admin actor raised, or that it is gone
+            raise OpenAIError(f"the adapter registry is unavailable: {unwrap_error(e)}", status_code=503,
+                              error_type="server_error") from None
+        if entry is None:
+            raise OpenAIError(f"model {model!r} is neither the base model {base!r} nor an adapter registered for it",
+                              status_code=404, error_type="not_found_error", param="model")
+        return model
 
     async def _call_admin(self, method: str, *args):
         try:

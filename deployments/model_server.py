@@ -12,17 +12,15 @@ import logging
 
 from ray import serve
 
-from cluster.admin import connect_admin, resolve_model_path, resolve_tokenizer_path, sync_entries, unwrap_error
+from cluster.admin import connect_admin, resolve_model_path, resolve_tokenizer_path, sync_entries
 from cluster.metrics import ReplicaMetrics
+from cluster.registry_view import RegistryView
 from cluster.serve_router import routing_stats
 from deployments.config import AppArgs
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 
 logger = logging.getLogger("ray.serve")
 
-# Long-poll length: a change wakes the poll at once, so this only bounds idle churn.
-_POLL_TIMEOUT_S = 5.0
-_RETRY_S = 0.25
 # Most out-of-vocabulary ids a detokenize error lists.
 _MAX_IDS_SHOWN = 10
 
@@ -52,54 +50,27 @@ class LoRAModelServer:
         # The registry may hold other base models' adapters: this replica sees only its own.
         self._fingerprint = (await asyncio.to_thread(a.adapter_validator().base)).fingerprint
         self._admin = await connect_admin(a.admin_actor_name, a.resolved_registry_url)
-        self._version = -1
-        self._apply_lock = asyncio.Lock()
-        self._adapters: dict[str, dict] = {}
-        await self._apply(await self._admin.snapshot.remote(self._fingerprint))
-        self._sync_task = asyncio.create_task(self._sync_loop())
+        self._registry = await RegistryView(self._admin, self._fingerprint, self._on_registry_change).start()
         # Multiplexing is wired per instance so its capacity follows max_cpu_loras; Serve
         # then reports the adapters this replica holds to the router.
         self._load_adapter = serve.multiplexed(max_num_models_per_replica=a.max_cpu_loras)(
             self._make_loader()
         )
         self._draining = False
-        self._metrics = ReplicaMetrics()
+        # Only registered adapters get a label of their own: a name a client made up is "unknown".
+        self._metrics = ReplicaMetrics(is_registered=lambda name: name in self._registry.entries)
 
     # --- registry view ---------------------------------------------------------------
 
-    async def _apply(self, snapshot: dict) -> None:
-        # Serialized; a stale snapshot applied late differs from the admin's version, so
-        # the next long-poll returns at once and corrects it.
-        async with self._apply_lock:
-            if snapshot["version"] == self._version:
-                return
-            if self._engine.lora_manager is not None:
-                # Pinned adapters are fetched and made resident here: off the event loop.
-                errors = await asyncio.to_thread(
-                    self._engine.lora_manager.sync, sync_entries(snapshot["adapters"])
-                )
-                for name, err in errors.items():
-                    logger.warning("pinned adapter %r could not be made resident: %s", name, err)
-            self._adapters = snapshot["adapters"]
-            self._version = snapshot["version"]
-
-    async def _sync_loop(self) -> None:
-        while True:
-            try:
-                snap = await self._admin.wait_for_change.remote(self._version, _POLL_TIMEOUT_S, self._fingerprint)
-                await self._apply(snap)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the admin actor restarting: retry, it comes back
-                logger.warning("registry poll failed, retrying: %s", unwrap_error(e))
-                await asyncio.sleep(_RETRY_S)
+    async def _on_registry_change(self, snapshot: dict) -> None:
+        if self._engine.lora_manager is not None:
+            # Pinned adapters are fetched and made resident here: off the event loop.
+            errors = await asyncio.to_thread(self._engine.lora_manager.sync, sync_entries(snapshot["adapters"]))
+            for name, err in errors.items():
+                logger.warning("pinned adapter %r could not be made resident: %s", name, err)
 
     async def _ensure_known(self, name: str) -> None:
-        if name not in self._adapters:
-            # Registered a moment ago and the long-poll has not landed yet: read it now,
-            # so a client that registers and then calls at once is served.
-            await self._apply(await self._admin.snapshot.remote(self._fingerprint))
-        if name not in self._adapters:
+        if await self._registry.lookup(name) is None:
             raise AdapterNotFoundError(
                 f"model {name!r} is neither the base model {self._engine.model_name!r} "
                 "nor an adapter registered for it"
@@ -270,7 +241,7 @@ class LoRAModelServer:
     # --- Serve hooks -----------------------------------------------------------------
 
     async def health(self) -> dict:
-        return {"registry_version": self._version, **self._engine.stats()}
+        return {"registry_version": self._registry.version, **self._engine.stats()}
 
     def record_routing_stats(self) -> dict:
         """Serve polls this: the adapters this replica holds, and its metrics for /metrics."""
@@ -287,8 +258,7 @@ class LoRAModelServer:
 
     async def check_health(self) -> None:
         """Serve's periodic probe: a failure restarts this replica."""
-        if self._sync_task.done() and not self._sync_task.cancelled():
-            raise RuntimeError(f"registry sync stopped: {self._sync_task.exception()!r}")
+        self._registry.check()
         # The engine steps on its own thread; if that thread died, requests would hang.
         if not self._engine.is_alive():
             raise RuntimeError("the engine's loop thread is not running")
@@ -296,7 +266,7 @@ class LoRAModelServer:
     async def __del__(self) -> None:
         # Graceful drain: running sequences finish, new ones are refused.
         self._draining = True
-        self._sync_task.cancel()
+        self._registry.stop()
         try:
             await self._engine.drain(self._args.drain_timeout_s)
         finally:

@@ -43,6 +43,23 @@ def test_adapter_named_like_a_reserved_label_is_not_confused_with_it():
     assert labels.label("base") == "other"  # never merged into base-model traffic
 
 
+def test_names_that_are_not_registered_share_the_unknown_label():
+    """A client's made-up model names never become label values, however many there are; an
+    adapter registered while its request ran is labelled by its name when the request ends."""
+    registered = {"a"}
+    m = ReplicaMetrics(max_adapter_labels=50, is_registered=registered.__contains__)
+    for i in range(30):
+        m.start(f"fuzz-{i}\u00e9").finish("error", 0, 0)
+    late = m.start("b")
+    registered.add("b")
+    late.finish("ok", 2, 1)
+    m.start("a").finish("ok", 3, 2)
+    m.start(None).finish("ok", 1, 1)
+    assert {label for label, _ in m.requests} == {"base", "a", "b", "unknown"}
+    assert m.requests[("unknown", "error")] == 30 and m.requests[("b", "ok")] == 1
+    assert AdapterLabels(5).label("unknown") == "other"  # an adapter so named is not merged with them
+
+
 def test_histogram_buckets_are_upper_inclusive():
     h = Histogram([0.1, 1.0])
     for v in (0.05, 0.1, 0.5, 2.0):
