@@ -106,6 +106,10 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(
         64, description="Requests Serve sends one model-server replica at a time."
     )
+    max_request_bytes: int = Field(
+        8 << 20, description="Largest HTTP request body the endpoint reads; a larger one is refused with a 413 "
+        "before it is read whole (by its Content-Length, or as its chunks arrive)."
+    )
     replica_num_cpus: float = Field(1.0, description="CPUs reserved per model-server replica.")
     replica_num_gpus: float = Field(0.0, description="GPUs reserved per model-server replica.")
     drain_timeout_s: float = Field(
@@ -132,7 +136,7 @@ class AppArgs(BaseModel):
 
     @field_validator(
         "num_replicas", "tensor_parallel_size", "max_batch", "max_lora_rank",
-        "max_cpu_loras", "max_adapter_bytes", "max_ongoing_requests", "routing_max_homes",
+        "max_cpu_loras", "max_adapter_bytes", "max_ongoing_requests", "routing_max_homes", "max_request_bytes",
         "prefix_cache_min_tokens",
     )
     @classmethod

@@ -55,6 +55,60 @@ from lora_runtime.errors import ServingError
 app = FastAPI(title="multilora-serve")
 logger = logging.getLogger("ray.serve")
 
+
+class RequestTooLargeError(ServingError):
+    """A request body over the endpoint's max_request_bytes."""
+
+    status_code = 413
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` (AppArgs.max_request_bytes, set when the
+    ingress starts) is a 413 in the OpenAI format, by its Content-Length before anything is
+    read, or as soon as its chunks pass the cap; the handler never sees it. A body under the
+    cap is read here and handed on whole (the handlers parse it whole anyway)."""
+
+    max_bytes = AppArgs.model_fields["max_request_bytes"].default
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def _refuse(self, got: str, scope, receive, send) -> None:
+        e = RequestTooLargeError(f"the request body is {got} bytes, over this endpoint's "
+                                 f"max_request_bytes={self.max_bytes}")
+        response = JSONResponse(error_body(str(e), e.error_type), status_code=e.status_code)
+        await response(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(length.decode(), scope, receive, send)
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                return await self._refuse(f"more than {self.max_bytes}", scope, receive, send)
+            more = message.get("more_body", False)
+        body, handed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal handed
+            if not handed:
+                handed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later messages: a disconnect, which streams listen for
+
+        await self.app(scope, replay, send)
+
+
+app.add_middleware(_BodyLimit)
+
 _HEALTH_TIMEOUT_S = 10.0
 
 
@@ -148,6 +202,7 @@ class OpenAIIngress:
         self._server = server
         self._args = AppArgs(**args)
         a = self._args
+        _BodyLimit.max_bytes = a.max_request_bytes
         self._auth = AdminAuth.from_env(a.admin_token_env)
         self._validator = a.adapter_validator()
         self._base = await asyncio.to_thread(self._validator.base)  # reads the checkpoint's config once

@@ -47,6 +47,7 @@ ERROR_TYPES_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     409: "conflict_error",
+    413: "invalid_request_error",
     503: "server_error",
 }
 

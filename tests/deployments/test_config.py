@@ -33,6 +33,7 @@ def test_defaults_are_the_demo():
         ("routing_rate_half_life_s", -1.0, "routing_rate_half_life_s=-1.0"),
         ("lora_modules_to_save_max_bytes", -1, "lora_modules_to_save_max_bytes"),
         ("lora_modules_to_save_slots", 0, "lora_modules_to_save_slots"),
+        ("max_request_bytes", 0, "max_request_bytes=0"),
         ("max_prefill_tokens", 8, "max_prefill_tokens=8"),
         ("prefix_cache_min_tokens", 0, "prefix_cache_min_tokens=0"),
         ("kv_block_size", 0, "kv_block_size=0"),

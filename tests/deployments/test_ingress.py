@@ -43,3 +43,60 @@ def test_replica_errors_name_the_field_they_concern():
     tokens = _from_item(error_item(InvalidRequestError("tokens [300] are outside"), param="tokens")["error"])
     assert tokens.body()["error"] == {"message": "tokens [300] are outside", "type": "invalid_request_error",
                                       "param": "tokens", "code": None}
+
+
+def test_request_bodies_over_the_cap_are_a_413_before_the_handler():
+    """By Content-Length, or chunked with no length, a body over max_request_bytes is refused in
+    the OpenAI format and the handler never runs; one under the cap reaches it whole, and so
+    does a streaming response's disconnect watch."""
+    import asyncio
+
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    from deployments.ingress import _BodyLimit
+
+    seen = []
+    inner = FastAPI()
+
+    @inner.post("/echo")
+    async def echo(request: Request):
+        body = await request.body()
+        seen.append(len(body))
+        return {"bytes": len(body)}
+
+    @inner.post("/stream")
+    async def stream(request: Request):
+        await request.body()
+
+        async def parts():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+
+        return StreamingResponse(parts(), media_type="text/event-stream")
+
+    limited = _BodyLimit(inner)
+    limited.max_bytes = 1000
+
+    async def chunks(n: int, size: int):
+        for _ in range(n):
+            yield b"x" * size
+
+    async def run():
+        transport = httpx.ASGITransport(app=limited)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            ok = await client.post("/echo", content=b"y" * 1000)
+            assert ok.status_code == 200 and ok.json() == {"bytes": 1000}
+            chunked = await client.post("/echo", content=chunks(3, 300))
+            assert chunked.status_code == 200 and chunked.json() == {"bytes": 900}
+            for body in (b"z" * 1001, chunks(5, 300)):
+                r = await client.post("/echo", content=body)
+                assert r.status_code == 413, r.text
+                error = r.json()["error"]
+                assert error["type"] == "invalid_request_error" and "max_request_bytes=1000" in error["message"]
+            streamed = await client.post("/stream", content=b"{}")
+            assert streamed.status_code == 200 and streamed.text.count("data:") == 3
+
+    asyncio.run(run())
+    assert seen == [1000, 900]  # the refused bodies never reached the handler

@@ -640,3 +640,24 @@ def test_registry_survives_admin_restart_and_redeploy(app, files, reference):
     assert listed() == before
     got = _client(app).completions.create(model="keep-a", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
     assert got.choices[0].text == reference(PROMPTS[0], "ad0")
+
+
+def test_a_body_over_max_request_bytes_is_a_413_and_serving_goes_on(app, reference):
+    """Through Serve's proxy: a body over the cap (sent whole, or chunked with no length) is a
+    413 in the OpenAI format naming the cap; the next request is served as before."""
+    from deployments.config import AppArgs
+
+    cap = AppArgs(**ARGS).max_request_bytes
+    big = b'{"model": "reverse", "prompt": "' + b"a" * (cap + 10) + b'"}'
+
+    def chunks():
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)]
+
+    for content in (big, chunks()):
+        r = httpx.post(f"{app.base_url}/v1/completions", content=content, timeout=120,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text[:200]
+        assert f"max_request_bytes={cap}" in r.json()["error"]["message"]
+    got = _client(app).completions.create(model="reverse", prompt="hello=", max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == reference("hello=", "reverse")
