@@ -1,4 +1,4 @@
-"""Admin bearer-token check: constant-time compare, closed when no token is set."""
+"""Bearer tokens: the admin token check (constant-time compare, closed when no token is set)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,16 @@ class AuthError(Exception):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
+
+
+def bearer(authorization: str | None) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header; AuthError(401) if there is none."""
+    if not authorization:
+        raise AuthError(401, "missing Authorization header; expected 'Bearer <token>'")
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise AuthError(401, f"Authorization scheme {scheme!r} is not 'Bearer <token>'")
+    return given.strip()
 
 
 @dataclass(frozen=True)
@@ -36,10 +46,9 @@ class AdminAuth:
                 403,
                 f"admin API is disabled: no token configured in env var {self.env_var!r}",
             )
-        if not authorization:
-            raise AuthError(401, "missing Authorization header; expected 'Bearer <token>'")
-        scheme, _, given = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            raise AuthError(401, f"Authorization scheme {scheme!r} is not 'Bearer <token>'")
-        if not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+        if not self.matches(bearer(authorization)):
             raise AuthError(403, "admin token is not valid")
+
+    def matches(self, token: str) -> bool:
+        """Whether ``token`` is the configured admin token (constant time; False when none is set)."""
+        return self.token is not None and hmac.compare_digest(token.encode(), self.token.encode())

@@ -110,6 +110,13 @@ class AppArgs(BaseModel):
         8 << 20, description="Largest HTTP request body the endpoint reads; a larger one is refused with a 413 "
         "before it is read whole (by its Content-Length, or as its chunks arrive)."
     )
+    api_keys_url: str | None = Field(
+        None, description="Keys file (JSON; a local path or fsspec URL) of scoped API keys, stored as SHA-256 "
+        "hashes (cluster/api_keys.py): with one, every inference call needs a key, which reaches only the "
+        "adapters (and base model) its scope names, at its request and token rates, and admin keys manage "
+        "the adapters theirs names. Re-read every api_keys_refresh_s. None: the inference API is open.")
+    api_keys_refresh_s: float = Field(
+        10.0, description="Seconds between re-reads of the keys file: how soon a new or revoked key takes effect.")
     replica_num_cpus: float = Field(1.0, description="CPUs reserved per model-server replica.")
     replica_num_gpus: float = Field(0.0, description="GPUs reserved per model-server replica.")
     drain_timeout_s: float = Field(
@@ -187,7 +194,7 @@ class AppArgs(BaseModel):
             raise ValueError(f"attention_backend={v!r} must be auto, xla or pallas")
         return v
 
-    @field_validator("routing_hot_rate", "routing_rate_half_life_s")
+    @field_validator("routing_hot_rate", "routing_rate_half_life_s", "api_keys_refresh_s")
     @classmethod
     def _strictly_positive(cls, v: float, info) -> float:
         if not v > 0:
@@ -199,6 +206,13 @@ class AppArgs(BaseModel):
     def _non_negative(cls, v: float, info) -> float:
         if v < 0:
             raise ValueError(f"{info.field_name}={v} must be >= 0")
+        return v
+
+    @field_validator("api_keys_url")
+    @classmethod
+    def _keys_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("api_keys_url='' must be a path or URL, or null for no API keys")
         return v
 
     @field_validator("model", "registry_url", "admin_actor_name")

@@ -19,8 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from cluster.access import AccessControl, Caller
 from cluster.admin import check_adapter_name, connect_admin, demo_adapter_sources, unwrap_error
 from cluster.auth import AdminAuth, AuthError
+from cluster.rate_limit import RateLimited
 from cluster.base_model import census
 from cluster.metrics import render
 from cluster.registry_view import RegistryView
@@ -114,7 +116,7 @@ _HEALTH_TIMEOUT_S = 10.0
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status_code)
+    return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -203,7 +205,8 @@ class OpenAIIngress:
         self._args = AppArgs(**args)
         a = self._args
         _BodyLimit.max_bytes = a.max_request_bytes
-        self._auth = AdminAuth.from_env(a.admin_token_env)
+        self._access = AccessControl(AdminAuth.from_env(a.admin_token_env), a.api_keys_url)
+        await self._start_keys()
         self._validator = a.adapter_validator()
         self._base = await asyncio.to_thread(self._validator.base)  # reads the checkpoint's config once
         self._admin = await connect_admin(a.admin_actor_name, a.resolved_registry_url)
@@ -234,20 +237,46 @@ class OpenAIIngress:
         snap = await self._admin.snapshot.remote(None)
         logger.info(census(snap["adapters"], self._base).line(self._base, self._args.resolved_registry_url))
 
+    async def _start_keys(self) -> None:
+        """Puts the keys file in force (a bad one fails the deploy, naming the fault) and keeps
+        re-reading it, so keys are added and revoked without a redeploy."""
+        access = self._access
+        if not access.enabled:
+            return
+        access.install(await asyncio.to_thread(access.read))
+        logger.info("API keys from %s in force: %s", access.keys_url, ", ".join(access.key_names()) or "none")
+
+        async def refresh() -> None:
+            while True:
+                await asyncio.sleep(self._args.api_keys_refresh_s)
+                try:
+                    if access.install(await asyncio.to_thread(access.read)):
+                        logger.info("API keys re-read from %s: %s", access.keys_url, ", ".join(access.key_names()))
+                except Exception as e:  # a broken or unreachable file: the keys in force stay
+                    logger.error("API keys file %s not re-read, the keys in force stay: %r", access.keys_url, e)
+
+        self._keys_task = asyncio.get_running_loop().create_task(refresh())
+
     async def _base_name(self) -> str:
         if self._model_name is None:
             info = await self._server.model_info.remote()
             self._model_name = info["model_name"]
         return self._model_name
 
-    async def _adapter(self, model: str) -> str:
+    async def _adapter(self, model: str, caller: Caller) -> str:
         """The multiplexed model id a request's model is routed by: "" for the base model. A
         model that is neither the base nor a registered adapter is a 404 here: nothing a
         client makes up reaches the router (which keeps per-adapter state), a replica or a
-        metric label."""
+        metric label. So is a model the caller's API key may not use: the same 404, so a key
+        cannot tell another tenant's adapters from names that do not exist."""
         base = await self._base_name()
+        missing = OpenAIError(f"model {model!r} is neither the base model {base!r} nor an adapter registered "
+                              "for it", status_code=404, error_type="not_found_error", param="model")
         # The configured checkpoint path also names the base model, as in vLLM.
-        if model in (base, self._args.model):
+        is_base = model in (base, self._args.model)
+        if not caller.may_use(model, is_base=is_base):
+            raise missing
+        if is_base:
             return ""
         try:
             entry = await self._registry.lookup(model)
@@ -255,8 +284,7 @@ class OpenAIIngress:
             raise OpenAIError(f"the adapter registry is unavailable: {unwrap_error(e)}", status_code=503,
                               error_type="server_error") from None
         if entry is None:
-            raise OpenAIError(f"model {model!r} is neither the base model {base!r} nor an adapter registered for it",
-                              status_code=404, error_type="not_found_error", param="model")
+            raise missing
         return model
 
     async def _call_admin(self, method: str, *args):
@@ -268,19 +296,32 @@ class OpenAIIngress:
                 raise _from_serving(cause) from None
             raise
 
-    def _check_auth(self, authorization: str | None) -> None:
+    def _caller(self, authorization: str | None, *, admin: bool = False) -> Caller:
+        """Whom the request acts for (cluster/access.py), or its 401/403/429."""
         try:
-            self._auth.check(authorization)
+            return self._access.admin(authorization) if admin else self._access.inference(authorization)
         except AuthError as e:
-            raise OpenAIError(
-                e.message, status_code=e.status_code, error_type=ERROR_TYPES_BY_STATUS[e.status_code]
-            ) from None
+            code = "invalid_api_key" if e.status_code == 401 else None
+            raise OpenAIError(e.message, status_code=e.status_code, error_type=ERROR_TYPES_BY_STATUS[e.status_code],
+                              code=code) from None
+        except RateLimited as e:
+            raise OpenAIError(str(e), status_code=429, error_type=ERROR_TYPES_BY_STATUS[429],
+                              code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after_s)}) from None
+
+    def _admin_caller(self, authorization: str | None, name: str | None = None) -> Caller:
+        """An admin call's caller; with ``name``, a 403 unless its scope covers that adapter
+        (checked before the registry is read, so the answer says nothing of what exists)."""
+        caller = self._caller(authorization, admin=True)
+        if name is not None and not caller.may_admin(name):
+            raise OpenAIError(f"this admin key may not manage adapter {name!r} (its scope: {caller.scope()})",
+                              status_code=403, error_type="permission_error", param="name")
+        return caller
 
     # --- generation ------------------------------------------------------------------
 
-    async def _start(self, body: CompletionRequest | ChatCompletionRequest, payload: dict):
+    async def _start(self, body: CompletionRequest | ChatCompletionRequest, adapter: str, payload: dict):
         """Starts a replica stream; returns it with its first item (errors raised here)."""
-        handle = self._server.options(stream=True, multiplexed_model_id=await self._adapter(body.model))
+        handle = self._server.options(stream=True, multiplexed_model_id=adapter)
         stream = handle.generate.remote(payload)
         try:
             first = await anext(stream)
@@ -293,12 +334,13 @@ class OpenAIIngress:
             raise _from_item(first["error"])
         return stream, first
 
-    async def _start_choices(self, body, payloads: list[dict]) -> list:
+    async def _start_choices(self, body, caller: Caller, payloads: list[dict]) -> list:
         """One replica stream per choice, each with its first item; if any fails to start,
         the others are cancelled and its error is raised."""
+        adapter = await self._adapter(body.model, caller)
         if len(payloads) == 1:
-            return [await self._start(body, payloads[0])]
-        started = await asyncio.gather(*(self._start(body, p) for p in payloads), return_exceptions=True)
+            return [await self._start(body, adapter, payloads[0])]
+        started = await asyncio.gather(*(self._start(body, adapter, p) for p in payloads), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
             for r in started:
@@ -308,7 +350,8 @@ class OpenAIIngress:
         return started
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
+        caller = self._caller(authorization)
         # Choice index = prompt number * n + sample number, as in OpenAI's API.
         rid = new_id("cmpl")
         samplings = body.choice_samplings(default_max_tokens=16)
@@ -318,19 +361,26 @@ class OpenAIIngress:
              "request_id": _choice_id(rid, k, len(jobs))}
             for k, (_, prompt, sp) in enumerate(jobs)
         ]
-        return await self._respond(body, rid, payloads, [i for i, _, _ in jobs], chat=False)
+        return await self._respond(body, caller, rid, payloads, [i for i, _, _ in jobs], chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, authorization: str | None = Header(None)):
+        caller = self._caller(authorization)
         rid = new_id("chatcmpl")
         samplings = body.choice_samplings(default_max_tokens=None)
         payloads = [{"kind": "chat", "messages": body.chat_messages(), "sampling": sp,
                      "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
-        return await self._respond(body, rid, payloads, [0] * len(payloads), chat=True)
+        return await self._respond(body, caller, rid, payloads, [0] * len(payloads), chat=True)
 
-    async def _respond(self, body, rid: str, payloads: list[dict], prompt_of: list[int], *, chat: bool):
+    def _charge(self, caller: Caller, last_items: list[dict], prompt_of: list[int]) -> None:
+        """The tokens a response computed, against its key's token rate."""
+        if last_items:
+            self._access.charge(caller, _usage(last_items, prompt_of)["total_tokens"])
+
+    async def _respond(self, body, caller: Caller, rid: str, payloads: list[dict], prompt_of: list[int], *,
+                       chat: bool):
         """`prompt_of[k]`: which prompt choice k answers (its prompt tokens count once)."""
-        streams = await self._start_choices(body, payloads)
+        streams = await self._start_choices(body, caller, payloads)
         if not body.stream:
             try:
                 results = await asyncio.gather(*(_collect(stream, first) for stream, first in streams))
@@ -338,9 +388,11 @@ class OpenAIIngress:
                 # A client disconnect cancels this task: stop the replicas' sequences too.
                 for stream, _ in streams:
                     stream.cancel()
+            self._charge(caller, [items[-1] for items in results], prompt_of)
             return self._full_response(rid, body.model, results, prompt_of, chat=chat)
         return StreamingResponse(
-            self._sse_stream(rid, body.model, streams, prompt_of, chat=chat, include_usage=body.include_usage),
+            self._sse_stream(rid, body.model, streams, prompt_of, chat=chat, include_usage=body.include_usage,
+                             caller=caller),
             media_type="text/event-stream",
         )
 
@@ -363,7 +415,8 @@ class OpenAIIngress:
         build = chat_response if chat else completion_response
         return build(rid, model, choices, use)
 
-    async def _sse_stream(self, rid, model, streams, prompt_of: list[int], *, chat: bool, include_usage: bool):
+    async def _sse_stream(self, rid, model, streams, prompt_of: list[int], *, chat: bool, include_usage: bool,
+                          caller: Caller):
         created = int(time.time())
         chunk = chat_chunk if chat else completion_chunk
         items: asyncio.Queue = asyncio.Queue()
@@ -419,6 +472,8 @@ class OpenAIIngress:
                 yield _sse(usage_chunk(rid, model, created, obj, use))
             yield _sse("[DONE]")
         finally:
+            indices = sorted(last)
+            self._charge(caller, [last[k] for k in indices], [prompt_of[k] for k in indices])
             # Client went away (or we are done): stop the replicas' sequences.
             for task in tasks:
                 task.cancel()
@@ -427,25 +482,31 @@ class OpenAIIngress:
 
     # --- models and health ---------------------------------------------------------
 
-    async def _model_cards(self) -> list[dict]:
-        """OpenAI model objects: the base model, then every adapter registered for it, by name."""
+    async def _model_cards(self, caller: Caller) -> list[dict]:
+        """OpenAI model objects: the base model, then every adapter registered for it, by name;
+        with API keys, those the caller's key may use."""
         base = await self._base_name()
         snap = await self._call_admin("snapshot", self._base.fingerprint)
-        data = [{"id": base, "object": "model", "created": self._created, "owned_by": "multilora-serve",
-                 "root": base, "parent": None}]
+        data = []
+        if caller.may_use(base, is_base=True):
+            data.append({"id": base, "object": "model", "created": self._created, "owned_by": "multilora-serve",
+                         "root": base, "parent": None})
         for name, entry in sorted(snap["adapters"].items()):
+            if not caller.may_use(name, is_base=False):
+                continue
             data.append({"id": name, "object": "model", "created": entry.get("created", self._created),
                          "owned_by": "multilora-serve", "root": entry["source"], "parent": base})
         return data
 
     @app.get("/v1/models")
-    async def models(self):
-        return {"object": "list", "data": await self._model_cards()}
+    async def models(self, authorization: str | None = Header(None)):
+        return {"object": "list", "data": await self._model_cards(self._caller(authorization))}
 
     @app.get("/v1/models/{model:path}")
-    async def retrieve_model(self, model: str):
+    async def retrieve_model(self, model: str, authorization: str | None = Header(None)):
         """OpenAI's retrieve model: the object /v1/models lists under this id."""
-        card = next((c for c in await self._model_cards() if c["id"] == model), None)
+        cards = await self._model_cards(self._caller(authorization))
+        card = next((c for c in cards if c["id"] == model), None)
         if card is None:
             raise OpenAIError(
                 f"model {model!r} is neither the base model {await self._base_name()!r} nor a registered adapter",
@@ -474,8 +535,9 @@ class OpenAIIngress:
     # --- tokenizer (vLLM's) -----------------------------------------------------------
 
     @app.post("/tokenize")
-    async def tokenize(self, body: TokenizeRequest):
-        handle = self._server.options(multiplexed_model_id=await self._adapter(body.model))
+    async def tokenize(self, body: TokenizeRequest, authorization: str | None = Header(None)):
+        adapter = await self._adapter(body.model, self._caller(authorization))
+        handle = self._server.options(multiplexed_model_id=adapter)
         if body.messages is not None:
             result = await handle.tokenize_chat.remote(
                 messages=body.chat_messages(), add_generation_prompt=body.generation_prompt(),
@@ -488,8 +550,9 @@ class OpenAIIngress:
         return result
 
     @app.post("/detokenize")
-    async def detokenize(self, body: DetokenizeRequest):
-        handle = self._server.options(multiplexed_model_id=await self._adapter(body.model))
+    async def detokenize(self, body: DetokenizeRequest, authorization: str | None = Header(None)):
+        adapter = await self._adapter(body.model, self._caller(authorization))
+        handle = self._server.options(multiplexed_model_id=adapter)
         result = await handle.detokenize.remote(tokens=body.tokens)
         if "error" in result:
             raise _from_item(result["error"])
@@ -503,35 +566,35 @@ class OpenAIIngress:
 
     @app.post("/v1/adapters", status_code=201)
     async def register_adapter(self, body: AdapterRegisterRequest, authorization: str | None = Header(None)):
-        self._check_auth(authorization)
+        self._admin_caller(authorization, body.name)
         return await self._register(body.name, body.source, body.pinned)
 
     @app.get("/v1/adapters")
     async def list_adapters(self, authorization: str | None = Header(None)):
-        self._check_auth(authorization)
+        caller = self._admin_caller(authorization)
         snap = await self._call_admin("snapshot", self._base.fingerprint)
-        data = [dict(e, name=n) for n, e in sorted(snap["adapters"].items())]
+        data = [dict(e, name=n) for n, e in sorted(snap["adapters"].items()) if caller.may_admin(n)]
         return {"object": "list", "version": snap["version"], "data": data}
 
     @app.delete("/v1/adapters/{name}")
     async def unregister_adapter(self, name: str, authorization: str | None = Header(None)):
-        self._check_auth(authorization)
+        self._admin_caller(authorization, name)
         return await self._call_admin("unregister", name, self._base)
 
     @app.patch("/v1/adapters/{name}")
     async def pin_adapter(self, name: str, body: AdapterPinRequest, authorization: str | None = Header(None)):
-        self._check_auth(authorization)
+        self._admin_caller(authorization, name)
         return await self._call_admin("set_pinned", name, body.pinned, self._base)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, authorization: str | None = Header(None)):
-        self._check_auth(authorization)
+        self._admin_caller(authorization, body.lora_name)
         await self._register(body.lora_name, body.lora_path, False)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, authorization: str | None = Header(None)):
-        self._check_auth(authorization)
+        self._admin_caller(authorization, body.lora_name)
         await self._call_admin("unregister", body.lora_name, self._base)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

@@ -25,6 +25,7 @@ class OpenAIError(Exception):
         error_type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message = message
@@ -32,6 +33,7 @@ class OpenAIError(Exception):
         self.error_type = error_type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.error_type, self.param, self.code)
@@ -48,6 +50,7 @@ ERROR_TYPES_BY_STATUS = {
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "server_error",
 }
 

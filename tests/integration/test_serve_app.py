@@ -30,6 +30,8 @@ MAX_TOKENS = 8
 SHARED_PREFIX = "the quick brown fox jumps over "
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 N_ADAPTERS = 8
+KEYS_REFRESH_S = 1.0
+DEPLOYED: dict = {}  # what the app runs with now: {"keys": the keys file or None}
 
 
 @pytest.fixture(scope="session")
@@ -45,20 +47,25 @@ def files(tmp_path_factory):
     return {"root": root, "base": base, "adapters": adapters, "wrong": wrong, "demo": demo}
 
 
-def _write_config(cluster, files) -> Path:
-    """The shipped serve_config.yaml; only the HTTP port and the registry path change."""
+def _write_config(cluster, files, keys: Path | None = None) -> Path:
+    """The shipped serve_config.yaml; only the HTTP port and the registry path change (and the
+    API keys file, when given)."""
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": cluster.http_port}
     args = config["applications"][0]["args"]
     args["registry_url"] = str(files["root"] / "registry" / "registry.json")
+    if keys is not None:
+        args["api_keys_url"] = str(keys)
+        args["api_keys_refresh_s"] = KEYS_REFRESH_S
     path = files["root"] / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def _deploy(cluster, files) -> None:
-    cluster.cli("serve", "deploy", str(_write_config(cluster, files)), "-a", cluster.dashboard_url)
+def _deploy(cluster, files, keys: Path | None = None) -> None:
+    cluster.cli("serve", "deploy", str(_write_config(cluster, files, keys)), "-a", cluster.dashboard_url)
     cluster.wait_running(APP)
+    DEPLOYED["keys"] = keys
 
 
 @pytest.fixture(scope="session")
@@ -95,8 +102,8 @@ def reference(files):
     engine.shutdown()
 
 
-def _client(app) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+def _client(app, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app.base_url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def _register(app, name: str, source: str, pinned: bool = False) -> httpx.Response:
@@ -616,32 +623,6 @@ def test_gcs_adapter_source(app, files, reference):
     assert r.status_code == 400
 
 
-def test_registry_survives_admin_restart_and_redeploy(app, files, reference):
-    names = {"keep-a", "keep-b"}
-    assert _register(app, "keep-a", str(files["adapters"]["ad0"])).status_code == 201
-    assert _register(app, "keep-b", str(files["adapters"]["ad4"]), pinned=True).status_code == 201
-    listed = lambda: {a["name"] for a in httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()["data"]}  # noqa: E731
-    assert names <= listed()
-    kill_actor(app, "lora_admin", "multilora", no_restart=False)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if names <= listed():
-                break
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        assert time.monotonic() < deadline, "admin actor did not come back with its registry"
-        time.sleep(0.5)
-    # Full redeploy with a fresh admin actor: everything comes back from the store.
-    before = listed()
-    app.cli("serve", "shutdown", "-y", "-a", app.dashboard_url)
-    kill_actor(app, "lora_admin", "multilora", no_restart=True)
-    _deploy(app, files)
-    assert listed() == before
-    got = _client(app).completions.create(model="keep-a", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
-    assert got.choices[0].text == reference(PROMPTS[0], "ad0")
-
-
 def test_a_body_over_max_request_bytes_is_a_413_and_serving_goes_on(app, reference):
     """Through Serve's proxy: a body over the cap (sent whole, or chunked with no length) is a
     413 in the OpenAI format naming the cap; the next request is served as before."""
@@ -661,3 +642,190 @@ def test_a_body_over_max_request_bytes_is_a_413_and_serving_goes_on(app, referen
         assert f"max_request_bytes={cap}" in r.json()["error"]["message"]
     got = _client(app).completions.create(model="reverse", prompt="hello=", max_tokens=MAX_TOKENS, temperature=0)
     assert got.choices[0].text == reference("hello=", "reverse")
+
+
+def test_registry_survives_admin_restart_and_redeploy(app, files, reference):
+    names = {"keep-a", "keep-b"}
+    assert _register(app, "keep-a", str(files["adapters"]["ad0"])).status_code == 201
+    assert _register(app, "keep-b", str(files["adapters"]["ad4"]), pinned=True).status_code == 201
+    listed = lambda: {a["name"] for a in httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()["data"]}  # noqa: E731
+    assert names <= listed()
+    kill_actor(app, "lora_admin", "multilora", no_restart=False)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if names <= listed():
+                break
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        assert time.monotonic() < deadline, "admin actor did not come back with its registry"
+        time.sleep(0.5)
+    # Full redeploy with a fresh admin actor, and API keys turned on: everything comes back
+    # from the store.
+    before = listed()
+    app.cli("serve", "shutdown", "-y", "-a", app.dashboard_url)
+    kill_actor(app, "lora_admin", "multilora", no_restart=True)
+    _deploy(app, files, keys=_write_keys(files))
+    assert listed() == before
+    got = _client(app, TENANT_A).completions.create(model="keep-a", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                    temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[0], "ad0")
+
+
+# --- scoped API keys: two tenants, each with its own adapters ----------------------------
+
+TENANT_A, TENANT_B, ADMIN_A, LIMITED = "mlk-tenant-a", "mlk-tenant-b", "mlk-admin-a", "mlk-limited"
+LIMITED_RPM = 3
+
+
+def _keys_doc(*, with_b: bool = True) -> dict:
+    from cluster.api_keys import digest
+
+    keys = [
+        {"name": "tenant-a", "sha256": digest(TENANT_A), "adapters": ["ta-*", "keep-a"], "base_model": True},
+        {"name": "admin-a", "sha256": digest(ADMIN_A), "role": "admin", "adapters": ["ta-*"]},
+        {"name": "limited", "sha256": digest(LIMITED), "base_model": True, "requests_per_minute": LIMITED_RPM},
+    ]
+    if with_b:
+        keys.insert(1, {"name": "tenant-b", "sha256": digest(TENANT_B), "adapters": ["tb-*"]})
+    return {"keys": keys}
+
+
+def _write_keys(files, **kw) -> Path:
+    import json
+
+    path = files["root"] / "api_keys.json"
+    path.write_text(json.dumps(_keys_doc(**kw)))
+    return path
+
+
+@pytest.fixture
+def tenants(app, files):
+    """The app with API keys on (the redeploy test turns them on; run alone, this does), and
+    one adapter per tenant."""
+    if DEPLOYED.get("keys") is None:
+        _deploy(app, files, keys=_write_keys(files))
+    for name, adapter in (("ta-one", "ad1"), ("tb-one", "ad2")):
+        r = _register(app, name, str(files["adapters"][adapter]))
+        assert r.status_code in (201, 409), r.text
+    return app
+
+
+def _bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_key_sees_and_calls_only_its_own_models(tenants, reference):
+    url = tenants.base_url
+    a, b = _client(tenants, TENANT_A), _client(tenants, TENANT_B)
+    ids_a = {m.id for m in a.models.list().data}
+    assert BASE in ids_a and {"ta-one", "keep-a"} <= ids_a
+    assert not ids_a & {"tb-one", "reverse", "ad0"}, ids_a  # other tenants' and unscoped adapters
+    assert {m.id for m in b.models.list().data} == {"tb-one"}  # no base model for tenant B
+
+    got = a.completions.create(model="ta-one", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[1], "ad1")
+    streamed = "".join(c.choices[0].text for c in a.completions.create(
+        model=BASE, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True) if c.choices)
+    assert streamed == reference(PROMPTS[0], None)
+    got = b.chat.completions.create(model="tb-one", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert got.choices[0].message.content is not None
+
+    # Another tenant's adapter, an unscoped one and the base model without base_model: the
+    # same 404 as a name that does not exist, on every endpoint that takes a model.
+    def not_found(key: str, model: str) -> list[str]:
+        calls = [
+            ("post", "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 1}),
+            ("post", "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}]}),
+            ("post", "/tokenize", {"model": model, "prompt": "x"}),
+            ("post", "/detokenize", {"model": model, "tokens": [1]}),
+            ("get", f"/v1/models/{model}", None),
+        ]
+        messages = []
+        for method, path, body in calls:
+            r = httpx.request(method, url + path, json=body, headers=_bearer(key), timeout=60)
+            assert r.status_code == 404 and r.json()["error"]["param"] == "model", (path, r.text)
+            messages.append(r.json()["error"]["message"].replace(repr(model), "M", 1))
+        return messages
+
+    nowhere = not_found(TENANT_A, "no-such-adapter")
+    assert not_found(TENANT_A, "tb-one") == nowhere
+    assert not_found(TENANT_A, "reverse") == nowhere
+    assert not_found(TENANT_B, "ta-one") == not_found(TENANT_B, BASE) == nowhere
+
+
+def test_inference_needs_a_valid_inference_key(tenants):
+    url = tenants.base_url
+    body = {"model": BASE, "prompt": "x", "max_tokens": 1}
+    for headers in ({}, _bearer("mlk-made-up"), {"Authorization": "Basic abc"}, AUTH):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
+        assert "mlk-made-up" not in r.text
+    r = httpx.get(f"{url}/v1/models", headers=_bearer(ADMIN_A), timeout=60)
+    assert r.status_code == 403 and "admin key" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/models", timeout=60).status_code == 401
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # probes need no key
+
+
+def test_an_admin_key_manages_only_its_scope(tenants, files, reference):
+    url, admin = tenants.base_url, _bearer(ADMIN_A)
+    src = str(files["adapters"]["ad3"])
+    r = httpx.post(f"{url}/v1/adapters", json={"name": "ta-two", "source": src}, headers=admin, timeout=120)
+    assert r.status_code == 201, r.text
+    got = _client(tenants, TENANT_A).completions.create(model="ta-two", prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                                        temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[2], "ad3")
+    assert {a["name"] for a in httpx.get(f"{url}/v1/adapters", headers=admin, timeout=60).json()["data"]} == {
+        "ta-one", "ta-two"}
+    before = httpx.get(f"{url}/v1/adapters", headers=AUTH, timeout=60).json()
+    refused = [
+        ("post", "/v1/adapters", {"name": "tb-two", "source": src}),
+        ("post", "/v1/adapters", {"name": "reverse", "source": src}),  # exists, outside the scope
+        ("delete", "/v1/adapters/tb-one", None),
+        ("patch", "/v1/adapters/tb-one", {"pinned": True}),
+        ("delete", "/v1/adapters/nothing-here", None),
+        ("post", "/v1/load_lora_adapter", {"lora_name": "tb-x", "lora_path": src}),
+        ("post", "/v1/unload_lora_adapter", {"lora_name": "tb-one"}),
+    ]
+    for method, path, body in refused:
+        r = httpx.request(method, url + path, json=body, headers=admin, timeout=60)
+        assert r.status_code == 403 and "scope: ta-*" in r.json()["error"]["message"], (path, r.text)
+    for key in (TENANT_A, "mlk-made-up"):  # an inference key, a made-up one
+        r = httpx.get(f"{url}/v1/adapters", headers=_bearer(key), timeout=60)
+        assert r.status_code in (401, 403), r.text
+    assert httpx.get(f"{url}/v1/adapters", headers=AUTH, timeout=60).json() == before  # nothing changed
+    r = httpx.patch(f"{url}/v1/adapters/ta-two", json={"pinned": True}, headers=admin, timeout=60)
+    assert r.status_code == 200 and r.json()["pinned"] is True
+    assert httpx.delete(f"{url}/v1/adapters/ta-two", headers=admin, timeout=60).status_code == 200
+
+
+def test_a_key_over_its_request_rate_gets_a_429_with_retry_after(tenants):
+    client = _client(tenants, LIMITED)
+    for _ in range(LIMITED_RPM):
+        client.completions.create(model=BASE, prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=BASE, prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "rate_limit_exceeded" and "3 requests per minute" in e.value.body["message"]
+    assert 1 <= int(e.value.response.headers["Retry-After"]) <= 60 // LIMITED_RPM
+    # Other keys are not affected.
+    _client(tenants, TENANT_A).completions.create(model=BASE, prompt="x", max_tokens=1)
+
+
+def test_a_key_removed_from_the_file_is_refused_within_the_refresh(tenants, files):
+    client = _client(tenants, TENANT_B)
+    client.completions.create(model="tb-one", prompt="x", max_tokens=1)
+    _write_keys(files, with_b=False)
+    try:
+        deadline = time.monotonic() + 10 * KEYS_REFRESH_S
+        while True:
+            try:
+                client.completions.create(model="tb-one", prompt="x", max_tokens=1)
+            except openai.AuthenticationError:
+                break
+            assert time.monotonic() < deadline, "a revoked key still works"
+            time.sleep(0.2)
+        (files["root"] / "api_keys.json").write_text("{broken")  # a bad file keeps the keys in force
+        time.sleep(3 * KEYS_REFRESH_S)
+        _client(tenants, TENANT_A).completions.create(model=BASE, prompt="x", max_tokens=1)
+    finally:
+        _write_keys(files)
