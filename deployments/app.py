@@ -44,6 +44,7 @@ def build_app(args: dict | AppArgs) -> Application:
         name="LoRAModelServer",
         num_replicas=a.num_replicas,
         max_ongoing_requests=a.max_ongoing_requests,
+        max_queued_requests=a.max_queued_requests,
         ray_actor_options={"num_cpus": a.replica_num_cpus, "num_gpus": a.replica_num_gpus},
         health_check_period_s=_HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=_HEALTH_CHECK_TIMEOUT_S,

@@ -106,6 +106,10 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(
         64, description="Requests Serve sends one model-server replica at a time."
     )
+    max_queued_requests: int = Field(
+        256, description="Requests the ingress holds waiting for a model-server replica (all replicas at "
+        "max_ongoing_requests); past it a request is refused at once with a 503 and Retry-After, so overload "
+        "costs no memory.")
     max_request_bytes: int = Field(
         8 << 20, description="Largest HTTP request body the endpoint reads; a larger one is refused with a 413 "
         "before it is read whole (by its Content-Length, or as its chunks arrive)."
@@ -144,6 +148,7 @@ class AppArgs(BaseModel):
     @field_validator(
         "num_replicas", "tensor_parallel_size", "max_batch", "max_lora_rank",
         "max_cpu_loras", "max_adapter_bytes", "max_ongoing_requests", "routing_max_homes", "max_request_bytes",
+        "max_queued_requests",
         "prefix_cache_min_tokens",
     )
     @classmethod

@@ -10,14 +10,16 @@ stream from a LoRAModelServer replica, and shape OpenAI responses and errors.
 import asyncio
 import json
 import logging
+import math
 import time
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from cluster.access import AccessControl, Caller
 from cluster.admin import check_adapter_name, connect_admin, demo_adapter_sources, unwrap_error
@@ -32,9 +34,11 @@ from deployments.openai_protocol import (
     ERROR_TYPES_BY_STATUS,
     AdapterPinRequest,
     AdapterRegisterRequest,
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    FieldError,
     LoadLoRAAdapterRequest,
     OpenAIError,
     TokenizeRequest,
@@ -52,6 +56,7 @@ from deployments.openai_protocol import (
     usage,
     usage_chunk,
 )
+from lora_runtime.engine.sampling_params import SamplingParams
 from lora_runtime.errors import ServingError
 
 app = FastAPI(title="multilora-serve")
@@ -114,30 +119,84 @@ app.add_middleware(_BodyLimit)
 _HEALTH_TIMEOUT_S = 10.0
 
 
+# A 503 is temporary (a replica full, draining or restarting): when to try again.
+_RETRY_AFTER_S = "1"
+
+
+def _error_response(body: dict, status: int, headers: dict | None = None) -> JSONResponse:
+    if status == 503 and not headers:
+        headers = {"Retry-After": _RETRY_AFTER_S}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _openai_response(e: OpenAIError) -> JSONResponse:
+    return _error_response(e.body(), e.status_code, e.headers)
+
+
 @app.exception_handler(OpenAIError)
 async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers)
+    return _openai_response(e)
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     # OpenAI clients expect 400 with the offending parameter, not FastAPI's 422 list.
     first = e.errors()[0] if e.errors() else {}
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ("body", None))[-1]
+        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error')} (at character {where})"
+        return JSONResponse(error_body(message, "invalid_request_error"), status_code=400)
+    cause = first.get("ctx", {}).get("error")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = cause.param if isinstance(cause, FieldError) else ".".join(loc) or None
     msg = first.get("msg", "invalid request")
-    message = f"{param}: {msg}" if param else msg
+    message = f"{param}: {msg}" if loc else msg
     return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    # FastAPI's own refusals (an unknown path, a wrong method, a body that is not UTF-8) in
+    # the OpenAI format too.
+    error_type = ERROR_TYPES_BY_STATUS.get(e.status_code, "invalid_request_error")
+    detail = e.detail if isinstance(e.detail, str) else json.dumps(e.detail)
+    if e.status_code == 404:
+        detail = f"no endpoint {request.method} {request.url.path}"
+    return JSONResponse(error_body(detail, error_type), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+
+def _unavailable(e: BackPressureError | DeploymentUnavailableError) -> OpenAIError:
+    """A replica call Serve refused: every replica busy with max_queued_requests waiting, or
+    the model servers not deployed. Turned into our error where the call is made: Serve puts
+    its own plain-text handlers for these on the ingress's app, over any of ours."""
+    if isinstance(e, BackPressureError):
+        retry = str(max(1, math.ceil(e.retry_after_s))) if e.retry_after_s else _RETRY_AFTER_S
+        return OpenAIError(f"the server is at capacity ({e.message}); retry after {retry} s", status_code=503,
+                           error_type="server_error", code="overloaded", headers={"Retry-After": retry})
+    return OpenAIError(f"the model servers are unavailable: {e.message}", status_code=503,
+                       error_type="server_error", code="unavailable")
+
+
+_REFUSED_BY_SERVE = (BackPressureError, DeploymentUnavailableError)
 
 
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
     cause = unwrap_error(e)
     if isinstance(cause, ServingError):
-        return JSONResponse(_from_serving(cause).body(), status_code=cause.status_code)
-    if isinstance(cause, BackPressureError):
-        return JSONResponse(error_body(str(cause), "server_error"), status_code=503)
+        return _error_response(_from_serving(cause).body(), cause.status_code)
+    if isinstance(cause, _REFUSED_BY_SERVE):
+        return _openai_response(_unavailable(cause))
+    logger.error("internal error on %s %s: %r", request.method, request.url.path, cause, exc_info=cause)
     return JSONResponse(error_body(f"internal error: {cause!r}", "server_error"), status_code=500)
+
+
+async def _replica_call(response):
+    """A unary replica call's result, with Serve's refusals as our 503s."""
+    try:
+        return await response
+    except _REFUSED_BY_SERVE as e:
+        raise _unavailable(e) from None
 
 
 def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
@@ -327,6 +386,8 @@ class OpenAIIngress:
             first = await anext(stream)
         except StopAsyncIteration:
             raise OpenAIError("the model returned no output", status_code=500, error_type="server_error") from None
+        except _REFUSED_BY_SERVE as e:
+            raise _unavailable(e) from None
         except BaseException:
             stream.cancel()  # e.g. the client left before the first token
             raise
@@ -349,13 +410,31 @@ class OpenAIIngress:
             raise failed[0]
         return started
 
+    def _check_sampling(self, sampling: dict) -> None:
+        """What a replica would refuse of a request's sampling values, refused here with a 400
+        naming the field, so a bad request never leaves the ingress. (Token ids against the
+        vocabulary, and the prompt's length, are checked by the replica, which tokenizes.)"""
+        limit = self._args.max_seq_len
+        max_tokens = sampling["max_tokens"]
+        if max_tokens is not None and max_tokens >= limit:
+            raise OpenAIError(f"max_tokens={max_tokens} leaves no room for a prompt within max_seq_len={limit}",
+                              param="max_tokens")
+        try:
+            SamplingParams(**{**sampling, "max_tokens": limit - 1 if max_tokens is None else max_tokens}).validate()
+        except ServingError as e:
+            raise _from_serving(e, param=e.param) from None
+
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
         caller = self._caller(authorization)
         # Choice index = prompt number * n + sample number, as in OpenAI's API.
         rid = new_id("cmpl")
         samplings = body.choice_samplings(default_max_tokens=16)
+        self._check_sampling(samplings[0])  # choices differ in their seeds only
         jobs = [(i, prompt, sp) for i, prompt in enumerate(body.prompts()) for sp in samplings]
+        if len(jobs) > MAX_PROMPTS:
+            raise OpenAIError(f"n={body.n} choices of {len(body.prompts())} prompts are {len(jobs)} sequences; at "
+                              f"most {MAX_PROMPTS} in one request", param="n")
         payloads = [
             {"kind": "completion", "prompt": prompt, "sampling": sp, "echo": body.echo,
              "request_id": _choice_id(rid, k, len(jobs))}
@@ -368,6 +447,7 @@ class OpenAIIngress:
         caller = self._caller(authorization)
         rid = new_id("chatcmpl")
         samplings = body.choice_samplings(default_max_tokens=None)
+        self._check_sampling(samplings[0])
         payloads = [{"kind": "chat", "messages": body.chat_messages(), "sampling": sp,
                      "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
         return await self._respond(body, caller, rid, payloads, [0] * len(payloads), chat=True)
@@ -539,12 +619,13 @@ class OpenAIIngress:
         adapter = await self._adapter(body.model, self._caller(authorization))
         handle = self._server.options(multiplexed_model_id=adapter)
         if body.messages is not None:
-            result = await handle.tokenize_chat.remote(
+            result = await _replica_call(handle.tokenize_chat.remote(
                 messages=body.chat_messages(), add_generation_prompt=body.generation_prompt(),
                 add_special_tokens=body.special_tokens(),
-            )
+            ))
         else:
-            result = await handle.tokenize.remote(prompt=body.prompt, add_special_tokens=body.special_tokens())
+            result = await _replica_call(handle.tokenize.remote(prompt=body.prompt,
+                                                                add_special_tokens=body.special_tokens()))
         if "error" in result:
             raise _from_item(result["error"])
         return result
@@ -553,7 +634,7 @@ class OpenAIIngress:
     async def detokenize(self, body: DetokenizeRequest, authorization: str | None = Header(None)):
         adapter = await self._adapter(body.model, self._caller(authorization))
         handle = self._server.options(multiplexed_model_id=adapter)
-        result = await handle.detokenize.remote(tokens=body.tokens)
+        result = await _replica_call(handle.detokenize.remote(tokens=body.tokens))
         if "error" in result:
             raise _from_item(result["error"])
         return result

@@ -29,6 +29,7 @@ def error_item(e: ServingError, param: str | None = None) -> dict:
     """An item carrying a request error to the ingress: status, type, message and, where
     known, the request field it concerns."""
     item = {"status_code": e.status_code, "type": e.error_type, "message": str(e)}
+    param = param if param is not None else getattr(e, "param", None)
     if param is not None:
         item["param"] = param
     return {"error": item}
@@ -147,7 +148,8 @@ class LoRAModelServer:
             first = await anext(stream)
         except ServingError as e:
             trace.finish("error", 0, 0)
-            yield error_item(e)
+            # A chat's prompt is its messages.
+            yield error_item(e, "messages" if request["kind"] == "chat" and e.param == "prompt" else None)
             return
         finished = False
         seen = 0  # completion tokens counted by the trace so far

@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # lora_runtime.engine.sampling.MAX_LOGPROBS (not imported: the ingress stays free of JAX).
 MAX_LOGPROBS = 20
 MAX_CHOICES = 16  # most choices (n) one request may ask for
-MAX_PROMPTS = 64  # most prompts one completions request may carry
+MAX_PROMPTS = 64  # most prompts one completions request may carry, and most sequences (prompts x n)
+MAX_STOP = 16  # most stop strings one request may give
+MAX_STOP_CHARS = 256  # longest stop string
 
 
 class OpenAIError(Exception):
@@ -55,9 +57,46 @@ ERROR_TYPES_BY_STATUS = {
 }
 
 
-class _Request(BaseModel):
-    # Unknown fields are an error naming the field, not silently dropped.
+class FieldError(ValueError):
+    """A body check's failure that concerns one field (``param``), where pydantic would only
+    locate it at the body: the HTTP edge reports the field as ``error.param``."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _surrogate_path(value, path: str) -> str | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate (JSON's "\\ud800"
+    escapes parse to one): no tokenizer or response can encode it."""
+    if isinstance(value, str):
+        return path if any("\ud800" <= c <= "\udfff" for c in value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _surrogate_path(key, path):
+            return f"{path}.{key!r}".lstrip(".")
+        if (found := _surrogate_path(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")):
+            return found.lstrip(".")
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: unknown fields are an error naming the field, not silently dropped, and
+    so is a string no encoding can carry."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data):
+        where = _surrogate_path(data, "")
+        if where is not None:
+            raise FieldError(f"{where or 'the body'} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF "
+                             "escape), which is not text", param=where.split("[")[0].split(".")[0] or None)
+        return data
+
+
+class _Request(_Body):
 
     model: str = Field(..., min_length=1, description="Base model name or adapter name.")
     max_tokens: int | None = Field(None, description="Most tokens to generate.")
@@ -65,7 +104,8 @@ class _Request(BaseModel):
     top_p: float = Field(1.0)
     top_k: int = Field(0, description="Extension: 0 disables the top-k cut.")
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(
+        None, description=f"Up to {MAX_STOP} strings (each 1-{MAX_STOP_CHARS} characters) that end the text.")
     stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end the text.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     stream: bool = False
@@ -95,6 +135,17 @@ class _Request(BaseModel):
                 raise ValueError(f"logit_bias key {key!r} is not a token id") from None
         return v
 
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP}")
+        long = [s for s in stops if len(s) > MAX_STOP_CHARS]
+        if long:
+            raise ValueError(f"stop string of {len(long[0])} characters; at most {MAX_STOP_CHARS}")
+        return v
+
     @field_validator("n")
     @classmethod
     def _n(cls, v: int) -> int:
@@ -112,7 +163,7 @@ class _Request(BaseModel):
     @model_validator(mode="after")
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise FieldError("stream_options is only allowed with stream=true", "stream_options")
         return self
 
     def sampling(self, default_max_tokens: int | None) -> dict:
@@ -193,6 +244,8 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
+        if isinstance(v, str) and not v:
+            raise ValueError("prompt='' is empty")
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt=[] is empty")
@@ -216,7 +269,7 @@ class CompletionRequest(_Request):
     @model_validator(mode="after")
     def _unsupported(self):
         if self.suffix is not None:
-            raise ValueError("suffix is not supported")
+            raise FieldError("suffix is not supported", "suffix")
         return self
 
 
@@ -257,14 +310,14 @@ class ChatCompletionRequest(_Request):
     def _unsupported(self):
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_LOGPROBS}]")
+                raise FieldError(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
             if not self.logprobs:
-                raise ValueError("top_logprobs needs logprobs=true")
+                raise FieldError("top_logprobs needs logprobs=true", "top_logprobs")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError(
+                raise FieldError(
                     f"max_tokens={self.max_tokens} and max_completion_tokens="
-                    f"{self.max_completion_tokens} disagree"
+                    f"{self.max_completion_tokens} disagree", "max_completion_tokens",
                 )
             self.max_tokens = self.max_completion_tokens
         for m in self.messages:
@@ -275,35 +328,27 @@ class ChatCompletionRequest(_Request):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class AdapterRegisterRequest(BaseModel):
+class AdapterRegisterRequest(_Body):
     """Body of POST /v1/adapters."""
-
-    model_config = ConfigDict(extra="forbid")
     name: str
     source: str
     pinned: bool = False
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(_Body):
     """Body of vLLM's POST /v1/load_lora_adapter."""
-
-    model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(_Body):
     """Body of vLLM's POST /v1/unload_lora_adapter."""
-
-    model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_int_id: int | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """Body of vLLM's POST /tokenize: a text, or a chat rendered as /v1/chat/completions renders it."""
-
-    model_config = ConfigDict(extra="forbid")
     model: str = Field(..., min_length=1, description="Base model name or adapter name.")
     prompt: str | None = Field(None, description="A text to tokenize (this or messages).")
     messages: list[ChatMessage] | None = Field(
@@ -346,10 +391,8 @@ class TokenizeRequest(BaseModel):
         return self.add_generation_prompt is not False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     """Body of vLLM's POST /detokenize."""
-
-    model_config = ConfigDict(extra="forbid")
     model: str = Field(..., min_length=1, description="Base model name or adapter name.")
     tokens: list[int] = Field(..., description="Token ids to turn back into text.")
 
@@ -458,8 +501,6 @@ CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 
 
-class AdapterPinRequest(BaseModel):
+class AdapterPinRequest(_Body):
     """Body of PATCH /v1/adapters/{name}."""
-
-    model_config = ConfigDict(extra="forbid")
     pinned: bool

@@ -8,10 +8,24 @@ from __future__ import annotations
 
 
 class ServingError(Exception):
-    """Base class of errors caused by a request or an adapter, not by the server."""
+    """Base class of errors caused by a request or an adapter, not by the server.
+
+    ``param``: the request field the error concerns, where one does (OpenAI's ``error.param``).
+    """
 
     status_code: int = 400
     error_type: str = "invalid_request_error"
+
+    def __init__(self, message: str = "", *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # keeps param across Ray's pickling of errors raised in actors
+        return _rebuild, (type(self), str(self), self.param)
+
+
+def _rebuild(cls: type, message: str, param: str | None) -> ServingError:
+    return cls(message, param=param)
 
 
 class InvalidRequestError(ServingError):

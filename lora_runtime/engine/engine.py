@@ -226,7 +226,7 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > self.config.max_seq_len:
             raise InvalidRequestError(
                 f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} "
-                f"exceeds max_seq_len={self.config.max_seq_len}"
+                f"exceeds max_seq_len={self.config.max_seq_len}", param="max_tokens",
             )
         if adapter is not None:
             if self.lora_manager is None:
@@ -259,21 +259,22 @@ class Engine:
             if bad:  # a tokenizer with more tokens than the model has embeddings
                 raise InvalidRequestError(
                     f"the prompt encodes to token ids {bad[:5]} that the model's vocab_size="
-                    f"{self.model_config.vocab_size} does not hold (tokenizer and model do not match)"
+                    f"{self.model_config.vocab_size} does not hold (tokenizer and model do not match)",
+                    param="prompt",
                 )
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise InvalidRequestError(
-                    f"prompt token ids {bad[:5]} outside [0, {self.model_config.vocab_size})"
+                    f"prompt token ids {bad[:5]} outside [0, {self.model_config.vocab_size})", param="prompt",
                 )
         if not ids:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", param="prompt")
         if len(ids) >= self.config.max_seq_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; max_seq_len={self.config.max_seq_len} "
-                f"leaves no room to generate"
+                f"leaves no room to generate", param="prompt",
             )
         return ids
 

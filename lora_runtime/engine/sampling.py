@@ -1,9 +1,8 @@
-"""Sampling parameters of a request, and the on-device sampler of a whole batch."""
+"""The on-device sampler of a whole batch (a request's parameters: sampling_params.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from collections.abc import Sequence as Seq
 
 import jax
@@ -11,94 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lora_runtime.errors import InvalidRequestError
-
-# Most alternatives a request may ask log-probabilities for (OpenAI's limit too).
-MAX_LOGPROBS = 20
-# Most token ids min_tokens holds back per row (the EOS ids and the request's stop_token_ids).
-MAX_HELD_BACK_IDS = 32
-# Most tokens one request may bias (logit_bias), and the bias's bound (OpenAI's: ±100).
-MAX_LOGIT_BIAS = 300
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request's tokens are chosen and when it stops."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; n: each token's log-probability and the n likeliest
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (after the first)
-    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
-    frequency_penalty: float = 0.0  # subtracted once per time a token was already generated
-    repetition_penalty: float = 1.0  # HF/vLLM: divides positive, multiplies negative logits of seen tokens
-    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are generated
-    skip_special_tokens: bool = True  # leave special tokens out of the text
-    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), OpenAI's
-
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Raises InvalidRequestError naming the first bad field; returns self."""
-        if self.max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens={self.max_tokens} must be >= 0")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequestError(f"temperature={self.temperature} must be in [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InvalidRequestError(f"seed={self.seed} must be in [0, 2**63)")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise InvalidRequestError(f"{name}={value} must be in [0, {MAX_LOGPROBS}]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise InvalidRequestError(f"{name}={value} must be in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise InvalidRequestError(f"repetition_penalty={self.repetition_penalty} must be in (0, 2]")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
-        if self.min_tokens and len(self.stop_token_ids) > MAX_HELD_BACK_IDS - 4:
-            raise InvalidRequestError(
-                f"min_tokens with {len(self.stop_token_ids)} stop_token_ids: at most {MAX_HELD_BACK_IDS - 4}"
-            )
-        if any(not s for s in self.stop):
-            raise InvalidRequestError(f"stop={list(self.stop)!r} contains an empty string")
-        ids = [t for t, _ in self.logit_bias]
-        if len(set(ids)) != len(ids):
-            raise InvalidRequestError(f"logit_bias names token {next(t for t in ids if ids.count(t) > 1)} twice")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
-        out_of_range = [(t, v) for t, v in self.logit_bias if not -100.0 <= v <= 100.0]
-        if out_of_range:
-            raise InvalidRequestError(f"logit_bias value {out_of_range[0][1]} for token {out_of_range[0][0]} "
-                                      f"must be in [-100, 100]")
-        if vocab_size is not None:
-            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-            if bad:
-                raise InvalidRequestError(f"stop_token_ids {bad} outside [0, {vocab_size})")
-            bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
-            if bad:
-                raise InvalidRequestError(f"logit_bias token ids {bad[:5]} outside [0, {vocab_size})")
-        return self
-
-    @property
-    def penalized(self) -> bool:
-        """Whether sampling reads the tokens seen so far (repetition, presence or frequency penalty)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def resolved_seed(self) -> int:
-        """The request's seed, or a fresh random one: each request gets its own stream."""
-        return self.seed if self.seed is not None else secrets.randbits(62)
+from lora_runtime.engine.sampling_params import (  # noqa: F401  (re-exported)
+    MAX_HELD_BACK_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+)
 
 
 @jax.tree_util.register_dataclass

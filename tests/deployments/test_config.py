@@ -40,6 +40,8 @@ def test_defaults_are_the_demo():
         ("kv_cache_bytes", -5, "kv_cache_bytes=-5"),
         ("kv_cache_memory_fraction", 1.5, "kv_cache_memory_fraction=1.5"),
         ("attention_backend", "flash", "attention_backend='flash'"),
+        ("api_keys_url", " ", "api_keys_url=''"),
+        ("api_keys_refresh_s", 0.0, "api_keys_refresh_s=0.0"),
     ],
 )
 def test_bad_args_name_the_value(field, value, match):

@@ -1,5 +1,7 @@
 """Usage over several choices and prompts, and errors, from the items replicas send the ingress."""
 
+import pytest
+
 from deployments.ingress import _from_item, _usage
 from deployments.model_server import error_item
 from lora_runtime.errors import AdapterNotFoundError, InvalidRequestError
@@ -100,3 +102,94 @@ def test_request_bodies_over_the_cap_are_a_413_before_the_handler():
 
     asyncio.run(run())
     assert seen == [1000, 900]  # the refused bodies never reached the handler
+
+
+def _edge_app():
+    """A FastAPI app with the ingress's error handlers and one route per request body."""
+    from fastapi import FastAPI
+
+    from deployments import ingress
+    from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    test_app = FastAPI()
+    test_app.exception_handlers.update(ingress.app.exception_handlers)
+
+    @test_app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return {"prompts": body.prompts()}
+
+    @test_app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        return {"messages": body.chat_messages()}
+
+    return test_app
+
+
+def _post(client, path: str, content: bytes):
+    r = client.post(path, content=content, headers={"Content-Type": "application/json"})
+    return r.status_code, r.json()["error"]
+
+
+def test_bodies_that_do_not_parse_are_400s_in_the_openai_format():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(_edge_app())
+    status, error = _post(client, "/v1/completions", b'{"model": "m", "prompt": ')
+    assert status == 400 and "not valid JSON" in error["message"] and error["type"] == "invalid_request_error"
+    status, error = _post(client, "/v1/completions", b'{"model": "\xff\xfe", "prompt": "x"}')  # not UTF-8
+    assert status == 400 and error["type"] == "invalid_request_error" and "parsing the body" in error["message"]
+    for body, param in [
+        (b'{"model": "m\\ud800", "prompt": "x"}', "model"),
+        (b'{"model": "m", "prompt": ["ok", "\\udc00"]}', "prompt"),
+    ]:
+        status, error = _post(client, "/v1/completions", body)
+        assert status == 400 and error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
+    status, error = _post(client, "/v1/chat/completions",
+                          b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d"}]}')
+    assert status == 400 and error["param"] == "messages" and "messages[0].content" in error["message"]
+    # A surrogate pair is one character, and fine.
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "\U0001F600"})
+    assert r.status_code == 200 and r.json() == {"prompts": ["\U0001F600"]}
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"model": "m", "prompt": "x", "max_tokens": "many"}, "max_tokens", "valid integer"),
+    ({"prompt": "x"}, "model", "Field required"),
+    ({"model": "m", "prompt": ""}, "prompt", "prompt='' is empty"),
+    ({"model": "m", "prompt": "x", "stop": ["s"] * 17}, "stop", "stop has 17 strings; at most 16"),
+    ({"model": "m", "prompt": "x", "stop": "s" * 257}, "stop", "257 characters; at most 256"),
+    ({"model": "m", "prompt": "x", "n": 17}, "n", "n=17"),
+    ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix", "suffix is not supported"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
+    ({"model": "m", "prompt": "x", "best_of": 2}, "best_of", "Extra inputs"),
+])
+def test_a_bad_field_is_a_400_naming_it(body, param, says):
+    from fastapi.testclient import TestClient
+
+    r = TestClient(_edge_app()).post("/v1/completions", json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and says in error["message"], error
+
+
+def test_unknown_paths_and_methods_use_the_openai_format():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(_edge_app())
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"] == {
+        "message": "no endpoint GET /v1/nothing", "type": "not_found_error", "param": None, "code": None}
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed"
+    assert r.headers["allow"] == "POST"
+
+
+def test_serve_refusals_are_503s_with_retry_after():
+    from ray.serve.exceptions import BackPressureError
+
+    from deployments.ingress import _unavailable
+
+    full = _unavailable(BackPressureError(num_queued_requests=2, max_queued_requests=2))
+    assert full.status_code == 503 and full.code == "overloaded" and full.headers == {"Retry-After": "1"}
+    assert "max_queued_requests=2" in full.message
+    later = _unavailable(BackPressureError(num_queued_requests=2, max_queued_requests=2, retry_after_s=2.5))
+    assert later.headers == {"Retry-After": "3"}

@@ -82,8 +82,18 @@ def test_sampling_follows_the_distribution():
     ],
 )
 def test_bad_params_name_the_field(kwargs, field):
-    with pytest.raises(InvalidRequestError, match=field):
+    with pytest.raises(InvalidRequestError, match=field) as e:
         SamplingParams(**kwargs).validate(vocab_size=100)
+    assert e.value.param == field
+
+
+def test_the_field_an_error_concerns_survives_pickling():
+    import pickle
+
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(top_p=2.0).validate()
+    again = pickle.loads(pickle.dumps(e.value))
+    assert type(again) is InvalidRequestError and again.param == "top_p" and str(again) == str(e.value)
 
 
 def test_a_row_draws_the_same_whatever_its_neighbours_ask_for(logits):
@@ -174,8 +184,9 @@ def test_logit_bias_adds_to_its_rows_tokens_only():
     ],
 )
 def test_bad_logit_bias_names_the_field(bias, match):
-    with pytest.raises(InvalidRequestError, match=match):
+    with pytest.raises(InvalidRequestError, match=match) as e:
         SamplingParams(logit_bias=bias).validate(vocab_size=64)
+    assert e.value.param == "logit_bias"
 
 
 def _sorted_mask(scaled, k, top_p):

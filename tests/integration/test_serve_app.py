@@ -4,6 +4,7 @@ the admin API; greedy outputs checked against the runtime run directly."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ SHARED_PREFIX = "the quick brown fox jumps over "
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 N_ADAPTERS = 8
 KEYS_REFRESH_S = 1.0
+TIGHT_ONGOING, TIGHT_QUEUED = 2, 2  # the keyed deployment's replica and queue limits
 DEPLOYED: dict = {}  # what the app runs with now: {"keys": the keys file or None}
 
 
@@ -57,6 +59,9 @@ def _write_config(cluster, files, keys: Path | None = None) -> Path:
     if keys is not None:
         args["api_keys_url"] = str(keys)
         args["api_keys_refresh_s"] = KEYS_REFRESH_S
+        # and a small request queue, for the overload test
+        args["max_ongoing_requests"] = TIGHT_ONGOING
+        args["max_queued_requests"] = TIGHT_QUEUED
     path = files["root"] / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -517,6 +522,76 @@ def test_errors_use_the_openai_format(app, files):
     assert r.status_code == 400 and "n=17" in r.json()["error"]["message"]
 
 
+_LONG = "a" * 100  # over max_seq_len=64 tokens
+BAD_REQUESTS = [
+    # (path, body (dict, or raw bytes), status, param)
+    ("/v1/completions", b'{"model": "reverse", "prompt": ', 400, None),  # malformed JSON
+    ("/v1/completions", b'{"model": "reverse", "prompt": "\xff"}', 400, None),  # not UTF-8
+    ("/v1/completions", b'{"model": "reverse", "prompt": "\\ud800"}', 400, "prompt"),  # a lone surrogate
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("/v1/completions", {"model": "reverse"}, 400, "prompt"),
+    ("/v1/completions", {"model": "no-such-adapter", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": "reverse", "prompt": _LONG}, 400, "prompt"),
+    ("/v1/completions", {"model": "reverse", "prompt": "hello=", "max_tokens": 60}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "top_k": -1}, 400, "top_k"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "min_tokens": 20, "max_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"model": "reverse", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "reverse", "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": "reverse", "prompt": [999999]}, 400, "prompt"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"model": "reverse", "prompt": ["x"] * 40, "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "reverse", "prompt": ["x"] * 65}, 400, "prompt"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "stop_token_ids": [999999]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": [{"role": "user", "content": _LONG}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 2, "max_completion_tokens": 3}, 400, "max_completion_tokens"),
+]
+
+
+def test_each_bad_request_is_a_4xx_naming_its_field_and_reaches_no_engine(app, reference):
+    """Every request in BAD_REQUESTS is refused in the OpenAI format with its status and field,
+    before the engine: its request count stays put, and a canary request is served as before."""
+    canary = lambda: _client(app).completions.create(  # noqa: E731
+        model="reverse", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+    assert canary() == reference(PROMPTS[0], "reverse")
+    before = _engine_stats(app)["requests"]
+    adapters = httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()
+    wrong = []
+    for path, body, status, param in BAD_REQUESTS:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(app.base_url + path, content=content, headers={"Content-Type": "application/json"},
+                       timeout=60)
+        error = r.json().get("error", {})
+        if (r.status_code, error.get("param")) != (status, param) or not error.get("message"):
+            wrong.append((path, body if isinstance(body, bytes) else str(body)[:80], r.status_code, r.text[:200]))
+    assert not wrong, "\n".join(map(str, wrong))
+    assert _engine_stats(app)["requests"] == before
+    assert httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json() == adapters
+    assert canary() == reference(PROMPTS[0], "reverse")
+
+
 def test_bad_adapter_is_refused_and_changes_nothing(app, files):
     before = httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH).json()
     r = _register(app, "wrong", str(files["wrong"]))
@@ -692,8 +767,6 @@ def _keys_doc(*, with_b: bool = True) -> dict:
 
 
 def _write_keys(files, **kw) -> Path:
-    import json
-
     path = files["root"] / "api_keys.json"
     path.write_text(json.dumps(_keys_doc(**kw)))
     return path
@@ -701,8 +774,8 @@ def _write_keys(files, **kw) -> Path:
 
 @pytest.fixture
 def tenants(app, files):
-    """The app with API keys on (the redeploy test turns them on; run alone, this does), and
-    one adapter per tenant."""
+    """The app with API keys on and a small request queue (the redeploy test turns them on;
+    run alone, this does), and one adapter per tenant."""
     if DEPLOYED.get("keys") is None:
         _deploy(app, files, keys=_write_keys(files))
     for name, adapter in (("ta-one", "ad1"), ("tb-one", "ad2")):
@@ -829,3 +902,39 @@ def test_a_key_removed_from_the_file_is_refused_within_the_refresh(tenants, file
         _client(tenants, TENANT_A).completions.create(model=BASE, prompt="x", max_tokens=1)
     finally:
         _write_keys(files)
+
+
+def test_overload_is_a_503_with_retry_after_and_loses_nothing(tenants, reference):
+    """More concurrent streams than the replica takes plus the queue holds: each is either
+    served in full (its known output) or refused at once with a 503 and Retry-After, in the
+    OpenAI format; then the server serves on."""
+    url = tenants.base_url
+
+    async def one(i: int) -> tuple[int, str, dict]:
+        body = {"model": BASE, "prompt": PROMPTS[i % 4], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+        async with httpx.AsyncClient(timeout=120) as client:
+            async with client.stream("POST", f"{url}/v1/completions", json=body, headers=_bearer(TENANT_A)) as r:
+                raw = (await r.aread()).decode()
+                return r.status_code, raw, dict(r.headers)
+
+    async def all_of():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(all_of())
+    served = refused = 0
+    for i, (status, raw, headers) in enumerate(results):
+        if status == 200:
+            events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+            assert raw.rstrip().endswith("data: [DONE]") and all("error" not in e for e in events), raw[-300:]
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            assert text == reference(PROMPTS[i % 4], None)
+            served += 1
+        else:
+            assert raw.startswith("{"), (status, headers, raw[:300])
+            error = json.loads(raw)["error"]
+            assert status == 503 and error["code"] == "overloaded" and headers["retry-after"] == "1", raw
+            refused += 1
+    assert served >= TIGHT_ONGOING and refused > 0, (served, refused)
+    got = _client(tenants, TENANT_A).completions.create(model=BASE, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                                        temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[1], None)
