@@ -9,6 +9,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -27,3 +29,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (`-n 2 --dist loadgroup`, as CI runs): a test file's tests run in one
+    worker, so its module fixtures (checkpoints, PEFT references) are made once, and every
+    integration test runs in one worker, so the session has one Ray cluster."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        group = "integration" if path.startswith("tests/integration/") else path
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -13,7 +13,7 @@ def test_readme_opens_with_the_demo_and_the_test_command():
     assert demo == "pip install -e . && python -m lora_runtime.demo"
     # The test command sets up everything the tests need, system packages included.
     assert test.startswith("bash scripts/install_test_deps.sh && ")
-    assert test.endswith('pip install -e ".[test]" && python -m pytest -q')
+    assert test.endswith('pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadgroup')
 
 
 def test_ci_runs_exactly_the_readme_test_command():
