@@ -15,10 +15,13 @@ import time
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from cluster.access import AccessControl, Caller
@@ -30,6 +33,18 @@ from cluster.metrics import render
 from cluster.registry_view import RegistryView
 from cluster.serve_router import replica_metrics
 from deployments.config import AppArgs
+from deployments.openapi_docs import (
+    ADMIN,
+    ADMIN_LIST,
+    HEALTH,
+    INFERENCE,
+    MODEL,
+    MODELS,
+    PLAIN_TEXT,
+    PROMETHEUS,
+    STREAMABLE,
+    truthful,
+)
 from deployments.openai_protocol import (
     ERROR_TYPES_BY_STATUS,
     AdapterPinRequest,
@@ -60,6 +75,15 @@ from lora_runtime.engine.sampling_params import SamplingParams
 from lora_runtime.errors import ServingError
 
 app = FastAPI(title="multilora-serve")
+
+
+def _openapi() -> dict:
+    if app.openapi_schema is None:
+        app.openapi_schema = truthful(get_openapi(title=app.title, version=app.version, routes=app.routes))
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 logger = logging.getLogger("ray.serve")
 
 
@@ -160,9 +184,24 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     # the OpenAI format too.
     error_type = ERROR_TYPES_BY_STATUS.get(e.status_code, "invalid_request_error")
     detail = e.detail if isinstance(e.detail, str) else json.dumps(e.detail)
+    headers = getattr(e, "headers", None)
     if e.status_code == 404:
         detail = f"no endpoint {request.method} {request.url.path}"
-    return JSONResponse(error_body(detail, error_type), status_code=e.status_code, headers=getattr(e, "headers", None))
+    if e.status_code == 405:
+        # Starlette names the methods of the first route on the path only; a path may have several.
+        methods = _methods_of(request)
+        detail = f"{request.method} is not a method of {request.url.path}; it takes {', '.join(methods)}"
+        headers = {"Allow": ", ".join(methods)}
+    return JSONResponse(error_body(detail, error_type), status_code=e.status_code, headers=headers)
+
+
+def _methods_of(request: Request) -> list[str]:
+    """The methods the routes on a request's path take (HEAD aside: it comes with GET)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if isinstance(route, APIRoute) and route.path_regex.match(request.url.path):
+            methods |= set(route.methods) - {"HEAD"}
+    return sorted(methods)
 
 
 def _unavailable(e: BackPressureError | DeploymentUnavailableError) -> OpenAIError:
@@ -180,6 +219,13 @@ def _unavailable(e: BackPressureError | DeploymentUnavailableError) -> OpenAIErr
 _REFUSED_BY_SERVE = (BackPressureError, DeploymentUnavailableError)
 
 
+def _replica_failed(e: RayActorError) -> OpenAIError:
+    """The model-server replica a request was on died or became unreachable (Serve replaces
+    it): a 503 to retry, not a 500."""
+    return OpenAIError(f"the model-server replica serving this request failed ({type(e).__name__}); retry",
+                       status_code=503, error_type="server_error", code="replica_failed")
+
+
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
     cause = unwrap_error(e)
@@ -187,6 +233,8 @@ async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
         return _error_response(_from_serving(cause).body(), cause.status_code)
     if isinstance(cause, _REFUSED_BY_SERVE):
         return _openai_response(_unavailable(cause))
+    if isinstance(cause, RayActorError):
+        return _openai_response(_replica_failed(cause))
     logger.error("internal error on %s %s: %r", request.method, request.url.path, cause, exc_info=cause)
     return JSONResponse(error_body(f"internal error: {cause!r}", "server_error"), status_code=500)
 
@@ -388,6 +436,8 @@ class OpenAIIngress:
             raise OpenAIError("the model returned no output", status_code=500, error_type="server_error") from None
         except _REFUSED_BY_SERVE as e:
             raise _unavailable(e) from None
+        except RayActorError as e:
+            raise _replica_failed(e) from None
         except BaseException:
             stream.cancel()  # e.g. the client left before the first token
             raise
@@ -424,7 +474,7 @@ class OpenAIIngress:
         except ServingError as e:
             raise _from_serving(e, param=e.param) from None
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**STREAMABLE, **INFERENCE})
     async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
         caller = self._caller(authorization)
         # Choice index = prompt number * n + sample number, as in OpenAI's API.
@@ -442,7 +492,7 @@ class OpenAIIngress:
         ]
         return await self._respond(body, caller, rid, payloads, [i for i, _, _ in jobs], chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**STREAMABLE, **INFERENCE})
     async def chat_completions(self, body: ChatCompletionRequest, authorization: str | None = Header(None)):
         caller = self._caller(authorization)
         rid = new_id("chatcmpl")
@@ -464,6 +514,10 @@ class OpenAIIngress:
         if not body.stream:
             try:
                 results = await asyncio.gather(*(_collect(stream, first) for stream, first in streams))
+            except Exception as e:
+                if isinstance(unwrap_error(e), RayActorError):
+                    raise _replica_failed(unwrap_error(e)) from None
+                raise
             finally:
                 # A client disconnect cancels this task: stop the replicas' sequences too.
                 for stream, _ in streams:
@@ -508,7 +562,17 @@ class OpenAIIngress:
                     await items.put((index, item))
                     if "error" in item or item["finished"]:
                         break
-                    item = await anext(stream, None)
+                    try:
+                        item = await anext(stream, None)
+                    except Exception as e:  # the replica died mid-stream: say so, never end as if done
+                        cause = unwrap_error(e)
+                        failed = _replica_failed(cause) if isinstance(cause, RayActorError) else OpenAIError(
+                            f"internal error: {cause!r}", status_code=500, error_type="server_error")
+                        if failed.status_code == 500:
+                            logger.error("stream %s failed: %r", rid, cause, exc_info=cause)
+                        item = {"error": failed.body()["error"]}
+                    if item is None:  # the replica's stream ended before its last item
+                        item = {"error": error_body("the model server ended the stream early", "server_error")["error"]}
             finally:
                 items.put_nowait((index, None))
 
@@ -528,7 +592,8 @@ class OpenAIIngress:
                     continue
                 if "error" in item:
                     # Mid-stream failure: the status is already sent, so report it in-band.
-                    yield _sse(error_body(item["error"]["message"], item["error"]["type"]))
+                    e = item["error"]
+                    yield _sse(error_body(e["message"], e["type"], e.get("param"), e.get("code")))
                     break
                 last[index] = item
                 text = (item.get("prompt_text") or "") + item["text"]  # echo: the prompt first
@@ -578,11 +643,11 @@ class OpenAIIngress:
                          "owned_by": "multilora-serve", "root": entry["source"], "parent": base})
         return data
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=MODELS)
     async def models(self, authorization: str | None = Header(None)):
         return {"object": "list", "data": await self._model_cards(self._caller(authorization))}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=MODEL)
     async def retrieve_model(self, model: str, authorization: str | None = Header(None)):
         """OpenAI's retrieve model: the object /v1/models lists under this id."""
         cards = await self._model_cards(self._caller(authorization))
@@ -594,7 +659,7 @@ class OpenAIIngress:
             )
         return card
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH)
     async def health(self):
         try:
             stats = await asyncio.wait_for(self._server.health.remote(), _HEALTH_TIMEOUT_S)
@@ -604,7 +669,7 @@ class OpenAIIngress:
         version = stats.pop("registry_version")
         return {"status": "ok", "registry_version": version, "engine": stats}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics(self):
         """Prometheus text: every model-server replica's latest published metrics."""
         # The server handle's router lives in this process and keeps what replicas publish.
@@ -614,7 +679,7 @@ class OpenAIIngress:
 
     # --- tokenizer (vLLM's) -----------------------------------------------------------
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=INFERENCE)
     async def tokenize(self, body: TokenizeRequest, authorization: str | None = Header(None)):
         adapter = await self._adapter(body.model, self._caller(authorization))
         handle = self._server.options(multiplexed_model_id=adapter)
@@ -630,7 +695,7 @@ class OpenAIIngress:
             raise _from_item(result["error"])
         return result
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=INFERENCE)
     async def detokenize(self, body: DetokenizeRequest, authorization: str | None = Header(None)):
         adapter = await self._adapter(body.model, self._caller(authorization))
         handle = self._server.options(multiplexed_model_id=adapter)
@@ -645,35 +710,36 @@ class OpenAIIngress:
         check = _admin_name_check(name, await self._base_name())
         return await self._call_admin("register", check, source, pinned, self._validator)
 
-    @app.post("/v1/adapters", status_code=201)
+    @app.post("/v1/adapters", status_code=201, responses=ADMIN)
     async def register_adapter(self, body: AdapterRegisterRequest, authorization: str | None = Header(None)):
         self._admin_caller(authorization, body.name)
         return await self._register(body.name, body.source, body.pinned)
 
-    @app.get("/v1/adapters")
+    @app.get("/v1/adapters", responses=ADMIN_LIST)
     async def list_adapters(self, authorization: str | None = Header(None)):
         caller = self._admin_caller(authorization)
         snap = await self._call_admin("snapshot", self._base.fingerprint)
         data = [dict(e, name=n) for n, e in sorted(snap["adapters"].items()) if caller.may_admin(n)]
         return {"object": "list", "version": snap["version"], "data": data}
 
-    @app.delete("/v1/adapters/{name}")
+    @app.delete("/v1/adapters/{name}", responses=ADMIN)
     async def unregister_adapter(self, name: str, authorization: str | None = Header(None)):
         self._admin_caller(authorization, name)
         return await self._call_admin("unregister", name, self._base)
 
-    @app.patch("/v1/adapters/{name}")
+    @app.patch("/v1/adapters/{name}", responses=ADMIN)
     async def pin_adapter(self, name: str, body: AdapterPinRequest, authorization: str | None = Header(None)):
         self._admin_caller(authorization, name)
         return await self._call_admin("set_pinned", name, body.pinned, self._base)
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses={**PLAIN_TEXT, **ADMIN})
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, authorization: str | None = Header(None)):
         self._admin_caller(authorization, body.lora_name)
         await self._register(body.lora_name, body.lora_path, False)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+               responses={**PLAIN_TEXT, **ADMIN})
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, authorization: str | None = Header(None)):
         self._admin_caller(authorization, body.lora_name)
         await self._call_admin("unregister", body.lora_name, self._base)

@@ -39,14 +39,14 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequestError naming the first bad field; returns self."""
-        if self.max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens={self.max_tokens} must be >= 0", param="max_tokens")
+        if not 0 <= self.max_tokens < 2**31:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens} must be in [0, 2**31)", param="max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequestError(f"temperature={self.temperature} must be in [0, 100]", param="temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]", param="top_p")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k={self.top_k} must be >= 0 (0 disables it)", param="top_k")
+        if not 0 <= self.top_k < 2**31:
+            raise InvalidRequestError(f"top_k={self.top_k} must be in [0, 2**31) (0 disables it)", param="top_k")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed={self.seed} must be in [0, 2**63)", param="seed")
         for name in ("logprobs", "prompt_logprobs"):

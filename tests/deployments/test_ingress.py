@@ -1,5 +1,7 @@
 """Usage over several choices and prompts, and errors, from the items replicas send the ingress."""
 
+import json
+
 import pytest
 
 from deployments.ingress import _from_item, _usage
@@ -122,6 +124,14 @@ def _edge_app():
     async def chat(body: ChatCompletionRequest):
         return {"messages": body.chat_messages()}
 
+    @test_app.get("/v1/adapters")
+    async def listed():
+        return {}
+
+    @test_app.post("/v1/adapters")
+    async def registered():
+        return {}
+
     return test_app
 
 
@@ -179,8 +189,12 @@ def test_unknown_paths_and_methods_use_the_openai_format():
     assert r.status_code == 404 and r.json()["error"] == {
         "message": "no endpoint GET /v1/nothing", "type": "not_found_error", "param": None, "code": None}
     r = client.get("/v1/completions")
-    assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed"
+    assert r.status_code == 405 and r.json()["error"]["message"] == "GET is not a method of /v1/completions; it " \
+        "takes POST"
     assert r.headers["allow"] == "POST"
+    # A path with several routes names all their methods.
+    r = client.delete("/v1/adapters")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
 
 
 def test_serve_refusals_are_503s_with_retry_after():
@@ -193,3 +207,34 @@ def test_serve_refusals_are_503s_with_retry_after():
     assert "max_queued_requests=2" in full.message
     later = _unavailable(BackPressureError(num_queued_requests=2, max_queued_requests=2, retry_after_s=2.5))
     assert later.headers == {"Retry-After": "3"}
+
+
+def test_the_openapi_schema_documents_every_status_and_content_type():
+    """Each operation lists the statuses it answers with, in the OpenAI error format (no
+    FastAPI 422: bad requests are 400s), and the content types it sends."""
+    from deployments.ingress import app
+
+    schema = app.openapi()
+    ops = {(m.upper(), path): op for path, item in schema["paths"].items() for m, op in item.items()}
+    inference = {"200", "400", "401", "403", "404", "413", "429", "503"}
+    expected = {
+        ("POST", "/v1/completions"): inference, ("POST", "/v1/chat/completions"): inference,
+        ("POST", "/tokenize"): inference, ("POST", "/detokenize"): inference,
+        ("GET", "/v1/models"): {"200", "401", "403", "429", "503"},
+        ("GET", "/v1/models/{model}"): {"200", "401", "403", "404", "429", "503"},
+        ("GET", "/health"): {"200", "503"}, ("GET", "/metrics"): {"200"},
+        ("POST", "/v1/adapters"): {"201", "400", "401", "403", "404", "409", "413", "503"},
+        ("GET", "/v1/adapters"): {"200", "401", "403", "503"},
+    }
+    for key, statuses in expected.items():
+        assert set(ops[key]["responses"]) == statuses, key
+    assert all("422" not in op["responses"] for op in ops.values())
+    assert "HTTPValidationError" not in json.dumps(schema)
+    error = ops["POST", "/v1/completions"]["responses"]["429"]
+    assert error["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert "Retry-After" in error["headers"]
+    assert set(ops["POST", "/v1/completions"]["responses"]["200"]["content"]) == {"application/json",
+                                                                                  "text/event-stream"}
+    assert set(ops["GET", "/metrics"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(ops["POST", "/v1/load_lora_adapter"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(ops["POST", "/v1/load_lora_adapter"]["responses"]["400"]["content"]) == {"application/json"}

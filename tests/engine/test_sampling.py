@@ -77,6 +77,8 @@ def test_sampling_follows_the_distribution():
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=-2), "top_k"),
+        (dict(top_k=2**31), "top_k"),  # would not fit the sampler's int32 rows
+        (dict(max_tokens=2**40), "max_tokens"),
         (dict(stop=("",)), "stop"),
         (dict(stop_token_ids=(500,)), "stop_token_ids"),
     ],
