@@ -12,8 +12,9 @@ another). Every response is one of:
 
 - `ok`: a whole stream (finish reason, then `[DONE]`) whose text is that adapter's answer;
 - `mismatches`: a whole stream with another text (a wrong answer: must be 0);
-- `rejected`: a 429 or 503 in the OpenAI format with `Retry-After`, or a stream that ends
-  with an error event (the replica it was on died): clean refusals to retry;
+- `rejected:<code>`: a 429 or 503 in the OpenAI format with `Retry-After` (`overloaded`:
+  the queue was full; `replica_failed`: sent to the killed replica), or `rejected:event-<code>`,
+  a stream that ended with an error event (the replica it was on died): clean refusals;
 - `errors_5xx`: any other 5xx (must be 0);
 - `lost`: accepted, then neither a whole answer nor an error: a stream cut off, a request
   that never finished (must be 0).
@@ -54,19 +55,23 @@ def _prompt(i: int) -> str:
 
 
 async def _one(client: httpx.AsyncClient, body: dict) -> tuple[str, str]:
-    """(outcome, text) of one streamed completion; outcome is ok, rejected, error_5xx or lost
-    (the text is compared by the caller)."""
-    text, done, finished, errored = [], False, False, False
+    """(outcome, text) of one streamed completion; outcome is ok, rejected:<why>, error_5xx or
+    lost (the text is compared by the caller). A refusal's why is its error code, with
+    `event-` ahead when it came as a stream's error event."""
+    text, done, finished, errored = [], False, False, None
     try:
         async with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
             if r.status_code != 200:
                 raw = await r.aread()
                 clean = r.status_code in (429, 503) and "retry-after" in r.headers
                 try:
-                    clean = clean and "message" in json.loads(raw)["error"]
+                    error = json.loads(raw)["error"]
+                    clean = clean and "message" in error
                 except (ValueError, KeyError, TypeError):
                     clean = False
-                return ("rejected" if clean else "error_5xx" if r.status_code >= 500 else "lost"), raw.decode()[:200]
+                if clean:
+                    return f"rejected:{error.get('code')}", raw.decode()[:200]
+                return ("error_5xx" if r.status_code >= 500 else "lost"), raw.decode()[:200]
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -75,15 +80,15 @@ async def _one(client: httpx.AsyncClient, body: dict) -> tuple[str, str]:
                     continue
                 event = json.loads(line[len("data: "):])
                 if "error" in event:
-                    errored = True
+                    errored = event["error"].get("code")
                     continue
                 for choice in event.get("choices", []):
                     text.append(choice["text"])
                     finished = finished or choice.get("finish_reason") is not None
     except (httpx.HTTPError, ValueError):
         return "lost", "".join(text)
-    if errored:
-        return "rejected", "".join(text)
+    if errored is not None:
+        return f"rejected:event-{errored}", "".join(text)
     return ("ok" if done and finished else "lost"), "".join(text)
 
 
@@ -125,7 +130,7 @@ async def _load(url: str, bodies: list[dict], expected: list[str], streams: int,
                     outcome = "mismatch"
                     notes.append(f"adapter {j}: {text!r} != {expected[j]!r}")
                 counts[outcome] += 1
-                if outcome == "rejected":
+                if outcome.startswith("rejected"):
                     await asyncio.sleep(0.2)  # as a client honouring Retry-After would, if less patiently
                 i += 1
 
@@ -206,13 +211,14 @@ def main(argv: list[str] | None = None) -> None:
     for note in notes[:10]:
         _progress(note)
     requests = sum(counts.values())
-    print_table(["outcome", "requests"], [[k, counts.get(k, 0)] for k in
-                                          ("ok", "mismatch", "rejected", "error_5xx", "lost")])
+    rejected = sum(v for k, v in counts.items() if k.startswith("rejected"))
+    why = sorted(k for k in counts if k.startswith("rejected:"))
+    print_table(["outcome", "requests"], [[k, counts.get(k, 0)] for k in ("ok", "mismatch", *why, "error_5xx", "lost")])
     print_table(["requests/s", "ok tokens/s", "replacement up after load (s)", "answers after", "ingress RSS MB"],
                 [[requests / load_s, counts["ok"] * NEW_TOKENS / load_s, recovered_s,
                   "same" if recovered else "DIFFERENT", " -> ".join(f"{v:.0f}" for v in rss)]])
     print(f"requests={requests} errors_5xx={counts['error_5xx']} mismatches={counts['mismatch']} "
-          f"rejected={counts['rejected']} lost={counts['lost']} rss_growth_mb={rss[-1] - rss[0]:.1f}")
+          f"rejected={rejected} lost={counts['lost']} rss_growth_mb={rss[-1] - rss[0]:.1f}")
 
 
 if __name__ == "__main__":
