@@ -64,7 +64,7 @@ class AccessControl:
 
     def install(self, text: str) -> bool:
         """Parses the keys file's text and puts it in force; False when it is unchanged. A bad
-        file raises ValueError (naming the key and field) and changes nothing."""
+        file raises KeysFileError (naming the key and field) and changes nothing."""
         if text == self._text:
             return False
         ring = KeyRing.from_json(text, self.keys_url)

@@ -36,6 +36,10 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
+class KeysFileError(ValueError):
+    """A keys file, or a key entry, that is not valid; the message names the key and field."""
+
+
 def digest(secret: str) -> str:
     """The hex SHA-256 of a key's secret: what a keys file stores. API keys are long random
     strings, so a fast hash is enough (there is no password to guess)."""
@@ -73,38 +77,38 @@ class ApiKey:
 def _entry(i: int, raw, url: str) -> ApiKey:
     where = f"keys file {url!r}, key {i}"
     if not isinstance(raw, dict):
-        raise ValueError(f"{where}: must be an object, not {type(raw).__name__}")
+        raise KeysFileError(f"{where}: must be an object, not {type(raw).__name__}")
     name = raw.get("name")
     if isinstance(name, str):
         where = f"keys file {url!r}, key {name!r}"
     if unknown := sorted(set(raw) - _FIELDS):
-        raise ValueError(f"{where}: unknown fields {unknown} (known: {sorted(_FIELDS)})")
+        raise KeysFileError(f"{where}: unknown fields {unknown} (known: {sorted(_FIELDS)})")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"{where}: name={name!r} must be 1-128 letters, digits, '.', '_' or '-'")
+        raise KeysFileError(f"{where}: name={name!r} must be 1-128 letters, digits, '.', '_' or '-'")
     sha = raw.get("sha256")
     if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
-        raise ValueError(f"{where}: sha256 must be the 64 lower-case hex digits of the key's SHA-256 "
-                         "(python -m cluster.api_keys hash); a key's secret is never stored")
+        raise KeysFileError(f"{where}: sha256 must be the 64 lower-case hex digits of the key's SHA-256 "
+                            "(python -m cluster.api_keys hash); a key's secret is never stored")
     role = raw.get("role", "inference")
     if role not in ROLES:
-        raise ValueError(f"{where}: role={role!r} must be one of {list(ROLES)}")
+        raise KeysFileError(f"{where}: role={role!r} must be one of {list(ROLES)}")
     adapters = raw.get("adapters", [])
     if not isinstance(adapters, list) or not all(isinstance(p, str) and p.strip() for p in adapters):
-        raise ValueError(f"{where}: adapters must be a list of adapter names or name prefixes ending in '*'")
+        raise KeysFileError(f"{where}: adapters must be a list of adapter names or name prefixes ending in '*'")
     if bad := [p for p in adapters if "*" in p[:-1]]:
-        raise ValueError(f"{where}: adapters {bad}: '*' may only end a pattern (a name prefix)")
+        raise KeysFileError(f"{where}: adapters {bad}: '*' may only end a pattern (a name prefix)")
     base_model = raw.get("base_model", False)
     if not isinstance(base_model, bool):
-        raise ValueError(f"{where}: base_model={base_model!r} must be true or false")
+        raise KeysFileError(f"{where}: base_model={base_model!r} must be true or false")
     if role == "admin" and base_model:
-        raise ValueError(f"{where}: an admin key cannot generate, so base_model must be false")
+        raise KeysFileError(f"{where}: an admin key cannot generate, so base_model must be false")
     limits = {}
     for field in ("requests_per_minute", "tokens_per_minute"):
         v = raw.get(field)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{where}: {field}={v!r} must be a positive integer or null (no limit)")
+            raise KeysFileError(f"{where}: {field}={v!r} must be a positive integer or null (no limit)")
         if v is not None and role == "admin":
-            raise ValueError(f"{where}: {field} applies to inference keys only")
+            raise KeysFileError(f"{where}: {field} applies to inference keys only")
         limits[field] = v
     return ApiKey(name=name, sha256=sha, role=role, adapters=tuple(adapters), base_model=base_model, **limits)
 
@@ -117,13 +121,13 @@ class KeyRing:
 
     @classmethod
     def from_json(cls, text: str, url: str) -> "KeyRing":
-        """Parses a keys file; any fault is a ValueError naming the file, the key and the field."""
+        """Parses a keys file; any fault is a KeysFileError naming the file, the key and the field."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"keys file {url!r} is not valid JSON: {e}") from None
+            raise KeysFileError(f"keys file {url!r} is not valid JSON: {e}") from None
         if not isinstance(data, dict) or set(data) != {"keys"} or not isinstance(data["keys"], list):
-            raise ValueError(f"keys file {url!r} must be an object with one field, 'keys', a list of keys")
+            raise KeysFileError(f"keys file {url!r} must be an object with one field, 'keys', a list of keys")
         keys = tuple(_entry(i, raw, url) for i, raw in enumerate(data["keys"]))
         for field in ("name", "sha256"):
             seen: set[str] = set()
@@ -131,7 +135,7 @@ class KeyRing:
                 value = getattr(k, field)
                 if value in seen:
                     shown = repr(value) if field == "name" else f"of key {k.name!r}"
-                    raise ValueError(f"keys file {url!r}: two keys have the same {field} {shown}")
+                    raise KeysFileError(f"keys file {url!r}: two keys have the same {field} {shown}")
                 seen.add(value)
         return cls(keys)
 
@@ -169,9 +173,9 @@ def _append(path: str, entry: dict) -> None:
     except FileNotFoundError:
         doc = {"keys": []}
     except json.JSONDecodeError as e:
-        raise ValueError(f"keys file {path!r} is not valid JSON: {e}") from None
+        raise KeysFileError(f"keys file {path!r} is not valid JSON: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list):
-        raise ValueError(f"keys file {path!r} must be an object with one field, 'keys', a list of keys")
+        raise KeysFileError(f"keys file {path!r} must be an object with one field, 'keys', a list of keys")
     doc["keys"].append(entry)
     text = json.dumps(doc, indent=1)
     KeyRing.from_json(text, path)  # e.g. a name already there
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as e:
+    except KeysFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
