@@ -240,11 +240,13 @@ async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
 
 
 async def _replica_call(response):
-    """A unary replica call's result, with Serve's refusals as our 503s."""
+    """A unary replica call's result, with Serve's refusals and a dead replica as our 503s."""
     try:
         return await response
     except _REFUSED_BY_SERVE as e:
         raise _unavailable(e) from None
+    except RayActorError as e:
+        raise _replica_failed(e) from None
 
 
 def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
