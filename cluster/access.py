@@ -75,8 +75,7 @@ class AccessControl:
     def key_names(self) -> list[str]:
         return [] if self._ring is None else [k.name for k in self._ring.keys]
 
-    def _key(self, authorization: str | None) -> ApiKey | None:
-        token = bearer(authorization)
+    def _key(self, token: str) -> ApiKey | None:
         return None if self._ring is None else self._ring.identify(token)
 
     def inference(self, authorization: str | None) -> Caller:
@@ -84,7 +83,7 @@ class AccessControl:
         key, 403 an admin key) or RateLimited (429) otherwise. Admits one request."""
         if not self.enabled:
             return Caller()
-        key = self._key(authorization)
+        key = self._key(bearer(authorization))
         if key is None:
             raise AuthError(401, "the API key is not valid (send 'Authorization: Bearer <key>')")
         if key.role != "inference":
@@ -100,7 +99,7 @@ class AccessControl:
         token = bearer(authorization)
         if self._admin.matches(token):
             return Caller()
-        key = None if self._ring is None else self._ring.identify(token)
+        key = self._key(token)
         if key is None:
             raise AuthError(401, "the admin token or API key is not valid")
         if key.role != "admin":

@@ -249,6 +249,12 @@ async def _replica_call(response):
         raise _replica_failed(e) from None
 
 
+def _model_not_found(model: str, base: str) -> OpenAIError:
+    """The one 404 for a model that does not exist or that the caller's key may not use."""
+    return OpenAIError(f"model {model!r} is neither the base model {base!r} nor an adapter registered for it",
+                       status_code=404, error_type="not_found_error", param="model")
+
+
 def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
     return OpenAIError(str(e), status_code=e.status_code, error_type=e.error_type, param=param)
 
@@ -379,8 +385,7 @@ class OpenAIIngress:
         metric label. So is a model the caller's API key may not use: the same 404, so a key
         cannot tell another tenant's adapters from names that do not exist."""
         base = await self._base_name()
-        missing = OpenAIError(f"model {model!r} is neither the base model {base!r} nor an adapter registered "
-                              "for it", status_code=404, error_type="not_found_error", param="model")
+        missing = _model_not_found(model, base)
         # The configured checkpoint path also names the base model, as in vLLM.
         is_base = model in (base, self._args.model)
         if not caller.may_use(model, is_base=is_base):
@@ -436,7 +441,7 @@ class OpenAIIngress:
             first = await anext(stream)
         except StopAsyncIteration:
             raise OpenAIError("the model returned no output", status_code=500, error_type="server_error") from None
-        except _REFUSED_BY_SERVE as e:
+        except _REFUSED_BY_SERVE as e:  # here, not via _replica_call: wrapped so, Serve answered it itself
             raise _unavailable(e) from None
         except RayActorError as e:
             raise _replica_failed(e) from None
@@ -655,10 +660,7 @@ class OpenAIIngress:
         cards = await self._model_cards(self._caller(authorization))
         card = next((c for c in cards if c["id"] == model), None)
         if card is None:
-            raise OpenAIError(
-                f"model {model!r} is neither the base model {await self._base_name()!r} nor a registered adapter",
-                status_code=404, error_type="not_found_error", param="model",
-            )
+            raise _model_not_found(model, await self._base_name())
         return card
 
     @app.get("/health", responses=HEALTH)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import time
 import uuid
 from typing import Literal
@@ -12,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_LOGPROBS = 20
 MAX_CHOICES = 16  # most choices (n) one request may ask for
 MAX_PROMPTS = 64  # most prompts one completions request may carry, and most sequences (prompts x n)
+_TOKEN_ID = re.compile(r"\s*[+-]?\d+\s*")  # what int() reads as a token id (range checked later)
 MAX_STOP = 16  # most stop strings one request may give
 MAX_STOP_CHARS = 256  # longest stop string
 
@@ -129,10 +132,8 @@ class _Request(_Body):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            try:
-                int(key)
-            except ValueError:
-                raise ValueError(f"logit_bias key {key!r} is not a token id") from None
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
         return v
 
     @field_validator("stop")
