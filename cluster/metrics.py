@@ -38,6 +38,8 @@ ENGINE_COUNTERS = {
     "prefix_cache_hit_tokens": "Prompt tokens found in the prefix cache (not recomputed)",
     "extend_steps": "Engine steps that computed a prompt chunk over a cached prefix or earlier chunks",
     "preemptions": "Running sequences whose KV blocks were taken back (recomputed later) when blocks ran out",
+    "failed_steps": "Engine steps that raised (the requests that caused it failed, or were run alone to tell)",
+    "isolated_steps": "Engine steps run with one suspect request of a failed step alone",
 }
 # Engine.stats() gauges exported as they are: the KV cache's blocks and the memory plan (bytes per device).
 ENGINE_GAUGES = {

@@ -5,6 +5,14 @@ waiting requests between decode steps (continuous batching), runs at most one pa
 prefill step and one decode step per iteration, and hands each request its new tokens
 and text through a callback. Only the loop thread touches the scheduler, the runner
 and the LoRA pool.
+
+A failure fails the requests that caused it, where that can be told, and the loop serves
+on. Host work on one sequence's output (its tokens, text, stop strings) that raises fails
+that sequence alone. A step (inputs, device call) that raises with one sequence in it
+fails that sequence; with several, they become suspects: each is then run alone for
+`ISOLATION_STEPS` steps while the others pause, and one whose lone step fails again is the
+one failed. A step that consumed the KV cache (donated) takes every running sequence's
+K/V with it: those are recomputed from their tokens (as after a preemption), not failed.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.runner import ModelRunner, Sampled, StepInputs, history_bucket
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
-from lora_runtime.engine.scheduler import Scheduler
+from lora_runtime.engine.scheduler import Admission, Scheduler
 from lora_runtime.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 from lora_runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -41,6 +49,8 @@ __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 # ROWS_CHUNK_MAX tokens each (C tokens per sequence, padded).
 ROWS_CHUNK_MAX = 64
 ROWS_SEQUENCES = 8
+# Steps a suspect of a failed step runs alone before it rejoins the batch: its prefill and a decode.
+ISOLATION_STEPS = 2
 
 
 class Engine:
@@ -76,10 +86,13 @@ class Engine:
             "prefill_seconds": 0.0, "decode_seconds": 0.0, "decode_row_steps": 0,
             "max_batch_adapters": 0,  # most distinct adapters seen in one decode step
             "extend_steps": 0,  # chunks of prompts computed over a cached prefix or earlier chunks
+            "failed_steps": 0,  # steps that raised (their requests failed, or were run alone to tell)
+            "isolated_steps": 0,  # steps run with one suspect alone
         }
         self.memory_plan = None  # the MemoryPlan the cache was sized by (set by the builder)
         self.warm_compiles: int | None = None  # executables warm-up built (JAX's compile events)
         self._loop_builds = 0
+        self._phase: list[Sequence] = []  # the sequences of the part of a step now running
 
     @classmethod
     def from_pretrained(
@@ -331,8 +344,11 @@ class Engine:
         params: SamplingParams | Seq[SamplingParams],
         adapters: Seq[str | None] | None = None,
         timeout_s: float = 300.0,
+        *,
+        return_errors: bool = False,
     ) -> list[RequestOutput]:
-        """Runs requests to completion from a plain thread; one merged output each."""
+        """Runs requests to completion from a plain thread; one merged output each. The first
+        failed request's error is raised, or with `return_errors` left in its output's `error`."""
         n = len(prompts)
         params = [params] * n if isinstance(params, SamplingParams) else list(params)
         adapters = list(adapters) if adapters is not None else [None] * n
@@ -356,7 +372,7 @@ class Engine:
             if not done.acquire(timeout=timeout_s):
                 raise TimeoutError(f"requests did not finish within {timeout_s}s")
         for r in results:
-            if r.error is not None:
+            if r.error is not None and not return_errors:
                 raise r.error
         return results
 
@@ -394,13 +410,9 @@ class Engine:
                 continue
             try:
                 self._step()
-            except Exception as err:  # a failed step fails the requests in it, not the server
+            except Exception as err:  # a failed step fails the requests that caused it, not the server
                 logger.exception("engine step failed")
-                for seq in list(self.scheduler.running.values()):
-                    self._fail(seq, err)
-                if self.runner.reset_if_lost():  # the step had consumed the cache it was given
-                    logger.warning("the KV cache was lost with the failed step; it starts empty")
-                    self.scheduler.forget_cached()
+                self._recover(err)
             self.scheduler.step += 1
         for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
             seq.abort()
@@ -434,32 +446,88 @@ class Engine:
 
     def _step(self) -> None:
         """One engine step: prompts (packed fresh ones, then chunks of the rest) up to the
-        prefill budget, then one decode step of every running sequence past its prompt."""
+        prefill budget, then one decode step of every running sequence past its prompt.
+        While a suspect of a failed step is being told apart, the step runs it alone."""
         budget = self.config.prefill_budget
         scheduler = self.scheduler
+        self._phase = []
         # Prompts being chunked keep at least half the budget (so a stream of short prompts
         # cannot starve them) and take whatever the fresh prompts leave.
         reserved = min(budget // 2, sum(s.prefill_len - s.computed for s in scheduler.extending))
-        admission = scheduler.admit(budget - reserved)
+        # A suspect runs alone once it is admitted; until it can be, the others go on (they
+        # may hold the blocks it waits for).
+        alone = next((s for s in scheduler.running.values() if s.suspect_steps > 0), None)
+        waiting = next((s for s in scheduler.waiting if s.suspect_steps > 0), None)
+        admission = Admission()
+        if alone is None and waiting is not None:
+            admission = self._admit(budget - reserved, only=waiting)
+            alone = waiting if admission.placed else None
+        if alone is None:
+            admission = self._admit(budget - reserved)
+        if admission.packed:
+            self._prefill(admission.packed)
+        extended = self._extend_chunks(budget - sum(s.prefill_len for s in admission.packed), alone)
+        scheduler.reserve_decode_blocks()
+        decoding = [s for s in scheduler.decoding() if alone is None or s is alone]
+        if decoding:
+            self._decode(decoding)
+        if alone is not None and (admission.packed or extended or decoding):
+            alone.suspect_steps -= 1  # a step it passed alone
+            self.counters["isolated_steps"] += 1
+        if not (admission.packed or extended or decoding):
+            # Waiting on adapter fetches or blocks only: yield the CPU instead of spinning.
+            self._wake.wait(timeout=0.005)
+            self._wake.clear()
+
+    def _admit(self, budget: int, only: Sequence | None = None) -> Admission:
+        """Admits waiting sequences (scheduler.admit) and readies their rows."""
+        self._phase = [only] if only is not None else [s for s in self.scheduler.waiting if s.suspect_steps == 0]
+        admission = self.scheduler.admit(budget, only=only)
+        self._phase = []
         for seq, err in admission.failed:
             self._fail(seq, err)
         for seq in admission.placed:
             if seq.params.penalized:  # the row's penalty state starts from this sequence's tokens
                 self.runner.init_row(seq.row, seq.token_ids(), len(seq.prompt_ids))
-        if admission.packed:
-            self._prefill(admission.packed)
-        extended = self._extend_chunks(budget - sum(s.prefill_len for s in admission.packed))
-        scheduler.reserve_decode_blocks()
-        decoding = scheduler.decoding()
-        if decoding:
-            self._decode(decoding)
-        elif not admission.packed and not extended:
-            # Waiting on adapter fetches or blocks only: yield the CPU instead of spinning.
-            self._wake.wait(timeout=0.005)
-            self._wake.clear()
+        return admission
+
+    def _recover(self, err: Exception) -> None:
+        """After a step raised: fails the sequence(s) it can be pinned on, makes the rest of
+        the step's sequences suspects, and recomputes every running sequence if the KV
+        cache went with the step."""
+        self.counters["failed_steps"] += 1
+        involved = [s for s in self._phase if not s.finished] or list(self.scheduler.running.values())
+        self._phase = []
+        suspects = [s for s in involved if s.suspect_steps > 0]
+        if len(involved) == 1 or suspects:
+            for seq in suspects or involved:
+                self._fail(seq, err)
+        else:
+            logger.warning("a step of %d requests failed; each is run alone to tell which caused it", len(involved))
+            for seq in involved:
+                seq.suspect_steps = ISOLATION_STEPS
+        lost = self.runner.reset_if_lost()  # the step had consumed the cache it was given
+        if lost:
+            logger.warning("the KV cache was lost with the failed step; running requests are recomputed")
+            self.scheduler.forget_cached()
+        # Suspects start over from their tokens, one at a time; so does everyone if the cache went.
+        redo = [s for s in self.scheduler.running.values() if lost or s.suspect_steps > 0]
+        for seq in sorted(redo, key=lambda s: s.order, reverse=True):
+            self.scheduler.preempt(seq)  # the oldest ends up first in the queue
+
+    def _settle(self, seq: Sequence, fn: Callable[..., None], *args) -> None:
+        """One sequence's host work on a finished step's result; if it raises, that sequence
+        alone fails."""
+        try:
+            fn(*args)
+        except Exception as err:
+            logger.exception("request %s failed on its step's output", seq.request_id)
+            if not seq.closed:  # else its last output was handed over before the failure
+                self._fail(seq, err)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Computes fresh sequences packed back to back (each attends to itself only)."""
+        self._phase = list(seqs)
         total = sum(s.prefill_len for s in seqs)
         bucket = next(b for b in self.config.prefill_buckets() if b >= total)
         tokens = np.zeros(bucket, np.int32)
@@ -497,7 +565,7 @@ class Engine:
         self.counters["prompt_tokens"] += total
         for i, seq in enumerate(seqs):
             self.scheduler.computed(seq, seq.prefill_len)
-            self._first_token(seq, sampled, i)
+            self._settle(seq, self._first_token, seq, sampled, i)
 
     def _first_token(self, seq: Sequence, sampled: Sampled, i: int) -> None:
         if seq.params.max_tokens == 0:
@@ -506,12 +574,14 @@ class Engine:
         else:
             self._append(seq, sampled, i)
 
-    def _extend_chunks(self, budget: int) -> bool:
+    def _extend_chunks(self, budget: int, alone: Sequence | None = None) -> bool:
         """Computes chunks of extending sequences up to `budget` tokens: the short rests of
-        several prompts (after a cached prefix) in one step, then chunks oldest first."""
+        several prompts (after a cached prefix) in one step, then chunks oldest first. With
+        `alone`, only that sequence's."""
         ran = False
         short, used = [], 0
-        for seq in self.scheduler.extending:
+        extending = [s for s in self.scheduler.extending if alone is None or s is alone]
+        for seq in extending:
             n = seq.prefill_len - seq.computed
             if len(short) == self._rows_sequences:
                 break
@@ -522,7 +592,7 @@ class Engine:
             self._extend_rows(short)
             budget -= used
             ran = True
-        for seq in list(self.scheduler.extending):
+        for seq in [s for s in self.scheduler.extending if s in extending]:
             n = min(seq.prefill_len - seq.computed, budget)
             if n <= 0:
                 break
@@ -571,6 +641,7 @@ class Engine:
     def _extend_rows(self, seqs: list[Sequence]) -> None:
         """Computes the whole rest of several prompts in one step, C tokens per sequence, and
         samples their next tokens."""
+        self._phase = list(seqs)
         rest = [seq.prefill_len - seq.computed for seq in seqs]
         c = next(b for b in self._rows_buckets() if b >= max(rest))
         e = self._rows_sequences
@@ -590,11 +661,12 @@ class Engine:
         for i, (seq, n) in enumerate(zip(seqs, rest)):
             self.counters["prompt_tokens"] += n
             self.scheduler.computed(seq, n)
-            self._first_token(seq, sampled, i)
+            self._settle(seq, self._first_token, seq, sampled, i)
 
     def _extend(self, seq: Sequence, n: int) -> None:
         """Computes tokens [computed, computed + n) of one sequence over its blocks; the last
         chunk samples its next token."""
+        self._phase = [seq]
         start = seq.computed
         final = start + n == seq.prefill_len
         bucket = next(b for b in self.config.prefill_buckets() if b >= n)
@@ -618,7 +690,7 @@ class Engine:
         self.counters["prompt_tokens"] += n
         self.scheduler.computed(seq, n)
         if final:
-            self._first_token(seq, sampled, 0)
+            self._settle(seq, self._first_token, seq, sampled, 0)
 
     def _read_prompt_logprobs(self, seqs: list[Sequence], tokens: np.ndarray) -> None:
         """Each asking sequence's prompt log-probabilities, from the prefill just run."""
@@ -633,6 +705,7 @@ class Engine:
             offset += n
 
     def _decode(self, active: list[Sequence]) -> None:
+        self._phase = list(active)
         b = self.config.max_batch
         sampling_rows: list = [None] * b
         members = []
@@ -649,7 +722,7 @@ class Engine:
         self.counters["max_batch_adapters"] = max(self.counters["max_batch_adapters"], distinct)
         for seq in active:
             self.scheduler.computed(seq, 1)
-            self._append(seq, sampled, seq.row)
+            self._settle(seq, self._append, seq, sampled, seq.row)
 
     def _append(self, seq: Sequence, sampled: Sampled, i: int) -> None:
         n = seq.params.logprobs
@@ -734,6 +807,7 @@ def _token_logprob(sampled: Sampled, i: int, n: int) -> TokenLogprob:
 
 def _deliver(seq: Sequence, out: RequestOutput) -> None:
     """Hands an output to its consumer; a consumer that has gone away never stops the loop."""
+    seq.closed = seq.closed or out.finished
     try:
         seq.emit(out)
     except Exception:  # e.g. the caller's event loop is closed after a disconnect

@@ -103,7 +103,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self, packed_budget: int | None = None) -> Admission:
+    def admit(self, packed_budget: int | None = None, only: Sequence | None = None) -> Admission:
         """Moves waiting sequences into free rows while blocks last.
 
         At most `packed_budget` prompt tokens (default the whole prefill budget) go to this
@@ -111,6 +111,8 @@ class Scheduler:
         budget, are placed in `extending`. A sequence is admitted only if its prefill's blocks
         fit beside the blocks the running sequences are expected to grow into (`growth_ratio`
         of their remaining max_tokens, at least a block each), so decode rarely preempts.
+        With `only`, no other sequence is considered (a suspect of a failed step, which the
+        engine runs alone); without, suspects are not considered.
         """
         out = Admission()
         if not self.waiting or not self.free_rows:
@@ -118,11 +120,15 @@ class Scheduler:
         budget = self.config.prefill_budget
         packed_budget = budget if packed_budget is None else packed_budget
         oldest = self.waiting[0]
-        starving = self.step - oldest.arrival > self.config.max_wait_steps
-        if starving:
+        starving = only is None and self.step - oldest.arrival > self.config.max_wait_steps
+        if only is not None:
+            candidates = [only] if only in self.waiting else []
+        elif starving:
             candidates = [oldest]  # starving: nothing else joins until it does
         else:
             candidates = sorted(self.waiting, key=lambda s: (not self._is_warm(s), s.arrival, s.order))
+        if only is None:
+            candidates = [s for s in candidates if s.suspect_steps == 0]
         used = 0
         self.growth_ratio = max(GROWTH_RATIO_MIN, self.growth_ratio - GROWTH_RATIO_DECAY)
         reserve = sum(self._growth(s) for s in self.running.values())

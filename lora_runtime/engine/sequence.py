@@ -67,6 +67,7 @@ class Sequence:
     kv_key: bytes | None = None  # what its K/V depend on besides tokens: the adapter's content, or none
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # hash chain of its full blocks
     preemptions: int = 0  # times its blocks were taken back to be recomputed later
+    suspect_steps: int = 0  # steps it must still pass alone after a failed step it was in (engine.py)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set at prefill when asked; [0] is None
@@ -76,6 +77,7 @@ class Sequence:
     emitted_text: int = 0
     emitted_tokens: int = 0
     finish_reason: FinishReason | None = None
+    closed: bool = False  # its last output (finished) was handed to its consumer
 
     @property
     def num_tokens(self) -> int:

@@ -339,7 +339,7 @@ def test_cached_prefixes_are_per_adapter_version(checkpoint, adapters):
         names = ["r8_rslora", "r8_qv", None]
         engine.generate_batch([first] * 3, GREEDY, names)
         scheduler, admit = engine.scheduler, engine.scheduler.admit
-        scheduler.admit = lambda *a: Admission() if 0 < len(scheduler.waiting) < 3 else admit(*a)
+        scheduler.admit = lambda *a, **kw: Admission() if 0 < len(scheduler.waiting) < 3 else admit(*a, **kw)
         before = engine.stats()["extend_steps"]
         try:
             outs = engine.generate_batch([second] * 3, GREEDY, names)

@@ -161,7 +161,7 @@ def test_decoding_goes_on_between_chunks(chunked):
     admit = scheduler.admit
     # Both are admitted in one step (however the submitting thread is scheduled): whole, the
     # long prompt would give its one token in that step, before the short request's third.
-    scheduler.admit = lambda *a: Admission() if 0 < len(scheduler.waiting) < 2 else admit(*a)
+    scheduler.admit = lambda *a, **kw: Admission() if 0 < len(scheduler.waiting) < 2 else admit(*a, **kw)
     try:
         chunked.submit(SYSTEM * 2, SamplingParams(max_tokens=1, temperature=0.0), emitter("long"))
         chunked.submit("hi", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), emitter("short"))
@@ -259,10 +259,10 @@ def test_the_rests_of_several_cached_prompts_are_computed_in_one_step(engine, hf
     scheduler = engine.scheduler
     admit = scheduler.admit
 
-    def admit_together(*args):  # hold admissions until all three have arrived
+    def admit_together(*args, **kw):  # hold admissions until all three have arrived
         if 0 < len(scheduler.waiting) < len(questions):
             return Admission()
-        return admit(*args)
+        return admit(*args, **kw)
 
     scheduler.admit = admit_together
     before = engine.stats()
