@@ -54,7 +54,7 @@ class ServedApp:
         self.admin_token = admin_token
 
     def register(self, name: str, source: str) -> None:
-        r = httpx.post(f"{self.url}/v1/adapters", json={"name": name, "source": source},
+        r = httpx.post(f"{self.url}/v1/adapters", json={"name": name, "source": source, "replace": True},
                        headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=300)
         r.raise_for_status()
 

@@ -43,6 +43,12 @@ class AdapterConflictError(ServingError):
     error_type = "conflict_error"
 
 
+class AdapterExistsError(AdapterConflictError):
+    """A registration names an adapter that is registered already, without asking to replace it."""
+
+    code = "adapter_exists"
+
+
 class AdapterValidator:
     """Checks an adapter's files against the base model and the server's limits."""
 
@@ -167,18 +173,20 @@ class AdminActor:
             )
         return entry
 
-    async def register(self, name: str, source: str, pinned: bool, validator: AdapterValidator) -> dict:
-        """Validates adapter ``name`` against ``validator``'s base model, then stores it;
-        re-registering replaces the entry. A name held by another base model is refused."""
+    async def register(self, name: str, source: str, pinned: bool, validator: AdapterValidator, *,
+                       replace: bool = False) -> dict:
+        """Validates adapter ``name`` against ``validator``'s base model, then stores it. A
+        name registered already is refused unless ``replace`` (then the entry is replaced, a
+        new version); a name held by another base model is refused either way."""
         check_adapter_name(name)
         if not isinstance(source, str) or not source.strip():
             raise InvalidRequestError(f"adapter source={source!r} must be a path or URL")
         base = validator.base()
-        self._changeable(name, base)  # refused before any file is read
+        self._check_new(name, base, replace)  # refused before any file is read
         # Validation reads files (maybe remote): off the event loop so long-polls keep going.
         facts = await asyncio.to_thread(validator.validate, name, source)
         async with self._lock:
-            self._changeable(name, base)  # another base model may have taken it meanwhile
+            self._check_new(name, base, replace)  # it may have been registered meanwhile
             doc = self._doc.copy()
             doc.version += 1
             doc.adapters[name] = {
@@ -190,6 +198,13 @@ class AdminActor:
             }
             self._commit(doc)
             return dict(doc.adapters[name], name=name)
+
+    def _check_new(self, name: str, base: BaseModel, replace: bool) -> None:
+        entry = self._changeable(name, base)
+        if entry is not None and not replace:
+            raise AdapterExistsError(
+                f"adapter {name!r} is registered already (source {entry['source']!r}, version {entry['version']}); "
+                "register it with replace=true to replace it, or unregister it first", param="name")
 
     async def ensure_registered(self, adapters: dict[str, str], validator: AdapterValidator) -> dict:
         """Registers each ``name -> source`` the registry lacks. Returns ``{"added": [names],

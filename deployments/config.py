@@ -79,6 +79,9 @@ class AppArgs(BaseModel):
         1, ge=1, description="Adapters with modules_to_save copies each replica holds on its devices at once.")
     max_cpu_loras: int = Field(64, description="Adapters kept in each replica's host cache.")
     max_adapter_bytes: int = Field(1 << 30, description="Largest adapter accepted, in bytes.")
+    adapter_load_timeout_s: float = Field(
+        30.0, gt=0, description="How long requests wait for an adapter being fetched from its storage; past it "
+        "they fail with a 503 (adapter_unavailable) while the fetch goes on for later requests.")
     lora_backend: str = Field("auto", description="LoRA backend: auto, reference, xla or pallas.")
     dtype: str | None = Field(None, description="float32, bfloat16, or None for the checkpoint's.")
     compilation_cache_dir: str | None = Field(
@@ -310,6 +313,7 @@ class AppArgs(BaseModel):
             dtype=self.dtype,
             adapter_roots=self.adapter_roots,
             max_adapter_bytes=self.max_adapter_bytes,
+            adapter_load_timeout_s=self.adapter_load_timeout_s,
             compilation_cache_dir=self.compilation_cache_dir,
         )
 

@@ -256,12 +256,13 @@ def _model_not_found(model: str, base: str) -> OpenAIError:
 
 
 def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
-    return OpenAIError(str(e), status_code=e.status_code, error_type=e.error_type, param=param)
+    return OpenAIError(str(e), status_code=e.status_code, error_type=e.error_type, param=param, code=e.code)
 
 
 def _from_item(err: dict) -> OpenAIError:
     param = err.get("param") or ("model" if err["status_code"] == 404 else None)
-    return OpenAIError(err["message"], status_code=err["status_code"], error_type=err["type"], param=param)
+    return OpenAIError(err["message"], status_code=err["status_code"], error_type=err["type"], param=param,
+                       code=err.get("code"))
 
 
 def _choice_id(rid: str, k: int, count: int) -> str:
@@ -401,13 +402,19 @@ class OpenAIIngress:
             raise missing
         return model
 
-    async def _call_admin(self, method: str, *args):
+    async def _call_admin(self, method: str, *args, **kwargs):
         try:
-            return await getattr(self._admin, method).remote(*args)
+            return await getattr(self._admin, method).remote(*args, **kwargs)
         except Exception as e:  # Ray wraps what the actor raised
             cause = unwrap_error(e)
             if isinstance(cause, ServingError):
                 raise _from_serving(cause) from None
+            if isinstance(cause, RayActorError):
+                # The registry is written whole or not at all: the change happened or it did not.
+                raise OpenAIError(
+                    f"the adapter registry's actor failed during {method} and is restarting; list the adapters "
+                    "(GET /v1/adapters) to see whether the change was made, then retry", status_code=503,
+                    error_type="server_error", code="admin_unavailable") from None
             raise
 
     def _caller(self, authorization: str | None, *, admin: bool = False) -> Caller:
@@ -710,14 +717,14 @@ class OpenAIIngress:
 
     # --- adapter admin -------------------------------------------------------------
 
-    async def _register(self, name: str, source: str, pinned: bool) -> dict:
+    async def _register(self, name: str, source: str, pinned: bool, replace: bool) -> dict:
         check = _admin_name_check(name, await self._base_name())
-        return await self._call_admin("register", check, source, pinned, self._validator)
+        return await self._call_admin("register", check, source, pinned, self._validator, replace=replace)
 
     @app.post("/v1/adapters", status_code=201, responses=ADMIN)
     async def register_adapter(self, body: AdapterRegisterRequest, authorization: str | None = Header(None)):
         self._admin_caller(authorization, body.name)
-        return await self._register(body.name, body.source, body.pinned)
+        return await self._register(body.name, body.source, body.pinned, body.replace)
 
     @app.get("/v1/adapters", responses=ADMIN_LIST)
     async def list_adapters(self, authorization: str | None = Header(None)):
@@ -739,7 +746,14 @@ class OpenAIIngress:
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses={**PLAIN_TEXT, **ADMIN})
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, authorization: str | None = Header(None)):
         self._admin_caller(authorization, body.lora_name)
-        await self._register(body.lora_name, body.lora_path, False)
+        try:
+            await self._register(body.lora_name, body.lora_path, False, body.load_inplace)
+        except OpenAIError as e:
+            if e.code != "adapter_exists":
+                raise
+            raise OpenAIError(  # as vLLM words it
+                f"The lora adapter '{body.lora_name}' has already been loaded. If you want to load the adapter "
+                "in place, set 'load_inplace' to True.", param="lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,

@@ -32,6 +32,8 @@ def error_item(e: ServingError, param: str | None = None) -> dict:
     param = param if param is not None else getattr(e, "param", None)
     if param is not None:
         item["param"] = param
+    if e.code is not None:
+        item["code"] = e.code
     return {"error": item}
 
 

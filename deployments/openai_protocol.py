@@ -334,12 +334,14 @@ class AdapterRegisterRequest(_Body):
     name: str
     source: str
     pinned: bool = False
+    replace: bool = Field(False, description="Replace the adapter if the name is registered already (else a 409).")
 
 
 class LoadLoRAAdapterRequest(_Body):
     """Body of vLLM's POST /v1/load_lora_adapter."""
     lora_name: str
     lora_path: str
+    load_inplace: bool = Field(False, description="Replace the adapter if the name is loaded already (else a 400).")
 
 
 class UnloadLoRAAdapterRequest(_Body):

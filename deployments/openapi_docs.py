@@ -15,11 +15,14 @@ _WHY = {
     403: "The key may not do this: an admin key for inference, an inference key for admin calls, or an "
          "adapter outside an admin key's scope.",
     404: "The model is neither the base model nor an adapter this key may use, or no such adapter.",
-    409: "The adapter name belongs to another base model sharing the registry.",
+    409: "The adapter name is registered already (code adapter_exists; send replace=true to replace it), or "
+         "belongs to another base model sharing the registry.",
     413: "The body is over max_request_bytes.",
     429: "The key is over its requests_per_minute or tokens_per_minute; Retry-After says when to retry.",
-    503: "Every replica is busy and the queue full (code overloaded), or a component is unavailable; "
-         "Retry-After says when to retry.",
+    503: "Every replica is busy and the queue full (code overloaded), the replica serving it failed "
+         "(replica_failed), the adapter cannot be loaded from its storage now (adapter_unavailable), the admin "
+         "actor failed during the call (admin_unavailable), or a component is unavailable; Retry-After says when "
+         "to retry.",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}
 

@@ -15,6 +15,7 @@ class ServingError(Exception):
 
     status_code: int = 400
     error_type: str = "invalid_request_error"
+    code: str | None = None  # OpenAI's error.code, where one tells clients what to do
 
     def __init__(self, message: str = "", *, param: str | None = None):
         super().__init__(message)
@@ -49,6 +50,15 @@ class InvalidAdapterError(ServingError):
 
 class AdapterSourceError(ServingError):
     """An adapter's source URL is not allowed, not reachable, or too large."""
+
+
+class AdapterUnavailableError(ServingError):
+    """A registered adapter cannot be loaded now (its storage unreachable or too slow, its files
+    gone or changed since registration): the server's trouble, not the request's; retry."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "adapter_unavailable"
 
 
 class CapacityError(ServingError):

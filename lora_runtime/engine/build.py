@@ -98,6 +98,7 @@ def assemble_engine(
             dora=config.lora_dora,
             saved_module_bytes=config.lora_modules_to_save_max_bytes,
             saved_slots=config.lora_modules_to_save_slots,
+            load_timeout_s=config.adapter_load_timeout_s,
         )
     runner = ModelRunner(model, model_config, config, mesh, backend, num_blocks=plan.num_blocks,
                          block_size=plan.block_size, attention_platform=platform, interpret=interpret)

@@ -84,6 +84,9 @@ class EngineConfig(BaseModel):
         None, description="URL prefixes adapters may be loaded from; None allows any."
     )
     max_adapter_bytes: int = Field(1 << 30, ge=1, description="Largest adapter accepted, in bytes.")
+    adapter_load_timeout_s: float = Field(
+        30.0, gt=0, description="How long requests wait for an adapter being fetched from its storage; past it "
+        "they fail with a 503 (adapter_unavailable) while the fetch goes on for later requests.")
     compilation_cache_dir: str | None = Field(
         "auto", description="JAX's persistent compilation cache, so a restarted replica loads its "
         "compiled steps instead of compiling them: a directory, 'auto' (JAX_COMPILATION_CACHE_DIR if set, "

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidAdapterError, ServingError
+from lora_runtime.errors import (AdapterNotFoundError, AdapterUnavailableError, CapacityError, InvalidAdapterError,
+                                 ServingError)
 from lora_runtime.lora.adapter import EMBED, HEAD, LoRAAdapter, check_room
 from lora_runtime.lora.batch_info import (SAVED_COLUMNS, SLOT_DORA, SLOT_EMBED, SLOT_HEAD, LoRABatchInfo,
                                           build_batch_info)
@@ -106,7 +107,7 @@ class LoRAManager:
                  max_cpu_bytes: int, source_policy: SourcePolicy, dtype, num_slots: int | None = None,
                  rank_classes: Sequence[tuple[int, int]] | None = None, fetch_workers: int = 2,
                  base_weights: BaseWeights | None = None, outer: bool = False, dora: bool = False,
-                 saved_module_bytes: int = 0, saved_slots: int = 1):
+                 saved_module_bytes: int = 0, saved_slots: int = 1, load_timeout_s: float = 30.0):
         """`num_slots` slots of rank `max_lora_rank`, or the `rank_classes` ((rank, slots)
         pairs, the widest `max_lora_rank`; memory_plan.pool_classes sizes them): an adapter
         takes a slot of the narrowest class it fits, a wider one's free slot before evicting.
@@ -114,7 +115,9 @@ class LoRAManager:
         PEFT saves with embed/head adapters are checked against; `outer`: the pool holds
         embed_tokens and lm_head adapters; `dora`: it holds DoRA scales (needs base_weights);
         `saved_module_bytes`: the most bytes of modules_to_save copies one adapter may bring
-        (0 refuses them), held in `saved_slots` saved-module slots per module that fits."""
+        (0 refuses them), held in `saved_slots` saved-module slots per module that fits.
+        `load_timeout_s`: how long requests wait for an adapter's fetch from its storage; past
+        it they fail (AdapterUnavailableError) while the fetch goes on for later ones."""
         if dora and base_weights is None:
             raise ValueError("dora=True needs the base model's weights (base_weights)")
         if rank_classes is not None:
@@ -147,6 +150,8 @@ class LoRAManager:
         self._staging: set[Key] = set()
         self.max_staged = max(1, min(self._pool.num_slots, 4))
         self._fetch_failed: dict[Key, Exception] = {}  # background fetches that failed, told once
+        self._fetching_since: dict[Key, float] = {}  # fetches from storage under way, since when
+        self.load_timeout_s = load_timeout_s
         self._owner: Callable[[Callable], object] | None = None
         self._lock = threading.RLock()
         self._tick = 0
@@ -229,6 +234,13 @@ class LoRAManager:
             if err is not None:
                 raise err
             if key in self._staging or key in self._inflight:
+                since = self._fetching_since.get(key)
+                if since is not None and time.monotonic() - since > self.load_timeout_s:
+                    raise AdapterUnavailableError(
+                        f"adapter {name!r} is still being fetched from {entry.source!r} after "
+                        f"{time.monotonic() - since:.0f} s (load_timeout_s={self.load_timeout_s:g}): its storage is "
+                        "slow or unreachable; retry"
+                    )
                 return False
             if len(self._staged) + len(self._staging) >= self.max_staged:
                 oldest = next(iter(self._staged.values()), None)
@@ -737,17 +749,27 @@ class LoRAManager:
         return adapter
 
     def _run_fetch(self, entry: RegistryEntry, future: concurrent.futures.Future, background: bool = False) -> None:
+        """Fetches a registered adapter for the requests that need it. It was valid when it was
+        registered: that it cannot be loaded now is the server's trouble (503), not theirs."""
         key = (entry.name, entry.version)
+        with self._lock:
+            self._fetching_since.setdefault(key, time.monotonic())
         try:
             adapter = self._fetch_now(entry)
         except Exception as e:  # handed to every waiter through the future
+            if isinstance(e, ServingError) and e.status_code != 503:
+                cause = e
+                e = AdapterUnavailableError(f"adapter {entry.name!r} could not be loaded: {cause}; retry")
+                e.__cause__ = cause
             with self._lock:
+                self._fetching_since.pop(key, None)
                 self._inflight.pop(key, None)
                 if background and self._is_current(entry):
                     self._fetch_failed[key] = e  # told to the next is_ready
             future.set_exception(e)
             return
         with self._lock:
+            self._fetching_since.pop(key, None)
             self._inflight.pop(key, None)
             if self._is_current(entry):
                 self._remember(key, adapter)

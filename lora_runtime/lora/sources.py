@@ -23,6 +23,20 @@ PICKLE_FILE = "adapter_model.bin"
 SCHEMES: tuple[str, ...] = ("file", "gs", "memory")
 
 
+def _storage_errors() -> tuple[type[BaseException], ...]:
+    """What a storage backend raises when it cannot read: OS and network errors, and the HTTP
+    errors of gcsfs (a 5xx after its retries, a 403)."""
+    errors: tuple[type[BaseException], ...] = (OSError, ValueError, TimeoutError)
+    try:
+        from gcsfs.retry import HttpError
+    except ImportError:
+        return errors
+    return errors + (HttpError,)
+
+
+STORAGE_ERRORS = _storage_errors()
+
+
 @dataclasses.dataclass(frozen=True)
 class SourcePolicy:
     """Where adapters may come from and how large they may be.
@@ -110,7 +124,7 @@ def read_adapter_files(url: str, policy: SourcePolicy) -> AdapterFiles:
         weights = fs.cat_file(posixpath.join(path, WEIGHTS_FILE))
     except (InvalidAdapterError, AdapterSourceError):
         raise
-    except (OSError, ValueError) as e:
+    except STORAGE_ERRORS as e:
         raise AdapterSourceError(f"cannot read adapter at {url!r}: {type(e).__name__}: {e}") from e
     # Files may change between the size check and the read.
     _check_size(url, len(config) + len(weights), policy)

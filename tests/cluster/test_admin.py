@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.admin import AdapterConflictError, AdapterValidator, AdminActor
+from cluster.admin import AdapterConflictError, AdapterExistsError, AdapterValidator, AdminActor
 from lora_runtime.errors import AdapterNotFoundError, AdapterSourceError, InvalidAdapterError, InvalidRequestError
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.integration.adapters import save_peft_adapter
@@ -201,11 +201,15 @@ def test_unregister_pin_and_unknown(files, tmp_path):
     asyncio.run(run())
 
 
-def test_reregister_replaces_with_new_entry_version(files, tmp_path):
+def test_a_registered_name_is_refused_unless_replaced_and_replacing_makes_a_new_version(files, tmp_path):
     async def run():
         actor, v = _actor(tmp_path / "r.json"), _validator(files)
         first = await actor.register("a", str(files["good"]), False, v)
-        second = await actor.register("a", str(files["good2"]), False, v)
+        with pytest.raises(AdapterExistsError, match=r"'a' is registered already .*replace=true"):
+            await actor.register("a", str(files["good2"]), False, v)
+        kept = actor.snapshot(None)
+        assert kept["adapters"]["a"]["source"] == str(files["good"]) and kept["version"] == first["version"]
+        second = await actor.register("a", str(files["good2"]), False, v, replace=True)
         assert second["version"] > first["version"] and second["source"] == str(files["good2"])
         report = await actor.ensure_registered({"a": str(files["good"]), "b": str(files["good"])}, v)
         assert report == {"added": ["b"], "skipped": {}}

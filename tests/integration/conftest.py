@@ -2,7 +2,8 @@
 
 `ray start --head --block` runs as our child process, so stopping it stops exactly the
 cluster we started (never a global `ray stop`). A GCS emulator runs beside it; the
-cluster's processes inherit the environment that points gcsfs at it.
+cluster's processes inherit the environment that points gcsfs at it, through a fault proxy
+(tests/fault_proxy.py) that tests switch to play the storage down or hanging.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.fault_proxy import FaultProxy
+
 ADMIN_TOKEN = "integration-admin-token"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,8 +43,9 @@ class Cluster:
     dashboard_url: str
     http_port: int
     env: dict[str, str]
-    gcs_emulator: str
+    gcs_emulator: str  # the emulator itself, for tests to put files in
     temp_dir: str
+    storage: FaultProxy  # what the cluster's processes reach the emulator through
 
     @property
     def base_url(self) -> str:
@@ -86,6 +90,20 @@ def kill_actor(cluster: Cluster, name: str, namespace: str, *, no_restart: bool)
     cluster.cli(sys.executable, "-c", code)
 
 
+def kill_model_server_replica(cluster: Cluster, app: str) -> str:
+    """ray.kill (no restart: Serve replaces it) of one model-server replica of Serve application
+    `app`; returns its name."""
+    code = (
+        "import ray\n"
+        f"ray.init(address={cluster.gcs_address!r}, log_to_driver=False)\n"
+        "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)\n"
+        f"               if a['namespace'] == 'serve' and '::{app}#LoRAModelServer#' in a['name'])\n"
+        "ray.kill(ray.get_actor(names[0], namespace='serve'), no_restart=True)\n"
+        "print(names[0])\n"
+    )
+    return cluster.cli(sys.executable, "-c", code).stdout.strip().splitlines()[-1]
+
+
 def _start_gcs_emulator(port: int):
     from gcp_storage_emulator.server import create_server
 
@@ -111,6 +129,7 @@ def _wait_http(url: str, timeout: float) -> None:
 def cluster():
     emulator_port = free_port()
     emulator = _start_gcs_emulator(emulator_port)
+    storage = FaultProxy("127.0.0.1", emulator_port)
     # Ray's socket paths must stay short: a temp dir directly under /tmp.
     temp_dir = tempfile.mkdtemp(prefix="rayit-", dir="/tmp")
     gcs_port, dash_port, client_port, agent_port = (free_port() for _ in range(4))
@@ -121,7 +140,7 @@ def cluster():
         RAY_AUTH_MODE="token",
         RAY_AUTH_TOKEN=secrets.token_hex(32),
         LORA_ADMIN_TOKEN=ADMIN_TOKEN,
-        STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{emulator_port}",
+        STORAGE_EMULATOR_HOST=storage.endpoint,
         GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
         FSSPEC_GS_TOKEN="anon",
         JAX_PLATFORMS="cpu",
@@ -150,6 +169,7 @@ def cluster():
         env=env,
         gcs_emulator=f"http://127.0.0.1:{emulator_port}",
         temp_dir=temp_dir,
+        storage=storage,
     )
     try:
         _wait_http(f"{c.dashboard_url}/api/version", timeout=120)
@@ -168,6 +188,7 @@ def cluster():
             pass
         head.wait()
         log.close()
+        storage.close()
         emulator.stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
 

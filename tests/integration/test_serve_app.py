@@ -4,8 +4,11 @@ the admin API; greedy outputs checked against the runtime run directly."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
+import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import yaml
 
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.integration.adapters import save_peft_adapter
-from tests.integration.conftest import ADMIN_TOKEN, REPO, kill_actor
+from tests.integration.conftest import ADMIN_TOKEN, REPO, kill_actor, kill_model_server_replica
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +36,8 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 N_ADAPTERS = 8
 KEYS_REFRESH_S = 1.0
 TIGHT_ONGOING, TIGHT_QUEUED = 2, 2  # the keyed deployment's replica and queue limits
+LOAD_TIMEOUT_S = 4.0  # adapter_load_timeout_s: how long a request waits on its adapter's storage
+MAX_ADAPTER_BYTES = 8 << 20
 DEPLOYED: dict = {}  # what the app runs with now: {"keys": the keys file or None}
 
 
@@ -46,7 +51,9 @@ def files(tmp_path_factory):
     # Same depth as the demo model, different width: every tensor has the wrong shape.
     wrong = save_peft_adapter(save_tiny_llama(root / "other", num_hidden_layers=4), root / "wrong", seed=99)
     demo = {name: Path(path) for name, path in demo_adapter_sources().items()}
-    return {"root": root, "base": base, "adapters": adapters, "wrong": wrong, "demo": demo}
+    # Fetched from storage by the fault tests only: content no replica has seen.
+    outage = save_peft_adapter(base, root / "outage", seed=77, rank=8)
+    return {"root": root, "base": base, "adapters": adapters, "wrong": wrong, "demo": demo, "outage": outage}
 
 
 def _write_config(cluster, files, keys: Path | None = None) -> Path:
@@ -56,6 +63,10 @@ def _write_config(cluster, files, keys: Path | None = None) -> Path:
     config["http_options"] = {"host": "127.0.0.1", "port": cluster.http_port}
     args = config["applications"][0]["args"]
     args["registry_url"] = str(files["root"] / "registry" / "registry.json")
+    # Adapters come from the test's files, the demo's and the emulated bucket only.
+    args["adapter_roots"] = [str(files["root"]), str(next(iter(files["demo"].values())).parent), "gs://adapters/"]
+    args["max_adapter_bytes"] = MAX_ADAPTER_BYTES
+    args["adapter_load_timeout_s"] = LOAD_TIMEOUT_S
     if keys is not None:
         args["api_keys_url"] = str(keys)
         args["api_keys_refresh_s"] = KEYS_REFRESH_S
@@ -90,7 +101,7 @@ def reference(files):
 
     engine = Engine.from_pretrained(str(files["base"]), AppArgs(**ARGS).engine_config(), model_name=BASE)
     engine.start()
-    sources = {**files["adapters"], **files["demo"]}
+    sources = {**files["adapters"], **files["demo"], "outage": files["outage"]}
     entries = {n: {"source": str(p), "version": 1, "pinned": False} for n, p in sources.items()}
     engine.lora_manager.sync(sync_entries(entries))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -235,7 +246,7 @@ def test_chat_completions_match_the_runtime(app, files, reference):
     tokenizer = reference.engine.tokenizer
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     template = tuple(tokenizer.encode(text, add_special_tokens=False))
-    assert _register(app, "ad1", str(files["adapters"]["ad1"])).status_code == 201
+    _ensure_adapters(app, files, ["ad1"])
     for model, adapter in ((BASE, None), ("ad1", "ad1")):
         want = reference(template, adapter)
         got = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
@@ -592,13 +603,87 @@ def test_each_bad_request_is_a_4xx_naming_its_field_and_reaches_no_engine(app, r
     assert canary() == reference(PROMPTS[0], "reverse")
 
 
-def test_bad_adapter_is_refused_and_changes_nothing(app, files):
-    before = httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH).json()
-    r = _register(app, "wrong", str(files["wrong"]))
-    assert r.status_code == 400 and "shape" in r.json()["error"]["message"]
-    r = _register(app, "bad/name", str(files["adapters"]["ad0"]))
-    assert r.status_code == 400 and "bad/name" in r.json()["error"]["message"]
-    assert httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH).json() == before
+def _copy_adapter(src: Path, dst: Path, *, config=None, weights=None) -> Path:
+    """A copy of the adapter at `src` with its config changed by config(dict) and its
+    safetensors bytes by weights(bytes)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps(config(cfg) if config else cfg))
+    data = (src / "adapter_model.safetensors").read_bytes()
+    (dst / "adapter_model.safetensors").write_bytes(weights(data) if weights else data)
+    return dst
+
+
+def _nan_weights(data: bytes) -> bytes:
+    from safetensors.numpy import load, save
+
+    tensors = load(data)
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first].copy()
+    tensors[first].flat[0] = float("nan")
+    return save(tensors)
+
+
+@pytest.fixture(scope="module")
+def bad_adapters(files, tmp_path_factory):
+    """name -> (source, status, what the message says): one per way an adapter is refused."""
+    root, good = files["root"] / "bad", files["adapters"]["ad0"]
+    root.mkdir(exist_ok=True)
+    pickle_only = root / "pickle"
+    pickle_only.mkdir(exist_ok=True)
+    shutil.copy(good / "adapter_config.json", pickle_only)
+    (pickle_only / "adapter_model.bin").write_bytes(b"\x80\x04not loaded")
+    config_only = root / "config-only"
+    config_only.mkdir(exist_ok=True)
+    shutil.copy(good / "adapter_config.json", config_only)
+    outside = tmp_path_factory.mktemp("outside-roots")  # beside the files' root, not in it
+    _copy_adapter(good, outside / "ad0")
+    link = root / "link-out"
+    if not link.exists():
+        link.symlink_to(outside / "ad0")
+    return {
+        "rank_over_max": (save_peft_adapter(files["base"], root / "r72", seed=5, rank=72), 400,
+                          "exceeds max_lora_rank=64"),
+        "wrong_shapes": (files["wrong"], 400, "shape"),
+        "nan_weights": (_copy_adapter(good, root / "nan", weights=_nan_weights), 400, "non-finite"),
+        "pickle_only": (pickle_only, 400, "pickle"),
+        "unknown_module": (_copy_adapter(good, root / "foo", config=lambda c: {
+            **c, "target_modules": sorted(c["target_modules"]) + ["foo_proj"]}), 400, "foo_proj"),
+        "missing_weights": (config_only, 400, "missing adapter_model.safetensors"),
+        "truncated": (_copy_adapter(good, root / "truncated", weights=lambda d: d[: len(d) // 2]), 400,
+                      "adapter_model.safetensors"),
+        "over_the_cap": (_copy_adapter(good, root / "big", config=lambda c: {**c, "pad": "x" * MAX_ADAPTER_BYTES}),
+                         400, f"max_adapter_bytes={MAX_ADAPTER_BYTES}"),
+        "outside_the_roots": (outside / "ad0", 400, "allowed_roots"),
+        "path_traversal": (f"{root}/../../../../etc", 400, "allowed_roots"),
+        "symlink_out_of_a_root": (link, 400, "allowed_roots"),
+        "gs_outside_the_roots": ("gs://another-bucket/ad0", 400, "allowed_roots"),
+        "not_there": (root / "nothing-here", 400, "no adapter files"),
+        "bad_name": (good, 400, "adapter name="),
+        "name_exists": (files["adapters"]["ad1"], 409, "registered already"),
+    }
+
+
+BAD_ADAPTERS = ["rank_over_max", "wrong_shapes", "nan_weights", "pickle_only", "unknown_module", "missing_weights",
+                "truncated", "over_the_cap", "outside_the_roots", "path_traversal", "symlink_out_of_a_root",
+                "gs_outside_the_roots", "not_there", "bad_name", "name_exists"]
+
+
+@pytest.mark.parametrize("case", BAD_ADAPTERS)
+def test_each_bad_adapter_is_refused_naming_why_and_changes_nothing(app, files, reference, bad_adapters, case):
+    source, status, says = bad_adapters[case]
+    if _register(app, "canary", str(files["adapters"]["ad3"])).status_code not in (201, 409):
+        pytest.fail("the canary adapter could not be registered")
+    name = {"bad_name": "bad/name", "name_exists": "canary"}.get(case, f"bad-{case.replace('_', '-')}")
+    before = httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()
+    r = _register(app, name, str(source))
+    error = r.json()["error"]
+    assert r.status_code == status and says in error["message"], r.text
+    assert error["type"] == ("conflict_error" if status == 409 else "invalid_request_error")
+    assert httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json() == before
+    client = _client(app)
+    got = client.completions.create(model="canary", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[1], "ad3")
 
 
 def test_unregister_stops_new_requests(app, files, reference):
@@ -619,6 +704,15 @@ def test_vllm_compatible_endpoints(app, files, reference):
     assert r.status_code == 200, r.text
     got = _client(app).completions.create(model="vl", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0)
     assert got.choices[0].text == reference(PROMPTS[2], "ad3")
+    # Loaded already: refused as vLLM refuses it, unless in place.
+    again = {"lora_name": "vl", "lora_path": str(files["adapters"]["ad5"])}
+    r = httpx.post(f"{app.base_url}/v1/load_lora_adapter", headers=AUTH, json=again, timeout=120)
+    assert r.status_code == 400 and "has already been loaded" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{app.base_url}/v1/load_lora_adapter", headers=AUTH, json={**again, "load_inplace": True},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    got = _client(app).completions.create(model="vl", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == reference(PROMPTS[2], "ad5")
     r = httpx.post(f"{app.base_url}/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "vl"})
     assert r.status_code == 200
     assert "vl" not in [m["id"] for m in httpx.get(f"{app.base_url}/v1/models").json()["data"]]
@@ -642,7 +736,7 @@ def test_registry_change_reaches_the_replica_within_a_second(app, files):
 
 def test_32_concurrent_streams_over_8_adapters(app, files, reference):
     for name, path in files["adapters"].items():
-        assert _register(app, name, str(path)).status_code == 201
+        assert _register(app, name, str(path)).status_code in (201, 409)  # 409: registered by an earlier test
     before = _engine_stats(app)
     jobs = [(f"ad{i % N_ADAPTERS}", PROMPTS[i % len(PROMPTS)]) for i in range(32)]
     want = [reference(p, a) for a, p in jobs]
@@ -717,6 +811,164 @@ def test_a_body_over_max_request_bytes_is_a_413_and_serving_goes_on(app, referen
         assert f"max_request_bytes={cap}" in r.json()["error"]["message"]
     got = _client(app).completions.create(model="reverse", prompt="hello=", max_tokens=MAX_TOKENS, temperature=0)
     assert got.choices[0].text == reference("hello=", "reverse")
+
+
+# --- faults: storage, the admin actor and a model-server replica failing under requests -----
+
+
+def _put_gcs(app, local_dir: Path, prefix: str) -> str:
+    """Copies an adapter into the emulated bucket (directly, not through the fault proxy)."""
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(token="anon", endpoint_url=app.gcs_emulator)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        fs.pipe_file(f"adapters/{prefix}/{f}", (local_dir / f).read_bytes())
+    return f"gs://adapters/{prefix}"
+
+
+def _ensure_adapters(app, files, names) -> None:
+    for name in names:
+        assert _register(app, name, str(files["adapters"][name])).status_code in (201, 409)
+
+
+def _complete(app, model: str, prompt: str) -> httpx.Response:
+    return httpx.post(f"{app.base_url}/v1/completions", timeout=120,
+                      json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+
+
+def test_storage_down_during_a_load_fails_that_adapters_requests_with_a_503_and_no_others(app, files, reference):
+    """A registered adapter whose storage stops answering while a replica fetches it: its
+    requests get a 503 naming it within adapter_load_timeout_s, the other adapters and the
+    base model serve meanwhile, and it serves once the storage is back."""
+    _ensure_adapters(app, files, ["ad0"])
+    source = _put_gcs(app, files["outage"], "outage")
+    assert _register(app, "from-storage", source).status_code == 201  # validated while storage is up
+    app.storage.mode = "down"
+    try:
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            cold = pool.submit(_complete, app, "from-storage", PROMPTS[0])
+            others = {m: pool.submit(_complete, app, m, PROMPTS[0]) for m in ("ad0", "reverse", BASE)}
+            for model, future in others.items():
+                r = future.result()
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == reference(PROMPTS[0], None if model == BASE else model)
+            r = cold.result()
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["code"] == "adapter_unavailable" and r.headers["Retry-After"]
+        assert "'from-storage'" in error["message"] and source in error["message"]
+        assert time.monotonic() - t0 < LOAD_TIMEOUT_S + 30
+    finally:
+        app.storage.mode = "pass"
+    deadline = time.monotonic() + 90  # the fetch under way retries; a new one starts once it gives up
+    while (r := _complete(app, "from-storage", PROMPTS[0])).status_code == 503:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(1.0)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(PROMPTS[0], "outage")
+    assert httpx.delete(f"{app.base_url}/v1/adapters/from-storage", headers=AUTH).status_code == 200
+
+
+def test_the_admin_actor_killed_during_a_registration_leaves_the_registry_as_before(app, files, reference):
+    """Killed while it reads the new adapter's files (its storage hanging): the caller gets a
+    503 saying so, the registry is as it was, in memory and on disk, and the registration
+    retried completes."""
+    source = _put_gcs(app, files["outage"], "mid-registration")
+    before = httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()
+    on_disk = json.loads((files["root"] / "registry" / "registry.json").read_text())
+    app.storage.mode = "stall"
+    try:
+        connections = app.storage.connections
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_register, app, "mid", source)
+            deadline = time.monotonic() + 60
+            while app.storage.connections == connections:  # the admin actor is reading the files
+                assert time.monotonic() < deadline and not pending.done(), "the registration never read its files"
+                time.sleep(0.05)
+            kill_actor(app, "lora_admin", "multilora", no_restart=False)
+            r = pending.result()
+    finally:
+        app.storage.mode = "pass"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "admin_unavailable", r.text
+    deadline = time.monotonic() + 60
+    while True:
+        listed = httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60)
+        if listed.status_code == 200:
+            break
+        assert time.monotonic() < deadline, "the admin actor did not come back"
+        time.sleep(0.5)
+    assert listed.json() == before
+    assert json.loads((files["root"] / "registry" / "registry.json").read_text()) == on_disk
+    assert _register(app, "mid", source).status_code == 201
+    assert _complete(app, "mid", PROMPTS[2]).json()["choices"][0]["text"] == reference(PROMPTS[2], "outage")
+    assert httpx.delete(f"{app.base_url}/v1/adapters/mid", headers=AUTH).status_code == 200
+
+
+def _stream_outcome(app, model: str, prompt: str) -> tuple[str, str]:
+    """One streamed completion: ("ok", text), ("cut", code) for an error event after the
+    stream began, ("refused", code) for a 503, or ("bad", why) for anything else."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                r.read()
+                code = r.json().get("error", {}).get("code")
+                return ("refused", code) if r.status_code == 503 else ("bad", f"{r.status_code} {r.text[:200]}")
+            text, finished = "", False
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return ("ok", text) if finished else ("bad", "[DONE] before the last choice finished")
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return "cut", event["error"].get("code")
+                text += event["choices"][0]["text"]
+                finished = finished or event["choices"][0]["finish_reason"] is not None
+            return "bad", "the stream ended without [DONE] or an error"
+    except httpx.HTTPError as e:
+        return "bad", repr(e)
+
+
+def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_and_serve_replaces_it(app, files, reference):
+    """Streams run back to back while the model-server replica is killed: each one ends as
+    its known output or as a clean error (an SSE error event, or a 503 while no replica is
+    up), never silently; Serve starts another replica and requests succeed again."""
+    jobs = [(f"ad{i}", PROMPTS[i % len(PROMPTS)]) for i in range(4)]
+    _ensure_adapters(app, files, [model for model, _ in jobs])
+    stop = threading.Event()
+    outcomes: list[tuple[str, str, str]] = []
+
+    def client(model: str, prompt: str) -> None:
+        while not stop.is_set():
+            kind, what = _stream_outcome(app, model, prompt)
+            outcomes.append((kind, what, model))
+            if kind == "ok" and what != reference(prompt, model):
+                outcomes.append(("bad", f"{model} answered {what!r}", model))
+            if kind != "ok":
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=client, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2.0)
+        killed_after = len(outcomes)
+        kill_model_server_replica(app, APP)
+        time.sleep(3.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+    bad = [o for o in outcomes if o[0] == "bad"]
+    failed = [o for o in outcomes[killed_after:] if o[0] in ("cut", "refused")]
+    assert not bad, bad[:5]
+    assert killed_after > 0 and failed, outcomes[-10:]
+    assert {code for _, code, _ in failed} <= {"replica_failed", "unavailable", "overloaded"}, failed
+    deadline = time.monotonic() + 180
+    while (kind := _stream_outcome(app, "ad1", PROMPTS[1]))[0] != "ok":
+        assert kind[0] != "bad" and time.monotonic() < deadline, kind
+        time.sleep(1.0)
+    assert kind[1] == reference(PROMPTS[1], "ad1")
 
 
 @pytest.fixture(scope="session")

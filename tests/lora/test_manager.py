@@ -9,24 +9,27 @@ import jax
 import numpy as np
 import pytest
 
-from lora_runtime.errors import AdapterNotFoundError, AdapterSourceError, CapacityError, InvalidAdapterError
+from lora_runtime.errors import (AdapterNotFoundError, AdapterSourceError, AdapterUnavailableError, CapacityError,
+                                 InvalidAdapterError)
 from lora_runtime.lora.adapter import LoRAAdapter
 from lora_runtime.lora.host_cache import HostAdapterCache
 from lora_runtime.lora.manager import LoRAManager, RegistryEntry
 from lora_runtime.lora.sources import SourcePolicy
 from lora_runtime.model.lora_hook import GROUPS
 from lora_runtime.model.sharding import make_mesh
+from tests.fault_proxy import fault_proxy
 from tests.lora.peft_adapters import read_adapter, write_adapter
 
 R = 16
 NAMES = ("r4", "r8_rslora", "r16_pattern", "r8_layer1")
 
 
-def make_manager(model_config, *, num_slots=2, max_cpu_loras=8, max_cpu_bytes=1 << 24, storage_options=None):
+def make_manager(model_config, *, num_slots=2, max_cpu_loras=8, max_cpu_bytes=1 << 24, storage_options=None,
+                 **kw):
     policy = SourcePolicy(allowed_roots=None, max_adapter_bytes=1 << 24, storage_options=storage_options or {})
     return LoRAManager(model_config, make_mesh(1, jax.devices()[:1]), num_slots=num_slots, max_lora_rank=R,
                        max_cpu_loras=max_cpu_loras, max_cpu_bytes=max_cpu_bytes, source_policy=policy,
-                       dtype="float32")
+                       dtype="float32", **kw)
 
 
 @pytest.fixture
@@ -391,7 +394,8 @@ def test_is_ready_prepares_an_adapter_off_the_calling_thread(manager, adapter_di
     manager.release_slot("r4", slot)
     assert manager.is_ready("r4")  # resident
     assert not manager.is_ready("gone")
-    with pytest.raises(Exception, match="absent"):
+    # Registered, so its files going missing is the server's trouble: a 503 naming it, not a 400.
+    with pytest.raises(AdapterUnavailableError, match="'gone' could not be loaded: .*absent"):
         wait_for(lambda: manager.is_ready("gone"))
     assert not manager.is_ready("gone")  # told once; the next asker tries again
     assert manager.is_ready("not-registered")  # acquire_slot names the problem
@@ -446,3 +450,40 @@ def test_a_registry_content_id_saves_the_fetch_of_a_known_adapter(manager, adapt
     fetches = manager.stats().fetches
     assert use(manager, "b") == slot and manager.stats().fetches == fetches == 1
     assert manager.content_of("b") == content and manager.stats().loads == 1
+
+
+def _ready_or_unavailable(manager, name: str) -> bool:
+    try:
+        return manager.is_ready(name)
+    except AdapterUnavailableError:  # told while the fetch under way has not got through yet
+        return False
+
+
+@pytest.mark.parametrize("fault", ["down", "stall"])
+def test_storage_out_during_a_load_fails_that_adapters_requests_and_it_loads_once_back(
+        model_config, adapter_dirs, gcs, fault):
+    """Storage refusing connections ("down") or not answering ("stall") while an adapter is
+    fetched: its requests fail after load_timeout_s with a 503 naming it and its source,
+    other adapters load meanwhile, and it loads when the storage is back."""
+    url = gcs.upload_dir(adapter_dirs["r8_rslora"], f"outage/{fault}")
+    with fault_proxy(gcs.endpoint) as proxy:
+        options = {"gs": {"token": "anon", "endpoint_url": proxy.endpoint}}
+        manager = make_manager(model_config, storage_options=options, load_timeout_s=1.5)
+        try:
+            manager.sync([RegistryEntry("remote", url, 1), *entries(adapter_dirs, names=("r4",))])
+            proxy.mode = fault
+            t0 = time.monotonic()
+            assert not manager.is_ready("remote")
+            wait_for(lambda: manager.is_ready("r4"))  # another adapter is not held up
+            with pytest.raises(AdapterUnavailableError, match=rf"'remote' .*{url}.*load_timeout_s=1.5"):
+                wait_for(lambda: manager.is_ready("remote"))
+            assert 1.5 <= time.monotonic() - t0 < 10
+            with pytest.raises(AdapterUnavailableError):  # later requests are told at once
+                manager.is_ready("remote")
+            proxy.mode = "pass"
+            wait_for(lambda: _ready_or_unavailable(manager, "remote"), timeout=60)  # the fetch's retries get through
+            slot = manager.acquire_slot("remote")
+            assert_slot_holds(manager, slot, adapter_dirs["r8_rslora"], model_config)
+            manager.release_slot("remote", slot)
+        finally:
+            manager.close()
