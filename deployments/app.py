@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -35,17 +36,38 @@ def router_config(a: AppArgs) -> RequestRouterConfig:
     )
 
 
+def _cluster() -> tuple[dict | None, int]:
+    """The Ray cluster's resources and alive nodes, where Ray is up (None, 0 where not)."""
+    if not ray.is_initialized():
+        return None, 0
+    return ray.cluster_resources(), sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
+def check_registry_reach(registry_url: str, nodes: int) -> None:
+    """A registry on one node's disk cannot serve replicas and admin actors on others."""
+    if nodes > 1 and ("://" not in registry_url or registry_url.startswith("file://")):
+        raise ValueError(
+            f"registry_url={registry_url!r} is a path on one node's disk, and this cluster has {nodes} nodes: "
+            "use a URL every node reaches (e.g. gs://bucket/registry.json)")
+
+
 def build_app(args: dict | AppArgs) -> Application:
-    """Validates ``args`` (AppArgs fields) and binds ingress -> LoRAModelServer replicas."""
+    """Validates ``args`` (AppArgs fields) and binds ingress -> LoRAModelServer replicas,
+    each placed on its own devices (deployments/placement.py)."""
     a = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    resources, nodes = _cluster()
+    check_registry_reach(a.registry_url, nodes)
+    placement = a.placement(resources)
     plain = a.model_dump()
+    plain["accelerator"] = placement.accelerator  # resolved: the replica checks its devices against it
+    scale = dict(num_replicas=a.num_replicas) if a.autoscaling is None else dict(autoscaling_config=a.autoscaling)
     server = serve.deployment(
         LoRAModelServer,
         name="LoRAModelServer",
-        num_replicas=a.num_replicas,
+        **scale,
         max_ongoing_requests=a.max_ongoing_requests,
         max_queued_requests=a.max_queued_requests,
-        ray_actor_options={"num_cpus": a.replica_num_cpus, "num_gpus": a.replica_num_gpus},
+        ray_actor_options=placement.actor_options(),
         health_check_period_s=_HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=_HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=a.drain_timeout_s + 5.0,

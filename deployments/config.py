@@ -125,7 +125,21 @@ class AppArgs(BaseModel):
     api_keys_refresh_s: float = Field(
         10.0, description="Seconds between re-reads of the keys file: how soon a new or revoked key takes effect.")
     replica_num_cpus: float = Field(1.0, description="CPUs reserved per model-server replica.")
-    replica_num_gpus: float = Field(0.0, description="GPUs reserved per model-server replica.")
+    replica_num_gpus: float = Field(
+        0.0, description="GPUs reserved per model-server replica: 0 (derived from accelerator and "
+        "tensor_parallel_size) or tensor_parallel_size; a replica's GPUs are its own.")
+    accelerator: str = Field(
+        "auto", description="What each model-server replica runs on: cpu (tensor_parallel_size host devices), "
+        "gpu (tensor_parallel_size GPUs), tpu (tensor_parallel_size TPU chips), or auto (gpu if "
+        "replica_num_gpus asks, else tpu, else gpu if the cluster has them, else cpu). A replica refuses to "
+        "start unless JAX sees exactly those devices.")
+    accelerator_type: str | None = Field(
+        None, description="Ray accelerator type the replicas need (e.g. TPU-V5LITEPOD, TPU-V6E, H100), "
+        "so they land on nodes of that kind; None: any.")
+    autoscaling: dict | None = Field(
+        None, description="Serve autoscaling of the model-server replicas (Serve's autoscaling_config: "
+        "min_replicas, max_replicas, target_ongoing_requests, upscale_delay_s, downscale_delay_s, ...), "
+        "instead of a fixed num_replicas. None: num_replicas replicas.")
     drain_timeout_s: float = Field(
         20.0, description="Seconds a stopping replica lets running sequences finish."
     )
@@ -265,6 +279,29 @@ class AppArgs(BaseModel):
             raise ValueError(f"adapter_roots={v!r} must not contain empty prefixes")
         return v
 
+    @field_validator("accelerator")
+    @classmethod
+    def _accelerator(cls, v: str) -> str:
+        from deployments.placement import ACCELERATORS
+
+        if v not in ACCELERATORS:
+            raise ValueError(f"accelerator={v!r} must be one of {list(ACCELERATORS)}")
+        return v
+
+    @field_validator("autoscaling")
+    @classmethod
+    def _autoscaling(cls, v: dict | None) -> dict | None:
+        if v is None:
+            return v
+        from ray.serve.config import AutoscalingConfig
+
+        known = getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__
+        unknown = sorted(set(v) - set(known))
+        if unknown:
+            raise ValueError(f"autoscaling has unknown fields {unknown}; Serve's are {sorted(known)}")
+        AutoscalingConfig(**v)  # Serve's own checks: names the bad field
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
         if self.max_loras_per_batch > self.max_batch:
@@ -272,6 +309,8 @@ class AppArgs(BaseModel):
                 f"max_loras_per_batch={self.max_loras_per_batch} exceeds "
                 f"max_batch={self.max_batch}: a batch cannot use more adapters than sequences"
             )
+        if self.accelerator != "auto" or self.replica_num_gpus or self.accelerator_type:
+            self.placement(None)  # contradictions refused at deploy time
         if self.lora_rank_classes is not None:
             from pydantic import ValidationError
 
@@ -285,6 +324,15 @@ class AppArgs(BaseModel):
     @property
     def is_demo(self) -> bool:
         return self.model == "demo"
+
+    def placement(self, cluster_resources: dict | None):
+        """Each model-server replica's Placement (deployments/placement.py); ``auto`` is
+        resolved against ``cluster_resources`` (ray.cluster_resources(), None: unknown)."""
+        from deployments.placement import resolve
+
+        return resolve(self.accelerator, self.tensor_parallel_size, num_cpus=self.replica_num_cpus,
+                       num_gpus=self.replica_num_gpus, accelerator_type=self.accelerator_type,
+                       cluster_resources=cluster_resources)
 
     def engine_config(self):
         """The replica engine's EngineConfig for these arguments."""

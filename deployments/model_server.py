@@ -17,6 +17,7 @@ from cluster.metrics import ReplicaMetrics
 from cluster.registry_view import RegistryView
 from cluster.serve_router import routing_stats
 from deployments.config import AppArgs
+from deployments.placement import check_devices
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 
 logger = logging.getLogger("ray.serve")
@@ -41,10 +42,14 @@ class LoRAModelServer:
     """A Serve replica: engine, registry view, multiplexed adapter routing, drain on stop."""
 
     async def __init__(self, args: dict):
+        import jax
+
         from lora_runtime.engine.engine import Engine
 
         self._args = AppArgs(**args)
         a = self._args
+        if a.accelerator != "auto":  # resolved by build_app: these devices, or no start
+            check_devices(a.accelerator, a.tensor_parallel_size, jax.devices())
         self._engine = Engine.from_pretrained(
             resolve_model_path(a.model), a.engine_config(), model_name=a.served_model_name,
             tokenizer_path=resolve_tokenizer_path(a.tokenizer),
@@ -245,7 +250,8 @@ class LoRAModelServer:
     # --- Serve hooks -----------------------------------------------------------------
 
     async def health(self) -> dict:
-        return {"registry_version": self._registry.version, **self._engine.stats()}
+        devices = [f"{d.platform}:{d.id}" for d in self._engine.runner.mesh.devices.flat]  # its own, sharded over
+        return {"registry_version": self._registry.version, "devices": devices, **self._engine.stats()}
 
     def record_routing_stats(self) -> dict:
         """Serve polls this: the adapters this replica holds, and its metrics for /metrics."""

@@ -121,15 +121,18 @@ def enable_persistent_cache(path: str | None, min_compile_seconds: float | None 
     are written (None: JAX's setting, 1 s unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says
     otherwise); a restarted replica reads them instead of compiling. Returns the path used.
 
-    The cache is trusted code: it must be writable by the serving user only."""
+    The cache is trusted code: it must be writable by the serving user only. A URL (gs://...)
+    goes to JAX as it is: JAX reads and writes it through its own file layer, so replicas
+    restarted on other machines share it."""
     if not path:
         return None
-    path = os.path.expanduser(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:  # a read-only home must not stop the replica: it compiles instead
-        logger.warning("compilation cache %s unusable (%s); compiling without it", path, exc)
-        return None
+    if "://" not in path:
+        path = os.path.expanduser(path)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:  # a read-only home must not stop the replica: it compiles instead
+            logger.warning("compilation cache %s unusable (%s); compiling without it", path, exc)
+            return None
     if jax.config.jax_compilation_cache_dir != path:
         compilation_cache.set_cache_dir(path)
         compilation_cache.reset_cache()  # JAX opens its cache once: a new path needs a reset

@@ -102,3 +102,19 @@ def test_a_restarted_engine_reads_its_steps_from_the_persistent_cache(tmp_path):
     # Every step program is read back; at most a few tiny eager ops are compiled.
     assert warm["hits"] >= cold["compiled"] - 3 and warm["compiled"] <= 3, (cold, warm)
     assert warm["after"] == 0
+
+
+def test_a_cache_url_goes_to_jax_as_it_is(tmp_path):
+    """gs://... is JAX's to open (replicas on other machines share it): no local directory is
+    made for it."""
+    code = textwrap.dedent("""
+        import jax, os, sys
+        from lora_runtime.engine import compile_events
+        print(compile_events.enable_persistent_cache("gs://some-bucket/jax-compile"))
+        print(jax.config.jax_compilation_cache_dir)
+        print(sorted(os.listdir(".")))
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    assert out == ["gs://some-bucket/jax-compile", "gs://some-bucket/jax-compile", "[]"]

@@ -1,6 +1,9 @@
 """Two deployments of different base models over one adapter registry (the demo model and a
 tiny random Llama): each lists and serves only the adapters validated against its own base
-model, says at start what it skipped, and a name the other holds is refused with the reason."""
+model, says at start what it skipped, and a name the other holds is refused with the reason.
+
+The demo deployment runs two replicas of tensor_parallel_size 2, each on host devices of its
+own (deployments/placement.py), and serves exactly what one process on one device does."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ DEMO_APP, TINY_APP = "demo-base", "tiny-base"
 DEMO, TINY = "/demo", "/tiny"  # route prefixes
 DEMO_ADAPTERS = {"reverse", "upper", "sort", "caesar"}
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+TENSOR_PARALLEL = dict(num_replicas=2, tensor_parallel_size=2, accelerator="cpu", replica_num_cpus=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,8 @@ def bases(cluster, files):
     [template] = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"]
     shared = dict(registry_url=str(files["root"] / "registry.json"), admin_actor_name=ADMIN_ACTOR,
                   drain_timeout_s=1.0)
-    demo = {**template, "name": DEMO_APP, "route_prefix": DEMO, "args": {**template["args"], **shared}}
+    demo = {**template, "name": DEMO_APP, "route_prefix": DEMO,
+            "args": {**template["args"], **shared, **TENSOR_PARALLEL}}
     tiny = {**template, "name": TINY_APP, "route_prefix": TINY,
             "args": {**template["args"], **shared, "model": str(files["tiny"]), "model_name": "tiny"}}
     # The demo app first: the tiny app then starts over a registry holding the demo adapters.
@@ -146,3 +151,31 @@ def test_an_admin_actor_serves_one_registry(bases):
     out = bases.cli(sys.executable, "-c", code).stdout
     assert f"refused: admin actor {ADMIN_ACTOR!r} owns the registry at" in out, out
     assert "'/elsewhere/registry.json'" in out and "admin_actor_name" in out, out
+
+
+def test_two_tensor_parallel_replicas_serve_what_one_device_serves(bases):
+    """Each demo replica shards the model over two host devices of its own; completions of the
+    base model and of every demo adapter equal those of one process on one device."""
+    from cluster.admin import resolve_model_path, sync_entries
+    from deployments.config import AppArgs
+    from lora_runtime.engine.engine import Engine
+    from lora_runtime.engine.sampling import SamplingParams
+
+    seen = {tuple(httpx.get(f"{bases.base_url}{DEMO}/health", timeout=30).json()["engine"]["devices"])
+            for _ in range(6)}
+    assert all(len(devices) == 2 and all(d.startswith("cpu:") for d in devices) for devices in seen), seen
+    [template] = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"]
+    engine = Engine.from_pretrained(resolve_model_path("demo"), AppArgs(**template["args"]).engine_config(),
+                                    model_name="demo").start()
+    try:
+        entries = {n: {"source": p, "version": 1, "pinned": False} for n, p in demo_adapter_sources().items()}
+        engine.lora_manager.sync(sync_entries(entries))
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        for prompt in ("hello=", "serving=", "tensor="):
+            for model in sorted(DEMO_ADAPTERS) + ["demo"]:
+                [want] = engine.generate_batch([prompt], params, [None if model == "demo" else model])
+                r = httpx.post(f"{bases.base_url}{DEMO}/v1/completions", timeout=120,
+                               json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text, (model, prompt, r.text)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,109 @@
+"""Replica placement: the Ray resources and JAX environment each accelerator asks for, and the
+start-up check that JAX sees exactly the devices a replica was given."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from deployments.app import build_app, check_registry_reach
+from deployments.config import AppArgs
+from deployments.placement import PlacementError, check_devices, resolve
+
+
+def _devices(*platforms: str) -> list:
+    return [SimpleNamespace(platform=p, id=i) for i, p in enumerate(platforms)]
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "resources", "num_gpus", "want"),
+    [
+        ("auto", None, 0.0, "cpu"),
+        ("auto", {"CPU": 16.0}, 0.0, "cpu"),
+        ("auto", {"CPU": 16.0, "GPU": 8.0}, 0.0, "gpu"),
+        ("auto", {"CPU": 16.0, "TPU": 8.0, "GPU": 8.0}, 0.0, "tpu"),
+        ("auto", None, 2.0, "gpu"),  # replica_num_gpus asks for GPUs, whatever the cluster reports
+        ("cpu", {"GPU": 8.0}, 0.0, "cpu"),
+        ("tpu", None, 0.0, "tpu"),
+    ],
+)
+def test_auto_and_explicit_accelerators_resolve(accelerator, resources, num_gpus, want):
+    p = resolve(accelerator, 2, num_cpus=1.0, num_gpus=num_gpus, cluster_resources=resources)
+    assert p.accelerator == want and p.devices == 2
+
+
+def test_each_accelerator_asks_ray_for_its_own_devices_and_names_the_jax_platform():
+    cpu = resolve("cpu", 4, num_cpus=2.0).actor_options()
+    assert cpu == {"num_cpus": 2.0, "num_gpus": 0, "runtime_env": {"env_vars": {
+        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}}}
+    gpu = resolve("gpu", 2, num_cpus=1.0, accelerator_type="H100").actor_options()
+    assert gpu["num_gpus"] == 2 and gpu["accelerator_type"] == "H100"
+    assert gpu["runtime_env"]["env_vars"] == {"JAX_PLATFORMS": "cuda"}  # never a silent CPU fallback
+    tpu = resolve("tpu", 8, num_cpus=1.0, accelerator_type="TPU-V5LITEPOD").actor_options()
+    assert tpu["resources"] == {"TPU": 8} and tpu["num_gpus"] == 0
+    assert tpu["accelerator_type"] == "TPU-V5LITEPOD" and tpu["runtime_env"]["env_vars"] == {"JAX_PLATFORMS": "tpu"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        (dict(accelerator="tpu", tensor_parallel_size=1, num_gpus=1.0), "replica_num_gpus=1 contradicts"),
+        (dict(accelerator="gpu", tensor_parallel_size=2, num_gpus=1.0), "takes tensor_parallel_size whole GPUs"),
+        (dict(accelerator="gpu", tensor_parallel_size=1, num_gpus=0.5), "replica_num_gpus=0.5"),
+        (dict(accelerator="cpu", tensor_parallel_size=1, accelerator_type="H100"), "needs accelerator gpu or tpu"),
+        (dict(accelerator="npu", tensor_parallel_size=1), "accelerator='npu' must be one of"),
+        (dict(accelerator="cpu", tensor_parallel_size=0), "tensor_parallel_size=0"),
+    ],
+)
+def test_contradictory_placements_are_refused_naming_them(kwargs, says):
+    tp = kwargs.pop("tensor_parallel_size")
+    with pytest.raises(PlacementError, match=says):
+        resolve(kwargs.pop("accelerator"), tp, num_cpus=1.0, **kwargs)
+
+
+def test_app_args_refuse_contradictions_at_deploy_time():
+    with pytest.raises(ValueError, match="replica_num_gpus=2 contradicts"):
+        AppArgs(accelerator="gpu", tensor_parallel_size=1, replica_num_gpus=2)
+    with pytest.raises(ValueError, match="accelerator='gpus' must be one of"):
+        AppArgs(accelerator="gpus")
+    assert AppArgs(replica_num_gpus=1).placement(None).accelerator == "gpu"
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "count", "devices", "says"),
+    [
+        ("gpu", 2, _devices("gpu"), "placed for 2 gpu device.*JAX sees 1 gpu"),
+        ("gpu", 1, _devices("cpu"), "placed for 1 gpu device.*JAX sees 1 cpu.*CUDA"),
+        ("tpu", 4, _devices("tpu", "tpu", "tpu", "tpu", "tpu", "tpu", "tpu", "tpu"), "JAX sees 8 tpu"),
+        ("cpu", 2, _devices("cpu"), "JAX sees 1 cpu.*XLA_FLAGS"),
+        ("tpu", 1, [], "JAX sees none"),
+    ],
+)
+def test_a_replica_refuses_devices_other_than_its_own(accelerator, count, devices, says):
+    with pytest.raises(PlacementError, match=says):
+        check_devices(accelerator, count, devices)
+
+
+def test_a_replica_with_its_devices_starts():
+    check_devices("gpu", 2, _devices("gpu", "gpu"))
+    check_devices("cpu", 1, _devices("cpu"))
+
+
+def test_autoscaling_goes_to_serve_and_bad_settings_name_the_field():
+    app = build_app({"autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}})
+    server = app._bound_deployment.init_args[0]._bound_deployment  # the model server, bound into the ingress
+    config = server._deployment_config.autoscaling_config
+    assert (config.min_replicas, config.max_replicas, config.target_ongoing_requests) == (1, 4, 8)
+    with pytest.raises(ValueError, match="max_replicas"):
+        AppArgs(autoscaling={"min_replicas": 3, "max_replicas": 1})
+    with pytest.raises(ValueError, match="nonsense"):
+        AppArgs(autoscaling={"nonsense": 1})
+
+
+def test_a_registry_on_one_nodes_disk_is_refused_on_a_cluster_of_several():
+    check_registry_reach("~/.cache/multilora-serve/registry.json", 1)
+    check_registry_reach("gs://bucket/registry.json", 3)
+    for url in ("/shared/registry.json", "file:///tmp/registry.json"):
+        with pytest.raises(ValueError, match="3 nodes: use a URL every node reaches"):
+            check_registry_reach(url, 3)
