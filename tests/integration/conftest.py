@@ -90,18 +90,36 @@ def kill_actor(cluster: Cluster, name: str, namespace: str, *, no_restart: bool)
     cluster.cli(sys.executable, "-c", code)
 
 
-def kill_model_server_replica(cluster: Cluster, app: str) -> str:
-    """ray.kill (no restart: Serve replaces it) of one model-server replica of Serve application
-    `app`; returns its name."""
-    code = (
-        "import ray\n"
-        f"ray.init(address={cluster.gcs_address!r}, log_to_driver=False)\n"
-        "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)\n"
-        f"               if a['namespace'] == 'serve' and '::{app}#LoRAModelServer#' in a['name'])\n"
-        "ray.kill(ray.get_actor(names[0], namespace='serve'), no_restart=True)\n"
-        "print(names[0])\n"
-    )
-    return cluster.cli(sys.executable, "-c", code).stdout.strip().splitlines()[-1]
+class ReplicaKiller:
+    """Kills one model-server replica of Serve application `app` (ray.kill, no restart: Serve
+    replaces it) the moment `kill()` is called: a driver process connected ahead of time, so
+    the kill lands when the test says, not seconds later."""
+
+    def __init__(self, cluster: Cluster, app: str):
+        code = (
+            "import ray, sys\n"
+            f"ray.init(address={cluster.gcs_address!r}, log_to_driver=False)\n"
+            "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)\n"
+            f"               if a['namespace'] == 'serve' and '::{app}#LoRAModelServer#' in a['name'])\n"
+            "replica = ray.get_actor(names[0], namespace='serve')\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "ray.kill(replica, no_restart=True)\n"
+            "print(names[0], flush=True)\n"
+        )
+        self._proc = subprocess.Popen([sys.executable, "-c", code], env=cluster.env, cwd=REPO, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line = self._proc.stdout.readline().strip()
+        if line != "ready":
+            self._proc.kill()
+            raise AssertionError(f"the replica killer did not start: {line!r} {self._proc.stderr.read()}")
+
+    def kill(self) -> str:
+        """Kills the replica now; returns its actor name."""
+        out, err = self._proc.communicate("kill\n", timeout=120)
+        if self._proc.returncode != 0:
+            raise AssertionError(f"the replica killer failed: {err}")
+        return out.strip().splitlines()[-1]
 
 
 def _start_gcs_emulator(port: int):
