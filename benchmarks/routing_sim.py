@@ -11,7 +11,13 @@ the number of requests in flight on a replica. Policies:
 - multiplex: Serve's multiplex routing, roughly: a replica that holds the adapter if one
   is under its max ongoing requests, else the least loaded (which then loads it).
 - affinity: cluster/routing.py, device holders then rendezvous order within a load bound.
+  It sees what the Serve router sees: each replica's report of the adapters it holds
+  (device slots, host cache, and how many of each it has room for), taken every
+  ``report_ticks`` and delivered ``report_delay`` ticks later, corrected by its own routing
+  history (ResidencyEstimate). The other policies see the replicas' state as it is.
 
+A tick is about 50 ms of a real cluster (the rate half-life of 200 ticks stands for the
+router's 10 s), so the default report period of 20 ticks is Serve's 1 s stats period.
 Prints a table and, last, one ``key=value`` line.
 """
 
@@ -22,7 +28,7 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from cluster.routing import HotAdapterTracker, ReplicaView, route
+from cluster.routing import HotAdapterTracker, ReplicaView, ResidencyEstimate, route
 
 
 class LRUPool:
@@ -64,7 +70,7 @@ def zipf_workload(num_adapters: int, alpha: float, n: int, rng: random.Random) -
 
 
 def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, host_slots: int, service_ticks: int,
-             max_ongoing: int, eps: float, seed: int) -> Result:
+             max_ongoing: int, eps: float, seed: int, report_ticks: int, report_delay: int) -> Result:
     rng = random.Random(seed)
     ids = [f"replica-{i}" for i in range(replicas)]
     pools = {r: LRUPool(slots) for r in ids}
@@ -75,6 +81,11 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
     tick = [0]
     hot = HotAdapterTracker(hot_rate=0.3, max_homes=max(1, replicas // 2), half_life_s=200.0,
                             clock=lambda: float(tick[0]))
+    # The affinity router's view: reports in flight (delivery tick, snapshot), the last one
+    # delivered, and its own history since; a report as old as two periods has seen a route.
+    residency = ResidencyEstimate(horizon_s=2.0 * report_ticks, clock=lambda: float(tick[0]))
+    reports: deque[tuple[int, dict[str, tuple[frozenset[str], frozenset[str]]]]] = deque()
+    reported = dict.fromkeys(ids, (frozenset(), frozenset()))
     misses = 0
     fetches = 0
     ratios: list[float] = []
@@ -92,9 +103,15 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
             pick_from = holders or ids
             chosen = min(pick_from, key=lambda r: (loads[r], rng.random()))
         elif policy == "affinity":
-            views = [ReplicaView(r, loads[r], pools[r].names(), hosts[r].names()) for r in ids]
+            if t % report_ticks == 0:
+                reports.append((t + report_delay, {r: (pools[r].names(), hosts[r].names()) for r in ids}))
+            while reports and reports[0][0] <= t:
+                reported = reports.popleft()[1]
+            views = [ReplicaView(r, loads[r], residency.held(r, reported[r][0], slots),
+                                 residency.held(r, reported[r][1], host_slots)) for r in ids]
             chosen = route(adapter, views, homes=hot.homes(adapter, replicas), eps=eps)[0]
             hot.record(adapter)
+            residency.record(chosen, adapter)
         else:
             raise ValueError(f"{policy=} is not one of random, least_loaded, multiplex, affinity")
         misses += pools[chosen].use(adapter)
@@ -119,20 +136,27 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--service-ticks", type=int, default=16, help="ticks a request stays in flight")
     p.add_argument("--max-ongoing", type=int, default=16, help="multiplex policy: a holder's cap")
     p.add_argument("--eps", type=float, default=0.25, help="affinity policy: load bound slack")
+    p.add_argument("--report-ticks", type=int, default=20, help="affinity policy: ticks between replica reports")
+    p.add_argument("--report-delay", type=int, default=2, help="affinity policy: ticks a report takes to arrive")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    for name in ("replicas", "slots", "host_slots", "adapters", "requests", "service_ticks", "max_ongoing"):
+    for name in ("replicas", "slots", "host_slots", "adapters", "requests", "service_ticks", "max_ongoing",
+                 "report_ticks"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 1")
+    if a.report_delay < 0:
+        raise SystemExit(f"--report-delay={a.report_delay} must be >= 0")
     workload = zipf_workload(a.adapters, a.alpha, a.requests, random.Random(a.seed))
     results = {
         policy: simulate(policy, workload, replicas=a.replicas, slots=a.slots, host_slots=a.host_slots,
                          service_ticks=a.service_ticks,
-                         max_ongoing=a.max_ongoing, eps=a.eps, seed=a.seed)
+                         max_ongoing=a.max_ongoing, eps=a.eps, seed=a.seed, report_ticks=a.report_ticks,
+                         report_delay=a.report_delay)
         for policy in ("random", "least_loaded", "multiplex", "affinity")
     }
     print(f"{a.replicas} replicas x {a.slots} slots + {a.host_slots} host, {a.adapters} adapters, Zipf alpha={a.alpha}, "
-          f"{a.requests} requests, {a.service_ticks} ticks each")
+          f"{a.requests} requests, {a.service_ticks} ticks each; affinity sees reports every {a.report_ticks} ticks, "
+          f"{a.report_delay} late")
     print(f"{'policy':<14}{'slot miss':>11}{'fetch':>9}{'max/mean load':>15}{'p99 max load':>14}")
     for r in results.values():
         print(f"{r.policy:<14}{r.miss_rate:>11.4f}{r.fetch_rate:>9.4f}{r.max_load_ratio:>15.3f}{r.p99_load:>14d}")

@@ -3,7 +3,9 @@
 Pure logic (no Ray): the Serve plugin in cluster/serve_router.py feeds it replica views.
 Each adapter gets a preference order over replicas from highest-random-weight hashing, so
 it has a stable home and host caches across replicas add up instead of all holding the
-same popular adapters. A replica leaving moves only the adapters homed on it.
+same popular adapters. A replica leaving moves only the adapters homed on it. What a
+replica holds comes from its periodic report, corrected by the router's own routing
+history (ResidencyEstimate), since a report is up to a stats period old.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import itertools
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -64,8 +67,7 @@ def route(
     Under the load cap, in order: replicas holding the adapter in device slots (with a hot
     adapter's homes, ``homes > 1``), then in host memory (each least loaded first), then
     the adapter's ``homes`` first rendezvous replicas (least loaded first), then the rest
-    of its rendezvous order. Replicas over
-    the cap come last, least loaded first. Base-model requests go, under the cap, to the
+    of its rendezvous order. Replicas over the cap come last, least loaded first. Base-model requests go, under the cap, to the
     replicas that served the longest start of their prompt first (``prefix_match``: replica
     id -> blocks matched, see PrefixAffinity), then least loaded first. Within each adapter
     tier too, the replica that served the longest start of the prompt (for this adapter)
@@ -91,13 +93,13 @@ def route(
     rank = {rid: i for i, rid in enumerate(order)}
     under = sorted((r for r in replicas if r.load < cap),
                    key=lambda r: (-depth.get(r.replica_id, 0), r.load, rank[r.replica_id]))
-    home_ids = set(order[:homes])
     # A hot adapter's homes rank with its device holders, so its load spreads over them.
-    spread = home_ids if homes > 1 else set()
+    spread = set(order[:homes]) if homes > 1 else set()
+    choices = set(order[:homes])
     tiers = (
         [r.replica_id for r in under if adapter in r.resident or r.replica_id in spread],
         [r.replica_id for r in under if adapter in r.host_cached],
-        [r.replica_id for r in under if r.replica_id in home_ids],
+        [r.replica_id for r in under if r.replica_id in choices],
         sorted((r.replica_id for r in under), key=rank.__getitem__),
     )
     chosen: list[str] = []
@@ -166,6 +168,55 @@ class HotAdapterTracker:
                 del self._rates[name]
 
 
+class ResidencyEstimate:
+    """What one router believes each replica holds: the replica's last report, corrected by
+    where this router has sent requests since.
+
+    Reports come once a stats period, so one can miss an adapter this router sent there a
+    moment ago. An adapter sent to a replica within ``horizon_s`` (about two stats periods:
+    a report as old as that has seen it) counts as held there. When that makes more than
+    the replica's ``capacity``, those this router sent there least recently drop out first,
+    as the replica's LRU would evict them; reported adapters it never sent there go first.
+    """
+
+    def __init__(self, *, horizon_s: float, clock: Callable[[], float] = time.monotonic, per_replica: int = 1024):
+        if horizon_s < 0:
+            raise ValueError(f"{horizon_s=} must be >= 0")
+        if per_replica < 1:
+            raise ValueError(f"{per_replica=} must be >= 1")
+        self.horizon_s = horizon_s
+        self._clock = clock
+        self._per_replica = per_replica
+        self._sent: dict[str, OrderedDict[str, float]] = {}  # replica -> adapter -> last sent (oldest first)
+
+    def record(self, replica_id: str, adapter: str) -> None:
+        """This router sent a request for ``adapter`` to ``replica_id`` now."""
+        sent = self._sent.setdefault(replica_id, OrderedDict())
+        sent.pop(adapter, None)
+        sent[adapter] = self._clock()
+        if len(sent) > self._per_replica:
+            sent.popitem(last=False)
+
+    def held(self, replica_id: str, reported: Iterable[str], capacity: int | None = None) -> frozenset[str]:
+        """The adapters ``replica_id`` likely holds, given its last report (at most ``capacity``;
+        None: no bound known)."""
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"{capacity=} must be >= 0")
+        sent = self._sent.get(replica_id, {})
+        since = self._clock() - self.horizon_s
+        names = set(reported) | {a for a, t in sent.items() if t >= since}
+        if capacity is None or len(names) <= capacity:
+            return frozenset(names)
+        newest_first = sorted(names, key=lambda a: (-sent.get(a, -math.inf), a))
+        return frozenset(newest_first[:capacity])
+
+    def forget_others(self, replica_ids: Iterable[str]) -> None:
+        """Drops the history of replicas not in ``replica_ids`` (they left)."""
+        keep = set(replica_ids)
+        for rid in [r for r in self._sent if r not in keep]:
+            del self._sent[rid]
+
+
 def prompt_text(payload: dict, adapter: str = "") -> str:
     """The text a request's prompt starts with, as prefix routing compares prompts: the
     adapter (its K/V differ from another's for the same tokens), then a completion's prompt
@@ -229,6 +280,7 @@ __all__ = [
     "HotAdapterTracker",
     "PrefixAffinity",
     "ReplicaView",
+    "ResidencyEstimate",
     "load_cap",
     "prompt_text",
     "rendezvous_order",

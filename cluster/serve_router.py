@@ -1,9 +1,11 @@
 """AdapterAffinityRouter: the Serve RequestRouter plugin that applies cluster/routing.py.
 
 Replicas publish the adapters they hold and their metrics through ``record_routing_stats``
-(``{"resident": [...], "host_cached": [...], "metrics": {...}}``); the router ranks replicas
-for each request by device holders, host holders, then the adapter's rendezvous order,
-within a load bound, and keeps the metrics for the ingress's ``GET /metrics``.
+(``{"resident": [...], "host_cached": [...], "slots": n, "host_slots": m, "metrics": {...}}``),
+which Serve delivers once a stats period; the router corrects that report with where it
+has sent requests since (ResidencyEstimate), ranks replicas for each request by device
+holders, host holders, then the adapter's rendezvous order, within a load bound, and keeps
+the metrics for the ingress's ``GET /metrics``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from ray.serve._private.request_router.pow_2_router import (
 )
 from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.routing import HotAdapterTracker, PrefixAffinity, ReplicaView, prompt_text, route
+from cluster.routing import HotAdapterTracker, PrefixAffinity, ReplicaView, ResidencyEstimate, prompt_text, route
 
 # (app, deployment) -> replica id -> the metrics snapshot that replica last published. The
 # router lives in the caller's process (the ingress), so /metrics there reads it directly.
@@ -34,12 +36,15 @@ def replica_metrics(app: str, deployment: str) -> dict[str, dict]:
     return dict(_store().get((app, deployment), {}))
 
 
-def routing_stats(adapters: list[dict], metrics: dict) -> dict:
+def routing_stats(adapters: list[dict], metrics: dict, *, slots: int, host_slots: int) -> dict:
     """The stats a replica publishes: adapters it holds (``LoRAManager.list_adapters()``
-    rows) and its ``ReplicaMetrics.snapshot()``."""
+    rows), how many it has device slots and host-cache entries for, and its
+    ``ReplicaMetrics.snapshot()``."""
     return {
         "resident": sorted(a["name"] for a in adapters if a["slot"] is not None),
         "host_cached": sorted(a["name"] for a in adapters if a["host_cached"]),
+        "slots": slots,
+        "host_slots": host_slots,
         "metrics": metrics,
     }
 
@@ -56,16 +61,18 @@ class ReplicaMetricsMixin:
         }
 
 
-def replica_view(replica: RunningReplica, load: int) -> ReplicaView:
-    """What routing needs of a Serve replica: its id, load and the adapters it holds."""
+def replica_view(replica: RunningReplica, load: int, residency: ResidencyEstimate) -> ReplicaView:
+    """What routing needs of a Serve replica: its id, load and the adapters it likely holds
+    (its last report, corrected by ``residency``, this router's history)."""
+    rid = replica.replica_id.unique_id
     stats = replica.routing_stats or {}
     # Serve's multiplexed ids are adapters this replica has served lately: at least host-warm.
     host = set(stats.get("host_cached", ())) | set(replica.multiplexed_model_ids)
     return ReplicaView(
-        replica_id=replica.replica_id.unique_id,
+        replica_id=rid,
         load=load,
-        resident=frozenset(stats.get("resident", ())),
-        host_cached=frozenset(host),
+        resident=residency.held(rid, stats.get("resident", ()), stats.get("slots")),
+        host_cached=residency.held(rid, host, stats.get("host_slots")),
     )
 
 
@@ -96,12 +103,20 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         hot_rate: float = 20.0,
         max_homes: int = 2,
         half_life_s: float = 10.0,
+        residency_horizon_s: float = 2.0,
     ) -> None:
+        """``residency_horizon_s``: how long a request this router sent counts as making its
+        adapter held there without a report showing it (about two stats periods)."""
         if eps < 0:
             raise ValueError(f"{eps=} must be >= 0")
         self._eps = eps
         self._hot = HotAdapterTracker(hot_rate=hot_rate, max_homes=max_homes, half_life_s=half_life_s)
         self._prefixes = PrefixAffinity()
+        self._residency = ResidencyEstimate(horizon_s=residency_horizon_s)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._residency.forget_others(r.replica_id.unique_id for r in replicas)
 
     async def choose_replicas(
         self,
@@ -113,7 +128,8 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [
-            replica_view(r, self._replica_queue_len_cache.get(r.replica_id) or 0) for r in candidate_replicas
+            replica_view(r, self._replica_queue_len_cache.get(r.replica_id) or 0, self._residency)
+            for r in candidate_replicas
         ]
         homes = self._hot.homes(adapter, len(views)) if adapter else 1
         match = self._prefixes.match(_prompt_of(pending_request))
@@ -131,6 +147,7 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         adapter = pending_request.metadata.multiplexed_model_id
         if adapter:
             self._hot.record(adapter)
+            self._residency.record(replica_id.unique_id, adapter)
         self._prefixes.record(_prompt_of(pending_request), replica_id.unique_id)
 
 

@@ -31,6 +31,8 @@ def router_config(a: AppArgs) -> RequestRouterConfig:
         request_router_kwargs=dict(
             eps=a.routing_load_slack, hot_rate=a.routing_hot_rate, max_homes=a.routing_max_homes,
             half_life_s=a.routing_rate_half_life_s,
+            # A report as old as two periods has seen where the router sent a request.
+            residency_horizon_s=2 * _ROUTING_STATS_PERIOD_S,
         ),
         request_routing_stats_period_s=_ROUTING_STATS_PERIOD_S,
     )

@@ -264,7 +264,8 @@ class LoRAModelServer:
             slots_total=manager.num_slots if manager is not None else 0,
             class_slots=manager.slot_classes() if manager is not None else None,
         )
-        return routing_stats(rows, snapshot)
+        return routing_stats(rows, snapshot, slots=manager.num_slots if manager is not None else 0,
+                             host_slots=self._args.max_cpu_loras)
 
     async def check_health(self) -> None:
         """Serve's periodic probe: a failure restarts this replica."""

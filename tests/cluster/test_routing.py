@@ -1,5 +1,6 @@
-"""Adapter-affinity routing: rendezvous order, load bound, hot-adapter homes, churn, and the
-Serve RequestRouter plugin driven through Serve's own routing loop."""
+"""Adapter-affinity routing: rendezvous order, load bound, hot-adapter homes, churn, residency
+estimates from stale reports, and the Serve RequestRouter plugin driven through Serve's own
+routing loop."""
 
 import asyncio
 
@@ -16,12 +17,13 @@ from cluster.routing import (
     HotAdapterTracker,
     PrefixAffinity,
     ReplicaView,
+    ResidencyEstimate,
     load_cap,
     prompt_text,
     rendezvous_order,
     route,
 )
-from cluster.serve_router import AdapterAffinityRouter, replica_metrics, routing_stats
+from cluster.serve_router import AdapterAffinityRouter, replica_metrics, routing_stats as _routing_stats
 
 IDS = [f"replica-{i}" for i in range(5)]
 
@@ -105,6 +107,16 @@ def test_overloaded_home_is_skipped_for_the_next_in_order():
     got = route("a1", views(loads=loads, resident={order[0]: ["a1"]}))
     assert got[0] == order[1]
     assert got[-1] == order[0]  # over the cap: last resort only
+
+
+def test_a_holder_takes_requests_up_to_the_load_cap_and_no_further():
+    order = rendezvous_order("a1", IDS)
+    # cap = max(ceil(1.25 * 9 / 5), ceil(9 / 5) + 1) = 3
+    loads = {order[0]: 2, order[1]: 2, order[2]: 2, order[3]: 2, order[4]: 0}
+    assert route("a1", views(loads=loads, resident={order[3]: ["a1"]}))[0] == order[3]
+    loads[order[3]] = 3  # now at the cap (9 -> 10 in all: cap still 3)
+    got = route("a1", views(loads=loads, resident={order[3]: ["a1"]}))
+    assert got[0] != order[3] and got[-1] == order[3]
 
 
 def test_base_model_goes_to_least_loaded():
@@ -221,6 +233,51 @@ def test_hot_tracker_rejects_bad_config():
         HotAdapterTracker(hot_rate=1.0, max_homes=0)
 
 
+def test_residency_estimate_adds_what_the_router_sent_since_the_report():
+    clock = FakeClock()
+    est = ResidencyEstimate(horizon_s=2.0, clock=clock)
+    est.record("r0", "new")
+    clock.t = 1.0
+    # The report predates the route: "new" counts as held, the reported ones too.
+    assert est.held("r0", ["old"], capacity=4) == {"new", "old"}
+    assert est.held("r1", ["old"], capacity=4) == {"old"}  # sent elsewhere
+    clock.t = 2.5
+    # Past the horizon a report has seen the route: not in it, so evicted since.
+    assert est.held("r0", ["old"], capacity=4) == {"old"}
+
+
+def test_residency_estimate_drops_the_least_recently_sent_beyond_capacity():
+    clock = FakeClock()
+    est = ResidencyEstimate(horizon_s=10.0, clock=clock)
+    for t, name in enumerate(["a", "b", "c"]):
+        clock.t = float(t)
+        est.record("r0", name)
+    # Two slots: the replica's LRU has evicted "a" and whatever it reported without this
+    # router's traffic ("x"), so the two sent last are held.
+    assert est.held("r0", ["x", "a"], capacity=2) == {"b", "c"}
+    assert est.held("r0", ["x"], capacity=4) == {"x", "a", "b", "c"}
+    assert est.held("r0", ["x"], capacity=None) == {"x", "a", "b", "c"}
+    assert est.held("r0", ["x"], capacity=0) == frozenset()
+    est.record("r0", "a")  # used again: now the most recent
+    assert est.held("r0", [], capacity=2) == {"a", "c"}
+
+
+def test_residency_estimate_forgets_replicas_that_left_and_bounds_its_memory():
+    clock = FakeClock()
+    est = ResidencyEstimate(horizon_s=10.0, clock=clock, per_replica=2)
+    for name in ("a", "b", "c"):
+        est.record("r0", name)
+    assert est.held("r0", []) == {"b", "c"}  # "a" aged out of the bounded history
+    est.record("r1", "a")
+    est.forget_others(["r1"])
+    assert est.held("r0", []) == frozenset()
+    assert est.held("r1", []) == {"a"}
+    with pytest.raises(ValueError, match="horizon_s=-1"):
+        ResidencyEstimate(horizon_s=-1)
+    with pytest.raises(ValueError, match="capacity=-1"):
+        est.held("r1", [], capacity=-1)
+
+
 # --- the Serve RequestRouter plugin, with Serve's in-memory replica stand-in -----------
 
 
@@ -251,6 +308,10 @@ def _router() -> AdapterAffinityRouter:
     )
     router.initialize_state(eps=0.25, hot_rate=1000.0, max_homes=2)
     return router
+
+
+def routing_stats(rows, metrics, slots=4, host_slots=16):
+    return _routing_stats(rows, metrics, slots=slots, host_slots=host_slots)
 
 
 def _rows(slot_names=(), host_names=()):
@@ -301,7 +362,8 @@ def test_serve_router_skips_a_full_holder():
 
 def test_routing_stats_from_manager_rows():
     stats = routing_stats(_rows(slot_names=["b", "a"], host_names=["a", "c"]), {"x": 1})
-    assert stats == {"resident": ["a", "b"], "host_cached": ["a", "c"], "metrics": {"x": 1}}
+    assert stats == {"resident": ["a", "b"], "host_cached": ["a", "c"], "slots": 4, "host_slots": 16,
+                     "metrics": {"x": 1}}
 
 
 @pytest.mark.parametrize("affinity, router", [(True, "AdapterAffinityRouter"), (False, "MultiplexMetricsRouter")])
@@ -373,5 +435,37 @@ def test_serve_router_keeps_an_adapter_conversation_on_one_of_its_holders():
         # The same prompt for another adapter (or the base model) matches nothing.
         assert router._prefixes.match(prompt_text(second, "a2")) == {}
         assert router._prefixes.match(prompt_text(second)) == {}
+
+    asyncio.run(run())
+
+
+def test_serve_router_counts_its_own_routes_until_a_report_shows_them():
+    """Reports arrive once a stats period: a replica just sent an adapter holds it though its
+    report does not say so yet, so the next request for that adapter follows it there."""
+    async def run():
+        router = _router()
+        clock = FakeClock()
+        router._residency = ResidencyEstimate(horizon_s=2.0, clock=clock)
+        ids = ["r0", "r1", "r2"]
+        home = rendezvous_order("a1", ids)[0]
+        replicas = [StatsReplica(r, routing_stats(_rows(), {}, slots=1, host_slots=1)) for r in ids]
+        router.update_replicas(replicas)
+        other = next(r for r in replicas if r.replica_id.unique_id != home)
+        router.on_request_routed(_pending("a1"), other.replica_id, None)
+        ranks = await router.choose_replicas(replicas, _pending("a1"))
+        assert ranks[0][0].replica_id == other.replica_id
+        # One slot and one host entry there: a later route to it has evicted a1.
+        clock.t = 0.5
+        router.on_request_routed(_pending("b9"), other.replica_id, None)
+        ranks = await router.choose_replicas(replicas, _pending("a1"))
+        assert ranks[0][0].replica_id.unique_id == home
+        # Past the horizon, an empty report is believed: a1 is not held there any more.
+        router.on_request_routed(_pending("a1"), other.replica_id, None)
+        clock.t = 3.0
+        ranks = await router.choose_replicas(replicas, _pending("a1"))
+        assert ranks[0][0].replica_id.unique_id == home
+        # A replica that left is forgotten.
+        router.update_replicas([r for r in replicas if r is not other])
+        assert router._residency.held(other.replica_id.unique_id, []) == frozenset()
 
     asyncio.run(run())
