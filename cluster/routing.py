@@ -2,7 +2,7 @@
 
 Pure logic (no Ray): the Serve plugin in cluster/serve_router.py feeds it replica views.
 Each adapter gets a preference order over replicas from highest-random-weight hashing, so
-it has a stable home and host caches across replicas add up instead of all holding the
+it has stable homes and host caches across replicas add up instead of all holding the
 same popular adapters. A replica leaving moves only the adapters homed on it. What a
 replica holds comes from its periodic report, corrected by the router's own routing
 history (ResidencyEstimate), since a report is up to a stats period old.
@@ -27,6 +27,10 @@ class ReplicaView:
     load: int
     resident: frozenset[str] = field(default_factory=frozenset)  # adapters in device slots
     host_cached: frozenset[str] = field(default_factory=frozenset)  # adapters in host memory
+
+
+# An adapter held nowhere goes to the less loaded of its first this many rendezvous replicas.
+PLACEMENT_CHOICES = 2
 
 
 def rendezvous_score(adapter: str, replica_id: str) -> int:
@@ -66,8 +70,10 @@ def route(
 
     Under the load cap, in order: replicas holding the adapter in device slots (with a hot
     adapter's homes, ``homes > 1``), then in host memory (each least loaded first), then
-    the adapter's ``homes`` first rendezvous replicas (least loaded first), then the rest
-    of its rendezvous order. Replicas over the cap come last, least loaded first. Base-model requests go, under the cap, to the
+    the adapter's first ``max(homes, 2)`` rendezvous replicas, least loaded first (two
+    choices: an adapter held nowhere loads where there is room, yet only on one of two
+    replicas, so host caches still split the adapters between them), then the rest of its
+    rendezvous order. Replicas over the cap come last, least loaded first. Base-model requests go, under the cap, to the
     replicas that served the longest start of their prompt first (``prefix_match``: replica
     id -> blocks matched, see PrefixAffinity), then least loaded first. Within each adapter
     tier too, the replica that served the longest start of the prompt (for this adapter)
@@ -95,7 +101,7 @@ def route(
                    key=lambda r: (-depth.get(r.replica_id, 0), r.load, rank[r.replica_id]))
     # A hot adapter's homes rank with its device holders, so its load spreads over them.
     spread = set(order[:homes]) if homes > 1 else set()
-    choices = set(order[:homes])
+    choices = set(order[: max(homes, PLACEMENT_CHOICES)])
     tiers = (
         [r.replica_id for r in under if adapter in r.resident or r.replica_id in spread],
         [r.replica_id for r in under if adapter in r.host_cached],
@@ -279,6 +285,7 @@ class PrefixAffinity:
 __all__ = [
     "HotAdapterTracker",
     "PrefixAffinity",
+    "PLACEMENT_CHOICES",
     "ReplicaView",
     "ResidencyEstimate",
     "load_cap",
