@@ -110,7 +110,8 @@ def test_router_knobs_reach_the_router():
     cfg = router_config(AppArgs(routing_load_slack=0.5, routing_hot_rate=5.0, routing_max_homes=3,
                                 routing_rate_half_life_s=2.0))
     assert cfg.request_router_class.endswith(AdapterAffinityRouter.__name__)
-    assert cfg.request_router_kwargs == dict(eps=0.5, hot_rate=5.0, max_homes=3, half_life_s=2.0, residency_horizon_s=2.0)
+    assert cfg.request_router_kwargs == dict(eps=0.5, hot_rate=5.0, max_homes=3, half_life_s=2.0,
+                                             residency_horizon_s=2.0)
     router = AdapterAffinityRouter.__new__(AdapterAffinityRouter)
     router.initialize_state(**cfg.request_router_kwargs)
     assert router._eps == 0.5
