@@ -156,3 +156,27 @@ def test_a_suspect_that_passes_alone_rejoins_the_batch(engine):
     after = engine.stats()
     assert after["failed"] == before["failed"] and after["failed_steps"] - before["failed_steps"] == 1
     assert after["isolated_steps"] - before["isolated_steps"] == 4 * ISOLATION_STEPS
+
+
+def test_an_admission_failing_for_one_request_fails_that_request_alone(engine, monkeypatch):
+    """Bookkeeping that raises while requests are admitted (here the prefix lookup, for one
+    request's prompt): the waiting requests are admitted one by one and only that one fails."""
+    healthy = _healthy(engine)
+    prompts = _prompts(engine)
+    scheduler = engine.scheduler
+    lookup = scheduler._lookup
+
+    def poisoned(seq, key):
+        if seq.params.seed == POISON_SEED:
+            raise KeyError("a block hash that is not there")
+        return lookup(seq, key)
+
+    monkeypatch.setattr(scheduler, "_lookup", poisoned)
+    before = engine.stats()
+    params = [_params(i) for i in range(3)] + [_params(POISON_SEED)]
+    outs = engine.generate_batch(prompts, params, return_errors=True)
+    monkeypatch.undo()
+    assert [o.token_ids for o in outs[:3]] == healthy[:3] and all(o.error is None for o in outs[:3])
+    assert "block hash" in str(outs[3].error)
+    assert engine.stats()["failed"] - before["failed"] == 1
+    assert len(scheduler.waiting) == 0 and engine.scheduler.pool.num_free == engine.scheduler.pool.usable
