@@ -1,0 +1,338 @@
+"""End-to-end serving over HTTP: one Zipf-popularity, Poisson-arrival workload of streamed
+completions sent to our deployment and, in the same run, to its peers.
+
+    python -m benchmarks.serving [--quick] [--adapters 64] [--alpha 1.0] [--rates 2 4 8 16]
+        [--requests N] [--duration S] [--input-len LO HI] [--output-len LO HI] [--replicas R] [--url URL]
+
+As S-LoRA, Punica and dLoRA measure it: `--adapters` random rank-8 PEFT adapters of the demo
+model (written by PEFT, registered through the admin API), adapter i drawn with probability
+proportional to 1 / i**alpha, Poisson arrivals at each rate of `--rates`, prompt and output
+lengths uniform in their ranges (tokens), each run bounded by `--requests` and `--duration`.
+The same requests (same seed) go to:
+
+- `base`: every request on the base model, on our deployment (the ceiling);
+- `serve-default`: our deployment with Serve's own multiplexed routing (`adapter_affinity_routing: false`);
+- `peft`: transformers + PEFT with the same adapters loaded, mixed-adapter batches through
+  `generate(adapter_names=...)`, behind the same client (benchmarks/peft_server.py), at its
+  fastest batch size;
+- `ours`: our deployment, adapter-affinity routing (the default).
+
+Each deployment is a fresh local Ray cluster on loopback (benchmarks/serve_harness.py) with the
+same app args; `--url` targets a running deployment on this host instead (then `ours` and
+`base` run there and `serve-default` is skipped). Per run: requests/s and output tokens/s (from
+the first send to the last token), TTFT and TPOT p50/p99, errors, SLO attainment (TTFT <=
+`--slo-ttft-s` and TPOT <= `--slo-tpot-s`), and from the deployment's `GET /metrics` the adapter
+loads into device slots (slot misses), host-cache misses and storage fetches of the run.
+
+Last line, for n=64, alpha=1.0 (else the last setting swept), at the highest rate whose `ours`
+p99 TTFT is under `--slo-ttft-s` (else the lowest rate): `lora_over_base_throughput=<f>
+ttft_p99_ms=<f> tpot_p99_ms=<f> routing_gain_vs_serve_default=<f> speedup_vs_peft=<f>`
+(our requests/s over base's and over serve-default's; our output tokens/s over PEFT's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import httpx
+
+from benchmarks.common import print_table
+from benchmarks.serve_harness import ServedApp, free_port, served_app
+from benchmarks.serving_client import run_workload
+from benchmarks.serving_workload import (
+    RunSummary,
+    WorkloadSpec,
+    adapter_counters,
+    counter_delta,
+    make_workload,
+    summarize,
+)
+
+ADAPTER_COUNTS = (1, 8, 64, 512)
+ALPHAS = (0.6, 1.0)
+HEADLINE = (64, 1.0)  # (adapters, alpha) of the last line
+ADAPTER_RANK = 8
+# /metrics shows what replicas published, every second (deployments/app.py); wait past two periods.
+_METRICS_SETTLE_S = 2.5
+_PEFT_START_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One system's run of one workload."""
+
+    system: str
+    spec: WorkloadSpec
+    summary: RunSummary
+    counters: dict[str, float] | None  # adapter counters the run added (None: not our deployment)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def app_args(a: argparse.Namespace, registry_url: str, *, affinity: bool) -> dict:
+    """The app args of every local deployment, differing only in routing (and registry file)."""
+    return dict(model=a.model, num_replicas=a.replicas, max_batch=16, max_seq_len=a.max_seq_len,
+                max_loras_per_batch=8, max_lora_rank=16, max_cpu_loras=64, registry_url=registry_url,
+                adapter_affinity_routing=affinity)
+
+
+def adapter_names(n: int) -> list[str]:
+    """Adapter i's name; i is its popularity rank."""
+    return [f"zipf-{i:04d}" for i in range(n)]
+
+
+def _scrape(url: str) -> dict[str, float]:
+    r = httpx.get(f"{url}/metrics", timeout=60)
+    r.raise_for_status()
+    return adapter_counters(r.text)
+
+
+def _warm_up(url: str, spec: WorkloadSpec, model_of: Callable) -> None:
+    """A burst of requests at once, unrecorded, so first-use costs fall outside the runs."""
+    burst = dataclasses.replace(spec, rate=1000.0, max_requests=16, max_duration_s=1.0, seed=spec.seed + 1)
+    records = run_workload(url, make_workload(burst), model_of, drain_s=300.0)
+    failed = [r.error for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"warm-up requests failed at {url}: {failed[:3]}")
+
+
+def run_system(system: str, url: str, specs: Sequence[WorkloadSpec], model_of: Callable,
+               a: argparse.Namespace, *, metrics: bool) -> list[Result]:
+    """Every workload of `specs` sent to `url` in turn, as `system` (with `metrics`: the adapter
+    counters of its /metrics read around each run)."""
+    _warm_up(url, specs[0], model_of)
+    results = []
+    before = _scrape(url) if metrics else None
+    for spec in specs:
+        started = time.monotonic()
+        records = run_workload(url, make_workload(spec), model_of, a.drain)
+        counters = None
+        if metrics:
+            time.sleep(_METRICS_SETTLE_S)
+            after = _scrape(url)
+            counters, before = counter_delta(before, after), after
+        summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
+        _progress(f"  {system} n={spec.num_adapters} alpha={spec.alpha} rate={spec.rate}: "
+                  f"{summary.requests} requests, {summary.errors} errors, {summary.requests_per_s:.2f} req/s, "
+                  f"TTFT p99 {summary.ttft_p99_ms:.0f} ms ({time.monotonic() - started:.0f} s)")
+        results.append(Result(system, spec, summary, counters))
+    return results
+
+
+def _models(base_name: str, names: Sequence[str]) -> dict[str, Callable]:
+    return {"base": lambda item: base_name, "adapters": lambda item: names[item.adapter]}
+
+
+def run_deployment(a, specs, sources: dict[str, str], base_name: str, tmp: str, *, affinity: bool,
+                   systems: Sequence[str]) -> list[Result]:
+    """Deploys the app locally (or uses `--url`), registers the adapters, runs `systems` on it."""
+    names = list(sources)
+    models = _models(base_name, names)
+    label = "affinity" if affinity else "serve-default"
+    if a.url:
+        app = ServedApp(a.url.rstrip("/"), os.environ.get(a.admin_token_env, ""))
+        return _on_app(a, app, specs, sources, models, systems)
+    args = app_args(a, f"{tmp}/registry-{label}.json", affinity=affinity)
+    _progress(f"deploying {a.replicas} model-server replicas ({label} routing)")
+    started = time.monotonic()
+    with served_app(args) as app:
+        _progress(f"  up in {time.monotonic() - started:.0f} s")
+        return _on_app(a, app, specs, sources, models, systems)
+
+
+def _on_app(a, app: ServedApp, specs, sources, models, systems) -> list[Result]:
+    started = time.monotonic()
+    for name, source in sources.items():
+        app.register(name, source)
+    _progress(f"  {len(sources)} adapters registered in {time.monotonic() - started:.0f} s")
+    results = []
+    for system in systems:
+        model_of = models["base"] if system == "base" else models["adapters"]
+        results += run_system(system, app.url, specs, model_of, a, metrics=True)
+    return results
+
+
+def run_peft(a, specs, sources: dict[str, str], base_name: str, model_dir: str, adapters_dir: str,
+             notes: list[str]) -> list[Result]:
+    """Starts the transformers + PEFT server (benchmarks/peft_server.py) and runs the workloads on
+    it; notes the batch sizes it tried."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "benchmarks.peft_server", "--model", model_dir, "--adapters-dir", adapters_dir,
+           "--base-name", base_name, "--port", str(port), "--batch-sizes", *map(str, a.peft_batch_sizes),
+           "--tune-prompt-len", str(sum(a.input_len) // 2), "--tune-new-tokens", str(sum(a.output_len) // 2)]
+    _progress("starting the transformers + PEFT server")
+    started = time.monotonic()
+    with subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr) as proc:
+        try:
+            url = f"http://127.0.0.1:{port}"
+            health = _wait_healthy(url, proc)
+            tried = ", ".join(f"{b}: {s:.0f}" for b, s in health["tuning_tokens_per_s"].items())
+            notes.append(f"peft: batch size {health['max_batch']} (closed-batch tokens/s by batch size: {tried})")
+            _progress(f"  up in {time.monotonic() - started:.0f} s; {notes[-1]}")
+            return run_system("peft", url, specs, _models(base_name, list(sources))["adapters"], a, metrics=False)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen) -> dict:
+    deadline = time.monotonic() + _PEFT_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the PEFT server exited with {proc.returncode} before serving")
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"the PEFT server was not up after {_PEFT_START_TIMEOUT_S:.0f} s")
+
+
+def headline(results: Sequence[Result], slo_ttft_s: float) -> tuple[str, list[str]]:
+    """The last line (see the module docstring) and notes on how its rate was chosen."""
+    settings = sorted({(r.spec.num_adapters, r.spec.alpha) for r in results if r.system == "ours"})
+    if not settings:
+        return ("lora_over_base_throughput=nan ttft_p99_ms=nan tpot_p99_ms=nan "
+                "routing_gain_vs_serve_default=nan speedup_vs_peft=nan"), ["no run of ours finished"]
+    n, alpha = HEADLINE if HEADLINE in settings else settings[-1]
+    at = {(r.system, r.spec.rate): r.summary for r in results if (r.spec.num_adapters, r.spec.alpha) == (n, alpha)}
+    rates = sorted(rate for system, rate in at if system == "ours")
+    notes = []
+    within = [rate for rate in rates if at[("ours", rate)].ttft_p99_ms < 1e3 * slo_ttft_s]
+    if within:
+        rate = within[-1]
+    else:
+        rate = rates[0]
+        notes.append(f"no swept rate kept our p99 TTFT under {slo_ttft_s} s; the last line is at the lowest rate")
+    ours = at[("ours", rate)]
+
+    def ratio(value: float, system: str, field: str) -> float:
+        other = at.get((system, rate))
+        if other is None:
+            notes.append(f"{system} has no run at rate {rate}")
+            return math.nan
+        denominator = getattr(other, field)
+        return value / denominator if denominator > 0 else math.nan
+
+    notes.insert(0, f"last line: n={n}, alpha={alpha}, rate={rate} req/s")
+    line = (f"lora_over_base_throughput={ratio(ours.requests_per_s, 'base', 'requests_per_s'):.4f} "
+            f"ttft_p99_ms={ours.ttft_p99_ms:.2f} tpot_p99_ms={ours.tpot_p99_ms:.2f} "
+            f"routing_gain_vs_serve_default={ratio(ours.requests_per_s, 'serve-default', 'requests_per_s'):.4f} "
+            f"speedup_vs_peft={ratio(ours.output_tokens_per_s, 'peft', 'output_tokens_per_s'):.4f}")
+    return line, notes
+
+
+def print_results(results: Sequence[Result]) -> None:
+    """The table of every run, grouped by setting and rate."""
+    order = {"base": 0, "serve-default": 1, "peft": 2, "ours": 3}
+    rows = []
+    for r in sorted(results, key=lambda r: (r.spec.num_adapters, r.spec.alpha, r.spec.rate, order[r.system])):
+        s, c = r.summary, r.counters
+        rows.append([r.system, r.spec.num_adapters, r.spec.alpha, r.spec.rate, s.requests, s.errors,
+                     s.requests_per_s, s.output_tokens_per_s, s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms,
+                     s.tpot_p99_ms, f"{100 * s.slo_attainment:.0f}%",
+                     *(("-", "-", "-") if c is None else (int(c["loads"]), int(c["host_misses"]), int(c["fetches"])))])
+    print_table(["system", "n", "alpha", "rate", "requests", "errors", "req/s", "out tok/s", "TTFT p50 ms",
+                 "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "SLO", "slot loads", "host misses", "fetches"], rows)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="n=64, alpha=1.0, rates 4 and 8 req/s, 32 requests or 8 s a run, lengths 8-16 tokens, "
+                        "2 replicas, PEFT batch sizes 1, 4 and 16")
+    parser.add_argument("--adapters", type=int, nargs="+", choices=ADAPTER_COUNTS, default=None)
+    parser.add_argument("--alpha", type=float, nargs="+", choices=ALPHAS, default=None)
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help="requests/s, Poisson")
+    parser.add_argument("--requests", type=int, default=None, help="most requests a run sends")
+    parser.add_argument("--duration", type=float, default=None, help="seconds a run sends for, at most")
+    parser.add_argument("--drain", type=float, default=None, help="seconds after the last send to finish")
+    parser.add_argument("--input-len", type=int, nargs=2, default=None, metavar=("LO", "HI"), help="prompt tokens")
+    parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("LO", "HI"), help="output tokens")
+    parser.add_argument("--replicas", type=int, default=None, help="model-server replicas per deployment")
+    parser.add_argument("--model", default="demo", help="base model (app arg `model`), for us and for PEFT")
+    parser.add_argument("--max-seq-len", type=int, default=64, help="app arg max_seq_len of every deployment")
+    parser.add_argument("--peft-batch-sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--slo-ttft-s", type=float, default=2.0)
+    parser.add_argument("--slo-tpot-s", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--url", default=None, help="a running deployment on this host to measure as ours")
+    parser.add_argument("--admin-token-env", default="LORA_ADMIN_TOKEN",
+                        help="with --url: the env var holding its admin token")
+    parser.add_argument("--skip", nargs="+", default=(), choices=("base", "serve-default", "peft"),
+                        help="peers not to run")
+    a = parser.parse_args(argv)
+    quick = dict(adapters=[64], alpha=[1.0], rates=[4.0, 8.0], requests=32, duration=8.0, drain=45.0,
+                 input_len=(8, 16), output_len=(8, 16), replicas=2, peft_batch_sizes=[1, 4, 16])
+    full = dict(adapters=[64], alpha=[1.0], rates=[2.0, 4.0, 8.0, 16.0], requests=400, duration=60.0, drain=120.0,
+                input_len=(8, 24), output_len=(8, 24), replicas=2, peft_batch_sizes=[1, 4, 8, 16, 32])
+    for key, value in (quick if a.quick else full).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    a.input_len, a.output_len = tuple(a.input_len), tuple(a.output_len)
+    if a.input_len[1] + a.output_len[1] > a.max_seq_len:
+        parser.error(f"input_len={a.input_len} and output_len={a.output_len} may exceed max_seq_len={a.max_seq_len}")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    from benchmarks.peft_adapters import write_random_peft_adapters
+    from cluster.admin import resolve_model_path
+    from deployments.config import AppArgs
+
+    started = time.monotonic()
+    base_name = AppArgs(model=a.model).served_model_name
+    model_dir = resolve_model_path(a.model)
+    specs = [WorkloadSpec(n, alpha, rate, a.requests, a.duration, a.input_len, a.output_len, a.seed)
+             for n in a.adapters for alpha in a.alpha for rate in a.rates]
+    results: list[Result] = []
+    failures: list[str] = []
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters_dir = f"{tmp}/adapters"
+        sources = write_random_peft_adapters(model_dir, adapters_dir, adapter_names(max(a.adapters)),
+                                             r=ADAPTER_RANK, alpha=2 * ADAPTER_RANK, seed=a.seed)
+        _progress(f"{len(sources)} random rank-{ADAPTER_RANK} PEFT adapters written")
+        steps = [("ours", lambda: run_deployment(a, specs, sources, base_name, tmp, affinity=True,
+                                                 systems=[s for s in ("base", "ours") if s not in a.skip]))]
+        if "serve-default" not in a.skip and not a.url:
+            steps.append(("serve-default", lambda: run_deployment(a, specs, sources, base_name, tmp, affinity=False,
+                                                                  systems=["serve-default"])))
+        if "peft" not in a.skip:
+            steps.append(("peft", lambda: run_peft(a, specs, sources, base_name, model_dir, adapters_dir,
+                                                       notes)))
+        for label, step in steps:
+            try:
+                results += step()
+            except Exception as e:  # one system failing still reports the others, and says why
+                failures.append(f"{label} failed: {type(e).__name__}: {e}")
+                _progress(failures[-1])
+    line, headline_notes = headline(results, a.slo_ttft_s)
+    print(f"serving over HTTP: {a.replicas} model-server replicas, rank-{ADAPTER_RANK} adapters, input "
+          f"{a.input_len[0]}-{a.input_len[1]} and output {a.output_len[0]}-{a.output_len[1]} tokens, "
+          f"{a.requests} requests or {a.duration:.0f} s a run, SLO TTFT <= {a.slo_ttft_s} s and "
+          f"TPOT <= {1e3 * a.slo_tpot_s:.0f} ms; {time.monotonic() - started:.0f} s in all")
+    print_results(results)
+    for note in [*failures, *notes, *headline_notes]:
+        print(note)
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

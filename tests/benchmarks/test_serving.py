@@ -1,0 +1,214 @@
+"""The serving benchmark's pieces at tiny settings, so it keeps working: the workload generator,
+the metrics-text parsing, percentiles and summaries, the choice of the last line, and the PEFT
+peer's per-row streaming."""
+
+import collections
+import math
+import statistics
+
+import pytest
+
+from benchmarks import serving
+from benchmarks.peft_server import _Pending, _RowStreamer
+from benchmarks.serving_workload import (
+    RequestRecord,
+    RunSummary,
+    WorkloadSpec,
+    adapter_counters,
+    counter_delta,
+    make_workload,
+    parse_prometheus,
+    percentile,
+    summarize,
+    zipf_weights,
+)
+from cluster.metrics import ReplicaMetrics, render
+from lora_runtime.demo import demo_model_dir
+from lora_runtime.lora.manager import LoRAStats
+from lora_runtime.model.tokenizer import Tokenizer
+
+
+def spec(**kw) -> WorkloadSpec:
+    base = dict(num_adapters=8, alpha=1.0, rate=50.0, max_requests=100, max_duration_s=1000.0,
+                input_len=(8, 16), output_len=(4, 12), seed=0)
+    return WorkloadSpec(**(base | kw))
+
+
+def test_zipf_weights_by_hand():
+    assert zipf_weights(3, 1.0) == pytest.approx([6 / 11, 3 / 11, 2 / 11])
+    assert zipf_weights(4, 0.0) == pytest.approx([0.25] * 4)
+    w = zipf_weights(64, 0.6)
+    assert sum(w) == pytest.approx(1.0) and w[0] / w[1] == pytest.approx(2**0.6)
+
+
+def test_adapters_are_drawn_with_zipf_counts():
+    items = make_workload(spec(max_requests=20000, rate=1e4))
+    counts = collections.Counter(i.adapter for i in items)
+    assert set(counts) <= set(range(8))
+    for rank, p in enumerate(zipf_weights(8, 1.0)):
+        assert counts[rank] / len(items) == pytest.approx(p, rel=0.1)
+
+
+def test_one_adapter_takes_every_request():
+    assert {i.adapter for i in make_workload(spec(num_adapters=1))} == {0}
+
+
+def test_arrivals_are_poisson_at_the_rate():
+    items = make_workload(spec(max_requests=5000, rate=20.0))
+    gaps = [b.send_at_s - a.send_at_s for a, b in zip(items, items[1:])]
+    assert min(gaps) >= 0
+    assert statistics.mean(gaps) == pytest.approx(1 / 20.0, rel=0.05)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, rel=0.1)  # exponential: CV 1
+
+
+def test_lengths_are_uniform_in_their_ranges_and_prompts_have_that_many_tokens():
+    items = make_workload(spec(max_requests=2000, input_len=(5, 9), output_len=(3, 6)))
+    assert {i.prompt_tokens for i in items} == set(range(5, 10))
+    assert {i.max_tokens for i in items} == set(range(3, 7))
+    tokenizer = Tokenizer.from_pretrained(demo_model_dir())
+    for item in items[:50]:
+        assert len(tokenizer.encode(item.prompt)) == item.prompt_tokens
+
+
+def test_a_run_is_bounded_in_requests_and_time_and_the_same_for_the_same_seed():
+    assert len(make_workload(spec(max_requests=30, rate=1000.0))) == 30
+    timed = make_workload(spec(max_requests=10**6, rate=100.0, max_duration_s=2.0))
+    assert 150 < len(timed) < 250 and timed[-1].send_at_s < 2.0
+    assert make_workload(spec()) == make_workload(spec())
+    assert make_workload(spec()) != make_workload(spec(seed=1))
+
+
+@pytest.mark.parametrize("bad", [dict(num_adapters=0), dict(rate=0.0), dict(max_requests=0),
+                                 dict(input_len=(2, 8)), dict(input_len=(9, 8)), dict(output_len=(0, 4))])
+def test_specs_out_of_range_are_refused(bad):
+    with pytest.raises(ValueError):
+        spec(**bad)
+
+
+def test_percentiles_by_hand():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0) == 1.0 and percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_summary_of_records():
+    records = [
+        RequestRecord(sent=0.0, first_token=0.5, last_token=1.5, completion_tokens=11),  # TPOT 0.1 s
+        RequestRecord(sent=1.0, first_token=4.0, last_token=4.0, completion_tokens=1),  # TTFT 3 s: SLO miss
+        RequestRecord(sent=2.0, error="http 503"),
+    ]
+    s = summarize(records, slo_ttft_s=2.0, slo_tpot_s=0.2)
+    assert (s.requests, s.errors) == (3, 1)
+    assert s.requests_per_s == pytest.approx(2 / 4.0) and s.output_tokens_per_s == pytest.approx(12 / 4.0)
+    assert s.ttft_p50_ms == pytest.approx(1750.0) and s.tpot_p99_ms == pytest.approx(100.0)
+    assert s.slo_attainment == pytest.approx(1 / 3)
+    none_ok = summarize([RequestRecord(sent=0.0, error="x")], slo_ttft_s=2.0, slo_tpot_s=0.2)
+    assert none_ok.requests_per_s == 0.0 and math.isnan(none_ok.ttft_p99_ms) and none_ok.slo_attainment == 0.0
+
+
+def _metrics_text(loads: list[int]) -> str:
+    snaps = {f"replica-{i}": ReplicaMetrics().snapshot({}, LoRAStats(loads=n, host_misses=1, fetches=1), 1, 8)
+             for i, n in enumerate(loads)}
+    return render(lambda: snaps).decode()
+
+
+def test_adapter_counters_are_read_from_metrics_text_over_replicas():
+    text = _metrics_text([3, 4])
+    samples = parse_prometheus(text)
+    assert samples[("multilora_adapter_loads_total", (("replica", "replica-1"),))] == 4
+    got = adapter_counters(text)
+    assert (got["loads"], got["host_misses"], got["fetches"], got["evictions"]) == (7, 2, 2, 0)
+    assert adapter_counters("") == dict.fromkeys(got, 0.0)
+
+
+def test_counter_delta_counts_a_reset_counter_from_zero():
+    assert counter_delta({"loads": 5.0, "fetches": 2.0}, {"loads": 9.0, "fetches": 1.0}) == {"loads": 4.0,
+                                                                                             "fetches": 1.0}
+
+
+def _result(system: str, rate: float, rps: float, tok_s: float, ttft_p99_ms: float) -> serving.Result:
+    s = RunSummary(requests=10, errors=0, requests_per_s=rps, output_tokens_per_s=tok_s, ttft_p50_ms=1.0,
+                   ttft_p99_ms=ttft_p99_ms, tpot_p50_ms=5.0, tpot_p99_ms=9.0, slo_attainment=1.0)
+    return serving.Result(system, spec(num_adapters=64, rate=rate), s, None)
+
+
+def test_last_line_is_at_the_highest_rate_within_the_ttft_bound():
+    results = [_result("ours", 4.0, 4.0, 40.0, 300.0), _result("ours", 8.0, 7.0, 70.0, 1500.0),
+               _result("ours", 16.0, 8.0, 80.0, 5000.0), _result("base", 8.0, 7.0, 71.0, 900.0),
+               _result("serve-default", 8.0, 3.5, 35.0, 4000.0), _result("peft", 8.0, 1.4, 14.0, 9000.0)]
+    line, notes = serving.headline(results, slo_ttft_s=2.0)
+    assert line == ("lora_over_base_throughput=1.0000 ttft_p99_ms=1500.00 tpot_p99_ms=9.00 "
+                    "routing_gain_vs_serve_default=2.0000 speedup_vs_peft=5.0000")
+    assert notes == ["last line: n=64, alpha=1.0, rate=8.0 req/s"]
+
+
+def test_last_line_falls_back_to_the_lowest_rate_and_names_missing_peers():
+    line, notes = serving.headline([_result("ours", 4.0, 2.0, 20.0, 3000.0), _result("ours", 8.0, 2.0, 20.0, 6000.0)],
+                                   slo_ttft_s=2.0)
+    assert "routing_gain_vs_serve_default=nan" in line and "speedup_vs_peft=nan" in line
+    assert any("lowest rate" in n for n in notes) and any("peft has no run at rate 4.0" in n for n in notes)
+    assert serving.headline([], slo_ttft_s=2.0)[0].startswith("lora_over_base_throughput=nan")
+
+
+class _Tokens(list):
+    def tolist(self):
+        return list(self)
+
+
+def test_peft_rows_stream_exactly_their_own_max_tokens():
+    events = {0: [], 1: []}
+    batch = [_Pending(name, "ab=", n, True, lambda kind, payload, i=i: events[i].append((kind, payload)))
+             for i, (name, n) in enumerate([("a", 2), ("b", 3)])]
+    streamer = _RowStreamer(batch, lambda token, skip: f"<{token}>", prompt_tokens=[4, 4])
+    streamer.put([[1, 2, 3], [1, 2, 3]])  # the prompt ids: not streamed
+    for step in range(3):
+        streamer.put(_Tokens([10 + step, 20 + step]))
+    streamer.end()
+    assert events[0] == [("token", "<10>"), ("token", "<11>"), ("done", (4, 2))]
+    assert events[1] == [("token", "<20>"), ("token", "<21>"), ("token", "<22>"), ("done", (4, 3))]
+
+
+@pytest.mark.slow
+def test_peft_peer_serves_mixed_adapter_batches_as_each_adapter_alone(tmp_path):
+    """The PEFT peer (random PEFT adapters of the demo model) streams over HTTP, and a mixed batch
+    gives each row what its adapter gives alone."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from benchmarks.peft_adapters import write_random_peft_adapters
+    from benchmarks.peft_server import BASE_ADAPTER, PeftBatcher, make_app
+
+    sources = write_random_peft_adapters(demo_model_dir(), str(tmp_path), ["a0", "a1"], r=8, alpha=16, seed=0)
+    batcher = PeftBatcher(demo_model_dir(), sources)
+    rows = [("a0", "hello=", 6), ("a1", "serving=", 4), (BASE_ADAPTER, "abc=", 5)]
+
+    def tokens_of(batch_rows):
+        got = [[] for _ in batch_rows]
+        batch = [_Pending(a, p, n, True, lambda kind, payload, i=i: kind == "token" and got[i].append(payload))
+                 for i, (a, p, n) in enumerate(batch_rows)]
+        batcher.run_batch(batch)
+        return got
+
+    mixed = tokens_of(rows)
+    assert [len(t) for t in mixed] == [6, 4, 5]
+    assert mixed == [tokens_of([row])[0] for row in rows]
+    assert tokens_of([("a0", "hello=", 6)]) != tokens_of([(BASE_ADAPTER, "hello=", 6)])  # B is not zero
+
+    batcher.start()
+    with TestClient(make_app(batcher, base_name="demo")) as client:
+        body = {"model": "a1", "prompt": "serving=", "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "".join(mixed[1])
+        assert chunks[-1]["usage"] == {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
+        assert client.post("/v1/completions", json=dict(body, model="nope")).status_code == 404
+        assert client.post("/v1/completions", json=dict(body, temperature=0.7)).status_code == 422
