@@ -11,7 +11,7 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 
 
 def write_random_peft_adapters(base_dir: str, out_dir: str, names: Sequence[str], *, r: int, alpha: float,
-                               seed: int, b_std: float = 0.02) -> dict[str, str]:
+                               seed: int, b_std: float = 0.1) -> dict[str, str]:
     """One PEFT LoRA adapter per name on every attention and MLP projection of the model in
     `base_dir`, rank `r`, seeded: A normal with std 1/sqrt(fan_in), B normal with std `b_std`
     (PEFT starts B at zero, which would leave the adapter a no-op). Returns name -> adapter folder."""

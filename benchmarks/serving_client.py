@@ -18,9 +18,11 @@ _ERROR_BODY_CHARS = 200
 
 
 def completion_body(item: WorkItem, model: str) -> dict:
-    """The streamed, greedy completion request of one work item: exactly max_tokens tokens."""
+    """The streamed, greedy completion request of one work item: exactly max_tokens tokens, special
+    ones shown as text (so every token arrives as text, and is timed)."""
     return {"model": model, "prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "skip_special_tokens": False, "stream": True,
+            "stream_options": {"include_usage": True}}
 
 
 async def _stream_one(client: httpx.AsyncClient, body: dict, record: RequestRecord) -> None:

@@ -197,7 +197,8 @@ def test_peft_peer_serves_mixed_adapter_batches_as_each_adapter_alone(tmp_path):
     mixed = tokens_of(rows)
     assert [len(t) for t in mixed] == [6, 4, 5]
     assert mixed == [tokens_of([row])[0] for row in rows]
-    assert tokens_of([("a0", "hello=", 6)]) != tokens_of([(BASE_ADAPTER, "hello=", 6)])  # B is not zero
+    words = [("hello=", 6), ("serving=", 6), ("abc=", 6)]  # B is not zero: the adapter changes answers
+    assert tokens_of([("a0", *w) for w in words]) != tokens_of([(BASE_ADAPTER, *w) for w in words])
 
     batcher.start()
     with TestClient(make_app(batcher, base_name="demo")) as client:
@@ -212,3 +213,26 @@ def test_peft_peer_serves_mixed_adapter_batches_as_each_adapter_alone(tmp_path):
         assert chunks[-1]["usage"] == {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
         assert client.post("/v1/completions", json=dict(body, model="nope")).status_code == 404
         assert client.post("/v1/completions", json=dict(body, temperature=0.7)).status_code == 422
+
+
+@pytest.mark.slow
+def test_benchmark_runs_end_to_end_at_a_tiny_setting():
+    """`python -m benchmarks.serving` at a tiny setting (1 replica, 8 adapters, one rate, Serve's
+    routing skipped): a deployment and the PEFT peer, the table and the last line."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "benchmarks.serving", "--adapters", "8", "--rates", "4", "--requests", "6",
+           "--duration", "3", "--drain", "60", "--input-len", "6", "8", "--output-len", "4", "6", "--replicas", "1",
+           "--peft-batch-sizes", "1", "4", "--skip", "serve-default"]
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(r"lora_over_base_throughput=[\d.]+ ttft_p99_ms=[\d.]+ tpot_p99_ms=[\d.]+ "
+                        r"routing_gain_vs_serve_default=nan speedup_vs_peft=[\d.]+", lines[-1]), lines[-1]
+    rows = {line.split()[0]: line.split() for line in lines if line.split()[:1] in (["base"], ["ours"], ["peft"])}
+    assert set(rows) == {"base", "ours", "peft"}
+    assert all(row[5] == "0" for row in rows.values()), rows  # no errors
+    assert "failed" not in done.stdout, done.stdout
