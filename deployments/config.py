@@ -309,8 +309,7 @@ class AppArgs(BaseModel):
                 f"max_loras_per_batch={self.max_loras_per_batch} exceeds "
                 f"max_batch={self.max_batch}: a batch cannot use more adapters than sequences"
             )
-        if self.accelerator != "auto" or self.replica_num_gpus or self.accelerator_type:
-            self.placement(None)  # contradictions refused at deploy time
+        self.placement(None)  # contradictions refused at deploy time (auto never contradicts the cluster)
         if self.lora_rank_classes is not None:
             from pydantic import ValidationError
 

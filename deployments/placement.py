@@ -15,9 +15,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 ACCELERATORS = ("auto", "cpu", "gpu", "tpu")
-# JAX_PLATFORMS value and jax.Device.platform of each accelerator.
+# The JAX_PLATFORMS value of each accelerator (jax.Device.platform is the accelerator's name).
 _JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
-_DEVICE_PLATFORM = {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}
 
 
 class PlacementError(ValueError):
@@ -51,8 +50,8 @@ class Placement:
 def resolve(accelerator: str, tensor_parallel_size: int, *, num_cpus: float, num_gpus: float = 0.0,
             accelerator_type: str | None = None, cluster_resources: Mapping[str, float] | None = None) -> Placement:
     """The placement of a replica of ``tensor_parallel_size`` devices. ``auto``: GPUs if
-    ``num_gpus`` asks for them, else TPU chips if the cluster has any, else GPUs if it has
-    any, else host devices. ``num_gpus`` (replica_num_gpus), when not 0, must be the replica's
+    ``num_gpus`` asks for them, else what ``accelerator_type`` names (TPU-* chips, else GPUs),
+    else TPU chips if the cluster has any, else GPUs if it has any, else host devices. ``num_gpus`` (replica_num_gpus), when not 0, must be the replica's
     device count: a replica's devices are its own, never shared."""
     if accelerator not in ACCELERATORS:
         raise PlacementError(f"accelerator={accelerator!r} must be one of {list(ACCELERATORS)}")
@@ -62,6 +61,8 @@ def resolve(accelerator: str, tensor_parallel_size: int, *, num_cpus: float, num
     if accelerator == "auto":
         if num_gpus > 0:
             accelerator = "gpu"
+        elif accelerator_type is not None:
+            accelerator = "tpu" if accelerator_type.upper().startswith("TPU") else "gpu"
         elif resources.get("TPU", 0) > 0:
             accelerator = "tpu"
         elif resources.get("GPU", 0) > 0:
@@ -81,7 +82,7 @@ def resolve(accelerator: str, tensor_parallel_size: int, *, num_cpus: float, num
 def check_devices(accelerator: str, count: int, devices: Sequence) -> None:
     """Raises PlacementError unless ``devices`` (jax.devices() of the replica) are exactly
     ``count`` devices of ``accelerator``'s platform, naming what was expected and found."""
-    want = _DEVICE_PLATFORM[accelerator]
+    want = accelerator
     found = [getattr(d, "platform", "?") for d in devices]
     if len(found) == count and all(p == want for p in found):
         return

@@ -62,6 +62,12 @@ def test_contradictory_placements_are_refused_naming_them(kwargs, says):
         resolve(kwargs.pop("accelerator"), tp, num_cpus=1.0, **kwargs)
 
 
+def test_an_accelerator_type_names_the_accelerator_under_auto():
+    assert resolve("auto", 4, num_cpus=1.0, accelerator_type="TPU-V5LITEPOD").accelerator == "tpu"
+    assert resolve("auto", 2, num_cpus=1.0, accelerator_type="H100").accelerator == "gpu"
+    assert AppArgs(accelerator_type="TPU-V6E", tensor_parallel_size=4).placement(None).accelerator == "tpu"
+
+
 def test_app_args_refuse_contradictions_at_deploy_time():
     with pytest.raises(ValueError, match="replica_num_gpus=2 contradicts"):
         AppArgs(accelerator="gpu", tensor_parallel_size=1, replica_num_gpus=2)

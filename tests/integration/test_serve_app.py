@@ -735,8 +735,7 @@ def test_registry_change_reaches_the_replica_within_a_second(app, files):
 
 
 def test_32_concurrent_streams_over_8_adapters(app, files, reference):
-    for name, path in files["adapters"].items():
-        assert _register(app, name, str(path)).status_code in (201, 409)  # 409: registered by an earlier test
+    _ensure_adapters(app, files, list(files["adapters"]))
     before = _engine_stats(app)
     jobs = [(f"ad{i % N_ADAPTERS}", PROMPTS[i % len(PROMPTS)]) for i in range(32)]
     want = [reference(p, a) for a, p in jobs]
@@ -827,6 +826,7 @@ def _put_gcs(app, local_dir: Path, prefix: str) -> str:
 
 
 def _ensure_adapters(app, files, names) -> None:
+    """Registers each adapter of the test's files under its own name, unless a test before did."""
     for name in names:
         assert _register(app, name, str(files["adapters"][name])).status_code in (201, 409)
 
