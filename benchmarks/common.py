@@ -86,7 +86,7 @@ def write_random_checkpoint(out_dir, **shape):
 def synthetic_engine(model_config: ModelConfig, config: EngineConfig, tokenizer: Tokenizer) -> Engine:
     """An engine over a randomly initialised model of `model_config` on the default mesh."""
     mesh = make_mesh(config.tensor_parallel_size)
-    model = LlamaModel(model_config, rngs=nnx.Rngs(0))
+    model = LlamaModel(model_config, rngs=nnx.Rngs(0), scan_layers=config.scan_layers)
     shard_model(model, mesh)
     return assemble_engine(model, model_config, tokenizer, config, mesh, model_name="synthetic")
 

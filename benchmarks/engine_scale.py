@@ -27,6 +27,15 @@ CPU; adapters of rank 64 on all seven projections, 64 device slots. Measured:
 - `warm_start_s`, `cached_start_s`: build and warm-up of an engine in a fresh process with
   an empty persistent compilation cache, then again reading it (the table splits off the
   warm-up: building random weights of these widths on CPU is a fixed cost of its own).
+- `warmup_32_over_4`: the warm-up (every step shape compiled, then run once) of a 32-layer
+  engine over a 4-layer one, layers as a loop (scan_layers), each in a fresh process with
+  no compilation cache; the table also shows them unrolled. At hidden 1024 (16 heads, 4 kv,
+  intermediate 4096, vocab 128256): 32 layers of 8B widths do not fit a CPU host in f32.
+
+On CPU the step-time engines run their layers unrolled (scan_layers=False): inside a loop
+XLA's CPU backend copies each layer's weights out of the stack before its matmuls, which
+doubles what a decode step reads (TPU and GPU read the slice in place), so a loop there
+would hide LoRA's cost behind copies the accelerators do not make.
 """
 
 from __future__ import annotations
@@ -57,6 +66,9 @@ RANK, SLOTS, STREAMS = 64, 64, 8
 SHAPE = dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
 # The HTTP comparison: a model whose step is short enough for the serving path to show.
 HTTP_SHAPE = dict(hidden=768, layers=6, heads=12, kv_heads=4, intermediate=2048)
+# The depth comparison: 32 layers that fit a CPU host in f32.
+DEPTH_SHAPE = dict(hidden=1024, heads=16, kv_heads=4, intermediate=4096, vocab=128256)
+DEPTH_LAYERS = (4, 32)
 HTTP_PROMPT = ("the quick brown fox jumps over the lazy dog " * 2)[:47]  # 48 tokens with BOS
 HTTP_NEW_TOKENS = 32
 
@@ -118,12 +130,13 @@ _START = textwrap.dedent("""
     import json, sys, time
     start = time.perf_counter()
     from benchmarks.common import demo_tokenizer, synthetic_config, synthetic_engine
-    from benchmarks.engine_scale import RANK, SHAPE
+    from benchmarks.engine_scale import RANK
     from lora_runtime.engine import compile_events
     from lora_runtime.engine.config import EngineConfig
-    model_config = synthetic_config(layers=int(sys.argv[1]), **SHAPE)
+    shape, scan = json.loads(sys.argv[3]), sys.argv[4] == "1"
+    model_config = synthetic_config(layers=int(sys.argv[1]), **shape)
     config = EngineConfig(max_batch=8, max_seq_len=128, max_loras_per_batch=8, max_lora_rank=RANK,
-                          compilation_cache_dir=sys.argv[2])
+                          compilation_cache_dir=sys.argv[2] or None, scan_layers=scan)
     engine = synthetic_engine(model_config, config, demo_tokenizer())
     built = time.perf_counter()
     engine.start()
@@ -134,11 +147,13 @@ _START = textwrap.dedent("""
 """)
 
 
-def _start_s(layers: int, cache_dir: str) -> dict:
+def _start_s(layers: int, cache_dir: str, shape: dict = SHAPE, scan_layers: bool = True) -> dict:
+    """Build and warm-up times of an engine started in a fresh process (cache_dir "": no
+    persistent compilation cache)."""
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    proc = subprocess.run([sys.executable, "-c", _START, str(layers), cache_dir], env=env,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, "-c", _START, str(layers), cache_dir, json.dumps(shape),
+                           "1" if scan_layers else "0"], env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"engine start failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -203,7 +218,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 2 quick, 4)")
     parser.add_argument("--slots", type=int, default=SLOTS, help="device adapter slots")
     parser.add_argument("--http-only", action="store_true", help="only the HTTP comparison")
+    parser.add_argument("--depth-only", action="store_true", help="only the 4- and 32-layer warm-ups")
     args = parser.parse_args(argv)
+    if args.depth_only:
+        depth = _depth_warmups(unrolled=True)
+        _print_depth(depth)
+        print(f"warmup_32_over_4={depth[(True, 32)]['warmup_s'] / depth[(True, 4)]['warmup_s']:.3f}")
+        return
     if args.http_only:
         with tempfile.TemporaryDirectory() as tmp:
             http_tps, engine_tps, wall_tps = _http_over_engine(tmp, repeats=2)
@@ -216,8 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     new_tokens, repeats, submits = (16, 1, 100) if args.quick else (32, 2, 400)
     tokenizer = demo_tokenizer()
     model_config = synthetic_config(layers=layers, **SHAPE)
+    on_cpu = jax.devices()[0].platform == "cpu"
     config = EngineConfig(max_batch=STREAMS + 1, max_seq_len=128, max_loras_per_batch=args.slots, max_lora_rank=RANK,
-                          max_cpu_loras=STREAMS, compilation_cache_dir=None)
+                          max_cpu_loras=STREAMS, compilation_cache_dir=None, scan_layers=not on_cpu)
     prompt = [3 + (i % 50) for i in range(32)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
@@ -264,10 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as cache:
         cold_start = _start_s(layers, cache)
         cached_start = _start_s(layers, cache)
+    depth = _depth_warmups(unrolled=not args.quick)
     with tempfile.TemporaryDirectory() as tmp:
         http_tps, engine_tps, wall_tps = _http_over_engine(tmp, repeats=2)
 
-    print(f"device={jax.devices()[0].platform} layers={layers} {SHAPE} rank={RANK} slots={args.slots} "
+    print(f"device={jax.devices()[0].platform} layers={layers} scan_layers={config.scan_layers} {SHAPE} "
+          f"rank={RANK} slots={args.slots} "
           f"base_bytes={base_bytes / 2**30:.2f}GiB adapter_bytes={adapter_bytes / 2**20:.1f}MiB")
     print_table(
         ["decode step, batch of 8", "step_ms", "over_lora_off", "roofline"],
@@ -299,11 +323,29 @@ def main(argv: list[str] | None = None) -> None:
         [("engine's own steps", engine_tps), ("engine in process, wall clock", wall_tps),
          ("over HTTP (Serve, streamed)", http_tps)],
     )
+    _print_depth(depth)
     print(f"submit_p99_ms={submit_p99:.3f} cold_load_gap_ratio={cold_gap / warm_gap:.3f} "
           f"base_traffic_over_no_lora={base_s / off_s:.4f} lora_over_base_step={many_s / off_s:.4f} "
           f"roofline_ratio={roofline:.4f} real_compiles_after_warmup={compiles} "
           f"warm_start_s={cold_start['ready_s']:.1f} cached_start_s={cached_start['ready_s']:.1f} "
-          f"http_over_engine={http_tps / engine_tps:.3f}")
+          f"http_over_engine={http_tps / engine_tps:.3f} "
+          f"warmup_32_over_4={depth[(True, 32)]['warmup_s'] / depth[(True, 4)]['warmup_s']:.3f}")
+
+
+def _depth_warmups(unrolled: bool) -> dict:
+    """{(scan_layers, layers): fresh-process start} at DEPTH_SHAPE, no compilation cache."""
+    out = {}
+    for scan in (True, False) if unrolled else (True,):
+        for layers in DEPTH_LAYERS:
+            out[(scan, layers)] = _start_s(layers, "", DEPTH_SHAPE, scan)
+            _progress(f"depth: scan_layers={scan} {layers} layers: {out[(scan, layers)]}")
+    return out
+
+
+def _print_depth(depth: dict) -> None:
+    rows = [(f"{'loop' if scan else 'unrolled'}, {layers} layers", r["warmup_s"], r["compiled"])
+            for (scan, layers), r in depth.items()]
+    print_table([f"warm-up, hidden {DEPTH_SHAPE['hidden']}, no cache", "seconds", "compiled"], rows)
 
 
 if __name__ == "__main__":

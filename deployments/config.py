@@ -84,6 +84,9 @@ class AppArgs(BaseModel):
         "they fail with a 503 (adapter_unavailable) while the fetch goes on for later requests.")
     lora_backend: str = Field("auto", description="LoRA backend: auto, reference, xla or pallas.")
     dtype: str | None = Field(None, description="float32, bfloat16, or None for the checkpoint's.")
+    scan_layers: bool = Field(
+        True, description="Run the layers as one loop over stacked weights, so compile time (a replica's "
+        "start) does not grow with depth; False unrolls them (see EngineConfig.scan_layers).")
     compilation_cache_dir: str | None = Field(
         "auto", description="JAX's persistent compilation cache, so a restarted replica reads its compiled "
         "steps instead of compiling them: a directory, 'auto' (JAX_COMPILATION_CACHE_DIR if set, else "
@@ -362,6 +365,7 @@ class AppArgs(BaseModel):
             max_adapter_bytes=self.max_adapter_bytes,
             adapter_load_timeout_s=self.adapter_load_timeout_s,
             compilation_cache_dir=self.compilation_cache_dir,
+            scan_layers=self.scan_layers,
         )
 
     def adapter_validator(self):

@@ -34,7 +34,7 @@ def build_engine(
     model_config.check_max_seq_len(config.max_seq_len)
     mesh = make_mesh(config.tensor_parallel_size)
     plan = make_plan(model_config, config, mesh)
-    model_config, model = load_model(model_path, mesh, dtype=config.dtype)
+    model_config, model = load_model(model_path, mesh, dtype=config.dtype, scan_layers=config.scan_layers)
     tokenizer = Tokenizer.from_pretrained(tokenizer_path or model_path, generation_config_dir=model_path)
     name = model_name or os.path.basename(os.path.normpath(model_path))
     return assemble_engine(model, model_config, tokenizer, config, mesh, model_name=name, plan=plan)
@@ -66,6 +66,9 @@ def assemble_engine(
     config's (tests run the TPU or GPU kernel in interpret mode on CPU).
     """
     model_config.check_max_seq_len(config.max_seq_len)
+    if model.scan_layers != config.scan_layers:
+        raise ValueError(f"the model was built with scan_layers={model.scan_layers}, the engine config "
+                         f"says scan_layers={config.scan_layers}")
     cache_dir = compile_events.enable_persistent_cache(config.compilation_cache_path(),
                                                        config.compilation_cache_min_compile_s)
     if cache_dir:

@@ -87,6 +87,11 @@ class EngineConfig(BaseModel):
     adapter_load_timeout_s: float = Field(
         30.0, gt=0, description="How long requests wait for an adapter being fetched from its storage; past it "
         "they fail with a 503 (adapter_unavailable) while the fetch goes on for later requests.")
+    scan_layers: bool = Field(
+        True, description="Run the layers as one loop over weights stacked per parameter, so a step's "
+        "compile time does not grow with depth (a 32-layer model compiles like a 4-layer one). False "
+        "unrolls them over per-layer weights: on CPU, where XLA copies a layer's weights out of the stack "
+        "inside the loop, a decode step that reads mostly weights is faster unrolled.")
     compilation_cache_dir: str | None = Field(
         "auto", description="JAX's persistent compilation cache, so a restarted replica loads its "
         "compiled steps instead of compiling them: a directory, 'auto' (JAX_COMPILATION_CACHE_DIR if set, "

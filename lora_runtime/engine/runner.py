@@ -120,7 +120,7 @@ class ModelRunner:
     def reset_if_lost(self) -> bool:
         """After a failed step: recreates the cache and row state if the step had consumed
         (donated) them, so the next step runs; True if it did."""
-        arrays = (*self.kv_cache.k, *self.kv_cache.v, self.token_counts, self.prompt_seen)
+        arrays = (*self.kv_cache.arrays, self.token_counts, self.prompt_seen)
         if not any(a.is_deleted() for a in arrays):
             return False
         for a in arrays:

@@ -26,17 +26,12 @@ class BaseWeights:
             return m.lm_head.kernel[...], False
         if module == EMBED:
             return m.embed_tokens.embedding[...], False
-        return self._linear(layer, module).kernel[...], False
+        return self._model.linear(layer, module)[0], False
 
     def bias(self, layer: int, module: str) -> jax.Array | None:
         if module in (HEAD, EMBED):
             return None
-        bias = self._linear(layer, module).bias
-        return None if bias is None else bias[...]
-
-    def _linear(self, layer: int, module: str):
-        block = self._model.layers[layer]
-        return getattr(block.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, module)
+        return self._model.linear(layer, module)[1]
 
 
 @jax.jit

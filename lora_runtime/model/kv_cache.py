@@ -1,19 +1,27 @@
 """The paged key/value cache, and the metadata that says where each token's K/V go and what it reads.
 
-K and V of each layer are pages: `[num_kv_heads, num_blocks, block_size, head_dim]`, a
-block of `block_size` consecutive positions of one sequence per page. A sequence's block
-table lists its pages in position order, so position p lives in page table[p // bs] at
-offset p % bs; sequences with a common prefix share its pages. Block 0 is the null
-block: never handed out, it is what unused table entries point at. The pages shard kv
-heads over the mesh's tensor axis, like the k/v projections that produce them, so
-attention needs no communication. This layout is what every attention formulation reads
-(kernels/paged_attention): tile-aligned [bs, D] pages for the TPU kernel, and JAX's GPU
-paged-attention layout.
+K and V are pages, one array each for every layer: `[num_kv_heads, L * num_blocks,
+block_size, head_dim]`, a block of `block_size` consecutive positions of one sequence per
+page, layer l's pages at [l * num_blocks, (l + 1) * num_blocks). A block id (what block
+tables and slot mappings hold, 0 .. num_blocks - 1) names the same block in every layer:
+layer l reads and writes page l * num_blocks + block (`layer_pages`, `layer_slots`). So
+the layers run as one loop over the cache, carried and updated in place, and every
+attention formulation reads a layer's pages straight out of the one array, never a
+layer sliced (copied) out of it.
+
+A sequence's block table lists its blocks in position order, so position p lives in block
+table[p // bs] at offset p % bs; sequences with a common prefix share its blocks. Block 0
+is the null block: never handed out, it is what unused table entries point at. The pages
+shard kv heads over the mesh's tensor axis, like the k/v projections that produce them,
+so attention needs no communication. This layout is what every attention formulation
+reads (kernels/paged_attention): tile-aligned [bs, D] pages for the TPU kernel, and JAX's
+GPU paged-attention layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,43 +45,65 @@ def block_bytes(config: ModelConfig, block_size: int, dtype=None) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * itemsize
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v"), meta_fields=("num_layers",))
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Keys and values of every layer as pages, arrays a jitted step can donate."""
 
-    k: tuple[jax.Array, ...]  # per layer [Hkv, num_blocks, block_size, head_dim], model dtype
-    v: tuple[jax.Array, ...]  # per layer [Hkv, num_blocks, block_size, head_dim], model dtype
+    k: jax.Array  # [Hkv, L * num_blocks, block_size, head_dim], model dtype; layer l's pages from l * num_blocks
+    v: jax.Array  # same
+    num_layers: int
 
     @classmethod
     def create(cls, config: ModelConfig, num_blocks: int, block_size: int, mesh: Mesh) -> KVCache:
-        """A zeroed cache of `num_blocks` blocks (block 0 the null block), kv heads sharded."""
+        """A zeroed cache of `num_blocks` blocks (block 0 the null block) in every layer, kv heads sharded."""
         if num_blocks < 2 or block_size < 1:
             raise ValueError(f"{num_blocks=} must be >= 2 (block 0 is the null block) and {block_size=} >= 1")
-        shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        shape = (config.num_kv_heads, config.num_layers * num_blocks, block_size, config.head_dim)
         sharding = kv_cache_sharding(mesh)
-        return cls(
-            k=tuple(zeros_on(shape, config.dtype, sharding) for _ in range(config.num_layers)),
-            v=tuple(zeros_on(shape, config.dtype, sharding) for _ in range(config.num_layers)),
-        )
+        return cls(k=zeros_on(shape, config.dtype, sharding), v=zeros_on(shape, config.dtype, sharding),
+                   num_layers=config.num_layers)
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[1]
+        """Blocks of each layer (block ids 0 .. num_blocks - 1)."""
+        return self.k.shape[1] // self.num_layers
 
     @property
     def block_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.k.shape[2]
+
+    @property
+    def arrays(self) -> tuple[jax.Array, jax.Array]:
+        return self.k, self.v
+
+    def layer(self, kv: jax.Array, layer: int) -> jax.Array:  # [Hkv, num_blocks, bs, D]
+        """Layer `layer`'s pages of `kv` (self.k or self.v), for reading on the host."""
+        n = self.num_blocks
+        return kv[:, layer * n:(layer + 1) * n]
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block takes over all layers, K and V (all devices' shards together)."""
-        heads, _, bs, head_dim = self.k[0].shape
-        return 2 * len(self.k) * heads * bs * head_dim * self.k[0].dtype.itemsize
+        heads, _, bs, head_dim = self.k.shape
+        return 2 * self.num_layers * heads * bs * head_dim * self.k.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
+
+
+def layer_pages(block_ids: jax.Array, layer: jax.Array | int, num_blocks: int) -> jax.Array:
+    """The pages of `block_ids` in layer `layer` (an int or a traced scalar)."""
+    return block_ids + layer * num_blocks
+
+
+def layer_slots(slot_mapping: jax.Array, layer: jax.Array | int, num_blocks: int, block_size: int,
+                num_layers: int) -> jax.Array:
+    """Slots of one layer's pages from a step's slot mapping (block * bs + offset); a slot past
+    the blocks (padding) stays past every layer's, so it is still written nowhere."""
+    per_layer = num_blocks * block_size
+    return jnp.where(slot_mapping < per_layer, slot_mapping + layer * per_layer, num_layers * per_layer)
 
 
 @jax.tree_util.register_dataclass

@@ -1,12 +1,14 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in Flax NNX, with a KV cache and a LoRA hook.
 
-Module and parameter names mirror Hugging Face's (``layers[i].self_attn.q_proj.kernel``
-is ``model.layers.{i}.self_attn.q_proj.weight`` transposed), so the loader maps one
-to the other by name. Linear kernels are stored ``[in, out]``.
+Module and parameter names mirror Hugging Face's (``layers.self_attn.q_proj.kernel[i]``,
+or ``layers[i].self_attn.q_proj.kernel`` with the layers unrolled, is
+``model.layers.{i}.self_attn.q_proj.weight`` transposed), so the loader maps one to the
+other by name. Linear kernels are stored ``[in, out]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -15,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from lora_runtime.model.attention import paged_layer_attention, prefill_attention, write_kv
-from lora_runtime.model.kv_cache import AttentionMetadata, KVCache
+from lora_runtime.model.kv_cache import AttentionMetadata, KVCache, layer_pages, layer_slots
 from lora_runtime.model.config import ModelConfig, RopeScaling
 from lora_runtime.model.lora_hook import LoRAHook
 
@@ -122,10 +124,9 @@ def apply_rope(
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k norm and sliding window."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.layer = layer
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.q_proj = Linear(c.hidden_size, q_out, bias=c.attention_bias, dtype=c.dtype, rngs=rngs)
         self.k_proj = Linear(c.hidden_size, kv_out, bias=c.attention_bias, dtype=c.dtype, rngs=rngs)
@@ -138,15 +139,16 @@ class Attention(nnx.Module):
         self,
         h: jax.Array,  # [T, H]
         positions: jax.Array,  # i32[T]
-        k_pages: jax.Array,  # [Hkv, N, bs, D]
-        v_pages: jax.Array,  # [Hkv, N, bs, D]
+        kv: KVCache,  # every layer's pages (kv_cache.py)
         attn: AttentionMetadata,
         lora: LoRAHook | None,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, H], new k_pages, new v_pages
-        c, i, t = self.config, self.layer, h.shape[0]
+        layer: jax.Array | int,  # this layer's index (traced inside the layer loop)
+        window: int | None,  # this layer's sliding window
+    ) -> tuple[jax.Array, KVCache]:  # [T, H], the cache with this layer's K/V written
+        c, t = self.config, h.shape[0]
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         if lora is not None:
-            q, k, v = lora("qkv", i, h, (q, k, v))
+            q, k, v = lora("qkv", layer, h, (q, k, v))
         q = q.reshape(t, c.num_heads, c.head_dim)
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
@@ -155,77 +157,111 @@ class Attention(nnx.Module):
         inv_freq, rope_scale = rope_inv_freq(c), rope_attention_factor(c)
         q, k = apply_rope(q, positions, inv_freq, rope_scale), apply_rope(k, positions, inv_freq, rope_scale)
 
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, attn.slot_mapping)
-        window = c.layer_window(i)
+        n = kv.num_blocks
+        slots = layer_slots(attn.slot_mapping, layer, n, kv.block_size, kv.num_layers)
+        k_pages, v_pages = write_kv(kv.k, kv.v, k, v, slots)
+        kv = dataclasses.replace(kv, k=k_pages, v=v_pages)
         if attn.mode == "prefill":
             groups = c.num_heads // c.num_kv_heads
             out = prefill_attention(q.reshape(t, c.num_kv_heads, groups, c.head_dim), k, v, positions,
                                     attn.token_seq, window)
         else:
-            out = paged_layer_attention(q, k_pages, v_pages, positions, attn, window)
+            pages = dataclasses.replace(attn, block_tables=layer_pages(attn.block_tables, layer, n))
+            out = paged_layer_attention(q, k_pages, v_pages, positions, pages, window)
         out = out.reshape(t, c.num_heads * c.head_dim)
         o = self.o_proj(out)
         if lora is not None:
-            (o,) = lora("o", i, out, (o,))
-        return o, k_pages, v_pages
+            (o,) = lora("o", layer, out, (o,))
+        return o, kv
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
-        self.layer = layer
         self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs)
         self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs)
 
-    def __call__(self, h: jax.Array, lora: LoRAHook | None) -> jax.Array:  # [T, H] -> [T, H]
+    def __call__(self, h: jax.Array, lora: LoRAHook | None, layer: jax.Array | int) -> jax.Array:  # [T, H] -> [T, H]
         g, u = self.gate_proj(h), self.up_proj(h)
         if lora is not None:
-            g, u = lora("gate_up", self.layer, h, (g, u))
+            g, u = lora("gate_up", layer, h, (g, u))
         act = jax.nn.silu(g) * u
         d = self.down_proj(act)
         if lora is not None:
-            (d,) = lora("down", self.layer, act, (d,))
+            (d,) = lora("down", layer, act, (d,))
         return d
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype)
-        self.self_attn = Attention(c, layer, rngs=rngs)
+        self.self_attn = Attention(c, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype)
-        self.mlp = MLP(c, layer, rngs=rngs)
+        self.mlp = MLP(c, rngs=rngs)
 
     def __call__(
         self,
         x: jax.Array,  # [T, H]
         positions: jax.Array,  # i32[T]
-        k_pages: jax.Array,  # [Hkv, N, bs, D]
-        v_pages: jax.Array,  # [Hkv, N, bs, D]
+        kv: KVCache,
         attn: AttentionMetadata,
         lora: LoRAHook | None,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        a, k_pages, v_pages = self.self_attn(self.input_layernorm(x), positions, k_pages, v_pages, attn, lora)
+        layer: jax.Array | int,
+        window: int | None,
+    ) -> tuple[jax.Array, KVCache]:
+        a, kv = self.self_attn(self.input_layernorm(x), positions, kv, attn, lora, layer, window)
         x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x), lora)
-        return x, k_pages, v_pages
+        x = x + self.mlp(self.post_attention_layernorm(x), lora, layer)
+        return x, kv
+
+
+def layer_runs(config: ModelConfig) -> list[tuple[int, int, int | None]]:
+    """The layers as maximal runs [start, end) of one sliding window each: (start, end, window)."""
+    runs: list[tuple[int, int, int | None]] = []
+    for i in range(config.num_layers):
+        window = config.layer_window(i)
+        if runs and runs[-1][2] == window:
+            runs[-1] = (runs[-1][0], i + 1, window)
+        else:
+            runs.append((i, i + 1, window))
+    return runs
+
+
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One DecoderLayer whose every parameter holds the given layers' values stacked on a
+    leading axis (layer i at index i)."""
+    graphdef, _ = nnx.split(layers[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in layers))
+    return nnx.merge(graphdef, stacked)
 
 
 class LlamaModel(nnx.Module):
-    """The decoder stack plus embeddings and lm_head; one call runs one prefill or decode step."""
+    """The decoder stack plus embeddings and lm_head; one call runs one prefill or decode step.
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    With `scan_layers` (the default) the layers are one DecoderLayer whose parameters are
+    stacked over layers ([L, ...]), run as a loop (one per run of equal sliding window), so
+    a step's program and its compile time do not grow with depth; the layer index is traced
+    and the LoRA kernels and the paged cache read that layer in place. Without it, `layers`
+    is a list of per-layer modules, unrolled in the program: XLA on CPU copies each layer's
+    weights out of a stack inside a loop (a loop step reads them twice), which separate
+    arrays avoid, at a compile time that grows with depth.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, scan_layers: bool = True):
         c = config
         self.config = c
+        self.scan_layers = scan_layers
         self.embed_tokens = nnx.Embed(
             c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs
         )
-        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs) for i in range(c.num_layers)])
+        layers = [DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)]
+        self.layers = stack_layers(layers) if scan_layers else nnx.List(layers)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.dtype)
         self.lm_head = (
             None
@@ -248,12 +284,29 @@ class LlamaModel(nnx.Module):
         embed = getattr(lora, "embed", None)  # optional: hooks may adapt the projections only
         if embed is not None:
             x = embed(tokens, x)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, positions, kv_cache.k[i], kv_cache.v[i], attn, lora)
-            ks.append(k)
-            vs.append(v)
-        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+        if not self.scan_layers:
+            for i, layer in enumerate(self.layers):
+                x, kv_cache = layer(x, positions, kv_cache, attn, lora, i, self.config.layer_window(i))
+            return self.norm(x), kv_cache
+        graphdef, params = nnx.split(self.layers)
+        for start, end, window in layer_runs(self.config):
+            def body(i, carry, window=window):
+                x, kv = carry
+                layer = nnx.merge(graphdef, jax.tree.map(lambda p: p[i], params))
+                return layer(x, positions, kv, attn, lora, i, window)
+
+            x, kv_cache = jax.lax.fori_loop(start, end, body, (x, kv_cache))
+        return self.norm(x), kv_cache
+
+    def linear(self, layer: int, module: str) -> tuple[jax.Array, jax.Array | None]:
+        """Layer `layer`'s projection `module` (q_proj .. down_proj): its kernel [in, out] and bias."""
+        block = self.layers if self.scan_layers else self.layers[layer]
+        part = block.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp
+        linear = getattr(part, module)
+        kernel, bias = linear.kernel[...], None if linear.bias is None else linear.bias[...]
+        if self.scan_layers:
+            kernel, bias = kernel[layer], None if bias is None else bias[layer]
+        return kernel, bias
 
     def logits(self, hidden: jax.Array, lora: LoRAHook | None = None,
                rows: jax.Array | None = None) -> jax.Array:  # [N, H] -> f32[N, V]

@@ -2,7 +2,8 @@
 
 The module is built abstractly (``nnx.eval_shape``: no random init), then each parameter
 is made with ``jax.make_array_from_callback``: every device reads only its own slice of
-the memory-mapped file, so host memory holds at most one shard of one tensor at a time.
+the memory-mapped file(s), so host memory holds at most one shard of one parameter at a
+time (of a stacked layer parameter, that shard of every layer).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from lora_runtime.errors import CheckpointError
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.llama import LlamaModel
 from lora_runtime.model.safetensors_io import TensorInfo, read_header
-from lora_runtime.model.sharding import TENSOR_AXIS, check_divisible, param_sharding
+from lora_runtime.model.sharding import TENSOR_AXIS, check_divisible, param_sharding, stacked_layer_param
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,23 +31,30 @@ _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(path: str, mesh: Mesh, *, dtype: str | None = None) -> tuple[ModelConfig, LlamaModel]:
-    """Reads config.json and the safetensors weights in ``path`` into a model sharded over ``mesh``."""
+def load_model(path: str, mesh: Mesh, *, dtype: str | None = None,
+               scan_layers: bool = True) -> tuple[ModelConfig, LlamaModel]:
+    """Reads config.json and the safetensors weights in ``path`` into a model sharded over
+    ``mesh`` (its layers stacked for a loop, or unrolled: see LlamaModel)."""
     config = ModelConfig.from_pretrained(path, dtype=dtype)
     check_divisible(config, mesh.shape[TENSOR_AXIS])
     tensors = checkpoint_tensors(path)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaModel(config, rngs=nnx.Rngs(0))))
+    abstract = nnx.eval_shape(lambda: LlamaModel(config, rngs=nnx.Rngs(0), scan_layers=scan_layers))
+    graphdef, state = nnx.split(abstract)
     target_dtype = np.dtype(jnp.dtype(config.dtype))
     used = set()
     arrays = {}
     for param_path, variable in nnx.to_flat_state(state):
-        name = hf_name(param_path)
-        info = tensors.get(name)
-        if info is None:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path!r}")
-        used.add(name)
+        stacked = stacked_layer_param(param_path)
+        names = [hf_name(param_path, i) for i in range(config.num_layers)] if stacked else [hf_name(param_path)]
+        infos = []
+        for name in names:
+            info = tensors.get(name)
+            if info is None:
+                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path!r}")
+            used.add(name)
+            infos.append(info)
         shape = variable.get_value().shape
-        arrays[param_path] = _load_param(param_path, name, info, shape, target_dtype, mesh)
+        arrays[param_path] = _load_param(param_path, names, infos, shape, target_dtype, mesh, stacked)
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some exporters save the tied copy too
     unexpected = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES))
@@ -90,9 +98,14 @@ def checkpoint_tensors(path: str) -> dict[str, TensorInfo]:
     raise CheckpointError(f"checkpoint in {path!r} has neither {SINGLE_FILE!r} nor {INDEX_FILE!r}")
 
 
-def hf_name(param_path: Sequence[str | int]) -> str:
-    """The Hugging Face tensor name of an NNX parameter path."""
+def hf_name(param_path: Sequence[str | int], layer: int | None = None) -> str:
+    """The Hugging Face tensor name of an NNX parameter path; of its layer `layer` for a
+    stacked layer parameter (('layers', 'mlp', ...) holds every layer's)."""
     *modules, leaf = (str(p) for p in param_path)
+    if stacked_layer_param(param_path):
+        if layer is None:
+            raise ValueError(f"stacked layer parameter {tuple(param_path)!r} needs the layer to name")
+        modules.insert(1, str(layer))
     suffix = "bias" if leaf == "bias" else "weight"
     prefix = [] if modules[0] == "lm_head" else ["model"]
     return ".".join(prefix + modules + [suffix])
@@ -100,25 +113,40 @@ def hf_name(param_path: Sequence[str | int]) -> str:
 
 def _load_param(
     param_path: tuple,
-    name: str,
-    info: TensorInfo,
+    names: list[str],
+    infos: list[TensorInfo],
     shape: tuple[int, ...],
     dtype: np.dtype,
     mesh: Mesh,
+    stacked: bool,
 ) -> jax.Array:
-    """One parameter, each device reading its own slice (kernels are stored transposed)."""
+    """One parameter, each device reading its own slice (kernels are stored transposed); a
+    stacked layer parameter reads its slice of every layer's tensor (`names`, in layer order)."""
     transposed = param_path[-1] == "kernel"
-    expected = tuple(reversed(shape)) if transposed else tuple(shape)
-    if info.shape != expected:
-        raise CheckpointError(
-            f"tensor {name!r} in {info.file!r} has shape {info.shape}, expected {expected}"
-        )
-    data = info.memmap()
+    per_layer = tuple(shape[1:]) if stacked else tuple(shape)
+    expected = tuple(reversed(per_layer)) if transposed else per_layer
+    for name, info in zip(names, infos):
+        if info.shape != expected:
+            raise CheckpointError(
+                f"tensor {name!r} in {info.file!r} has shape {info.shape}, expected {expected}"
+            )
+    data = [info.memmap() for info in infos]
+
+    def read_one(tensor: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
+        if transposed:
+            return np.ascontiguousarray(tensor[index[1], index[0]].T.astype(dtype))
+        return np.ascontiguousarray(tensor[index].astype(dtype))
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
-        if transposed:
-            return np.ascontiguousarray(data[index[1], index[0]].T.astype(dtype))
-        return np.ascontiguousarray(data[index].astype(dtype))
+        if not stacked:
+            return read_one(data[0], index)
+        layers = range(len(data))[index[0]]
+        first = read_one(data[layers[0]], index[1:])
+        out = np.empty((len(layers),) + first.shape, dtype)  # one device's slice of every layer
+        out[0] = first
+        for j, i in enumerate(layers[1:], 1):
+            out[j] = read_one(data[i], index[1:])
+        return out
 
     return jax.make_array_from_callback(shape, param_sharding(param_path, shape, mesh), read)
 

@@ -85,6 +85,7 @@ DEFAULT_RULES = ShardingRules(
         "norm": None,
         "batch": None,
         "seq": None,
+        "layers": None,  # the stacked layers' leading axis
     }
 )
 
@@ -109,12 +110,20 @@ _PARAM_AXES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
+def stacked_layer_param(path: Sequence[str | int]) -> bool:
+    """Whether an NNX parameter path is one of the stacked layers' ([L, ...]): ('layers',
+    'mlp', ...), where unrolled layers' paths are ('layers', 0, 'mlp', ...)."""
+    return len(path) > 1 and str(path[0]) == "layers" and not isinstance(path[1], int) and not str(path[1]).isdigit()
+
+
 def param_logical_axes(path: Sequence[str | int]) -> tuple[str, ...]:
-    """The logical axes of an NNX parameter path, e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')."""
+    """The logical axes of an NNX parameter path, e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel'),
+    with "layers" first for a stacked layer parameter."""
+    lead = ("layers",) if stacked_layer_param(path) else ()
     if len(path) >= 2 and (str(path[-2]), str(path[-1])) in _PARAM_AXES:
-        return _PARAM_AXES[(str(path[-2]), str(path[-1]))]
+        return lead + _PARAM_AXES[(str(path[-2]), str(path[-1]))]
     if path and path[-1] == "scale":  # RMSNorm weights
-        return ("norm",)
+        return lead + ("norm",)
     raise ValueError(f"no logical axes known for parameter path {tuple(path)!r}")
 
 

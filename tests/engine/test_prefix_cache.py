@@ -215,7 +215,7 @@ def test_a_step_that_loses_the_cache_fails_its_requests_and_the_next_ones_run(en
     decode = runner._decode
 
     def failing(state, kv_cache, *args):
-        for a in (*kv_cache.k, *kv_cache.v):
+        for a in kv_cache.arrays:
             a.delete()
         raise RuntimeError("device fault")
 

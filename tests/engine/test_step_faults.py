@@ -56,7 +56,7 @@ def _poisoned(engine, method: str, *, lose_cache: bool, after_steps: int):
             seen[0] += 1
             if seen[0] > after_steps:
                 if lose_cache:
-                    for a in (*runner.kv_cache.k, *runner.kv_cache.v):
+                    for a in runner.kv_cache.arrays:
                         a.delete()
                 raise RuntimeError("poisoned step")
         return real(inputs, pool)

@@ -51,22 +51,23 @@ def i32(x) -> jax.Array:
 def test_create_shapes_and_sharding(tp):
     mesh = make_mesh(tp)
     cache = KVCache.create(CONFIG, 9, BS, mesh)
-    assert len(cache.k) == len(cache.v) == CONFIG.num_layers
+    assert cache.num_layers == CONFIG.num_layers == 2
     assert (cache.num_blocks, cache.block_size) == (9, BS)
-    for a in cache.k + cache.v:
-        assert a.shape == (4, 9, BS, 8) and a.dtype == jnp.float32
+    for a in cache.arrays:  # both layers' pages in one array, layer 1's from page 9
+        assert a.shape == (4, 2 * 9, BS, 8) and a.dtype == jnp.float32
         assert a.sharding.spec == P("tensor", None, None, None)
-        assert {s.data.shape for s in a.addressable_shards} == {(4 // tp, 9, BS, 8)}
+        assert {s.data.shape for s in a.addressable_shards} == {(4 // tp, 2 * 9, BS, 8)}
         assert not np.asarray(a).any()
+        assert cache.layer(a, 1).shape == (4, 9, BS, 8)
     assert cache.bytes_per_block == block_bytes(CONFIG, BS) == 2 * 2 * 4 * 8 * BS * 4
     assert cache.nbytes == 9 * cache.bytes_per_block
 
 
 def test_bf16_cache_and_pytree():
     cache = KVCache.create(dataclasses.replace(CONFIG, dtype="bfloat16"), 3, 8, make_mesh(1))
-    assert cache.k[0].dtype == jnp.bfloat16 and cache.bytes_per_block == 2 * 2 * 4 * 8 * 8 * 2
+    assert cache.k.dtype == jnp.bfloat16 and cache.bytes_per_block == 2 * 2 * 4 * 8 * 8 * 2
     leaves, treedef = jax.tree.flatten(cache)
-    assert len(leaves) == 4 and jax.tree.unflatten(treedef, leaves) == cache
+    assert len(leaves) == 2 and jax.tree.unflatten(treedef, leaves) == cache
 
 
 def test_bad_arguments():
@@ -85,8 +86,8 @@ def model():
     return LlamaModel(CONFIG, rngs=nnx.Rngs(0))
 
 
-def written(cache: KVCache) -> np.ndarray:  # bool[rows, max_seq_len]: where layer 0 holds K, by row and position
-    held = np.abs(np.asarray(cache.k[0])).sum(axis=(0, 3)) > 0  # [blocks, bs]
+def written(cache: KVCache, layer: int = 0) -> np.ndarray:  # bool[rows, max_seq_len]: where a layer holds K
+    held = np.abs(np.asarray(cache.layer(cache.k, layer))).sum(axis=(0, 3)) > 0  # [blocks, bs]
     positions = np.arange(MAX_SEQ)
     return held[PAGES.tables[:, positions // BS], positions % BS]
 
@@ -101,7 +102,8 @@ def test_prefill_writes_rows_and_positions_but_not_padding(model):
     assert np.isfinite(np.asarray(hidden)).all()
     expected = np.zeros((ROWS, MAX_SEQ), bool)
     expected[3, :3] = expected[1, :2] = True
-    np.testing.assert_array_equal(written(cache), expected)
+    for layer in range(CONFIG.num_layers):  # each layer its own pages; padding in none
+        np.testing.assert_array_equal(written(cache, layer), expected)
 
 
 def test_decode_writes_one_position_per_active_row(model):
@@ -111,7 +113,8 @@ def test_decode_writes_one_position_per_active_row(model):
     assert hidden.shape == (ROWS, CONFIG.hidden_size) and np.isfinite(np.asarray(hidden)).all()
     expected = np.zeros((ROWS, MAX_SEQ), bool)
     expected[0, 4] = expected[2, 0] = True
-    np.testing.assert_array_equal(written(cache), expected)
+    for layer in range(CONFIG.num_layers):
+        np.testing.assert_array_equal(written(cache, layer), expected)
     with pytest.raises(ValueError, match="3 tokens do not split into 2 groups"):
         uneven = AttentionMetadata(slot_mapping=i32([0, 1, 2]), block_tables=i32(PAGES.tables[:2]), mode="paged")
         model(i32([1, 2, 3]), i32([0, 0, 0]), cache, uneven)
@@ -154,16 +157,16 @@ def test_jitted_forward_donates_the_cache(model, tp):
     eager_logits = model.logits(eager_logits)
 
     cache = PAGES.cache(CONFIG, mesh)
-    donated = cache.k[0]
+    donated = cache.k
     logits, cache = step(tokens, positions, cache, attn)
     assert donated.is_deleted()
     np.testing.assert_allclose(np.asarray(logits), np.asarray(eager_logits), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(cache.k[1]), np.asarray(eager_cache.k[1]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(cache.k), np.asarray(eager_cache.k), rtol=1e-5, atol=1e-6)
     expected = NamedSharding(mesh, P("tensor", None, None, None))
-    assert cache.k[0].sharding.is_equivalent_to(expected, 4), cache.k[0].sharding
+    assert cache.k.sharding.is_equivalent_to(expected, 4), cache.k.sharding
 
     # A decode step reuses the donated result as its input.
-    before = cache.v[0]
+    before = cache.v
     attn = PAGES.decode([0, -1, 2, -1], [3, 0, 2, 0])
     logits, cache = step(i32([8, 0, 9, 0]), i32([3, 0, 2, 0]), cache, attn)
     assert before.is_deleted() and logits.shape == (ROWS, CONFIG.vocab_size) and logits.dtype == jnp.float32
@@ -175,11 +178,11 @@ def test_cache_keeps_its_sharding_whatever_the_hook_returns(model):
     mesh = make_mesh(4)
     step = make_step(mesh, lora=replicating_hook(mesh))
     cache = PAGES.cache(CONFIG, mesh)
-    donated = cache.v[1]
+    donated = cache.v
     attn = PAGES.prefill([1, 1, -1], [0, 1, 0])
     logits, cache = step(i32([3, 4, 0]), i32([0, 1, 0]), cache, attn)
     assert donated.is_deleted()
     expected = NamedSharding(mesh, P("tensor", None, None, None))
-    assert all(a.sharding.is_equivalent_to(expected, 4) for a in cache.k + cache.v)
+    assert all(a.sharding.is_equivalent_to(expected, 4) for a in cache.arrays)
     ref, _ = model(i32([3, 4, 0]), i32([0, 1, 0]), PAGES.cache(CONFIG, make_mesh(1)), attn)
     np.testing.assert_allclose(np.asarray(logits)[:2], np.asarray(model.logits(ref))[:2], rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from flax import nnx
 
 from lora_runtime.model.config import ModelConfig, RopeScaling
 from lora_runtime.model.lora_hook import GROUP_SLICES
-from lora_runtime.model.llama import LlamaModel, apply_rope, rope_attention_factor, rope_inv_freq
+from lora_runtime.model.llama import LlamaModel, apply_rope, layer_runs, rope_attention_factor, rope_inv_freq
 from lora_runtime.model.sharding import make_mesh
 from tests.helpers.paged import RowPages
 
@@ -52,13 +53,14 @@ def run(model, lora=None) -> np.ndarray:
 
 
 def test_hook_sees_every_group_in_order_with_flat_shapes():
+    """Unrolled, the hook sees each layer's groups in order with that layer's index."""
     calls = []
 
     def hook(group, layer, x, base_outputs):
         calls.append((group, layer, x.shape, tuple(y.shape for y in base_outputs)))
         return base_outputs
 
-    model = LlamaModel(CONFIG, rngs=nnx.Rngs(0))
+    model = LlamaModel(CONFIG, rngs=nnx.Rngs(0), scan_layers=False)
     np.testing.assert_array_equal(run(model, hook), run(model))
     t, q, kv, mlp = 5, 4 * 16, 2 * 16, 48
     per_layer = [
@@ -69,32 +71,71 @@ def test_hook_sees_every_group_in_order_with_flat_shapes():
     ]
     assert calls == [(g, i, x, outs) for i in range(2) for g, x, outs in per_layer]
 
+    # As a loop over stacked layers, the hook is traced once, with the layer index traced.
+    calls.clear()
+    np.testing.assert_allclose(run(LlamaModel(CONFIG, rngs=nnx.Rngs(0)), hook), run(model), rtol=1e-5, atol=1e-5)
+    assert [(g, x, outs) for g, _, x, outs in calls] == per_layer
+    assert all(isinstance(layer, jax.core.Tracer) and layer.dtype == jnp.int32 for _, layer, _, _ in calls)
 
-def test_hook_delta_equals_a_kernel_change():
+
+def add_deltas(model, deltas) -> None:
+    """Adds deltas[(layer, module)] to that projection's kernel, stacked or unrolled."""
+    for (i, name), delta in deltas.items():
+        block = model.layers if model.scan_layers else model.layers[i]
+        owner = block.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp
+        kernel = getattr(owner, name).kernel
+        kernel[...] = kernel[...].at[i].add(delta) if model.scan_layers else kernel[...] + delta
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_hook_delta_equals_a_kernel_change(scan_layers):
     """Adding x @ D in the hook must equal adding D to that projection's kernel, for all seven."""
-    model = LlamaModel(CONFIG, rngs=nnx.Rngs(0))
+    model = LlamaModel(CONFIG, rngs=nnx.Rngs(0), scan_layers=scan_layers)
     rng = np.random.default_rng(0)
     deltas = {}
-    for i, layer in enumerate(model.layers):
+    for i in range(CONFIG.num_layers):
         for group, names in GROUP_SLICES.items():
             for name in names:
-                owner = layer.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp
-                shape = getattr(owner, name).kernel[...].shape
+                shape = model.linear(i, name)[0].shape
                 deltas[(i, name)] = jnp.asarray(0.05 * rng.standard_normal(shape), jnp.float32)
+    stacked = {name: jnp.stack([deltas[(i, name)] for i in range(CONFIG.num_layers)])
+               for names in GROUP_SLICES.values() for name in names}
 
-    def hook(group, layer, x, base_outputs):
-        return tuple(y + x @ deltas[(layer, n)] for y, n in zip(base_outputs, GROUP_SLICES[group]))
+    def hook(group, layer, x, base_outputs):  # layer: an int unrolled, traced in the loop
+        return tuple(y + x @ stacked[n][layer] for y, n in zip(base_outputs, GROUP_SLICES[group]))
 
     changed = nnx.clone(model)
-    for (i, name), delta in deltas.items():
-        layer = changed.layers[i]
-        owner = layer.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp
-        kernel = getattr(owner, name).kernel
-        kernel[...] = kernel[...] + delta
-
+    add_deltas(changed, deltas)
     with_hook, reference, base = run(model, hook), run(changed), run(model)
     np.testing.assert_allclose(with_hook, reference, rtol=1e-5, atol=1e-5)
     assert np.abs(with_hook - base).max() > 1e-2  # the deltas matter
+
+
+def test_stacked_layers_equal_unrolled_ones():
+    """The loop over stacked layers computes what the unrolled layers do, prefill and decode,
+    also with layers in runs of different sliding windows (one loop per run), and writes the
+    same K/V into every layer's pages."""
+    mesh = make_mesh(1)
+    for config in (CONFIG, dataclasses.replace(CONFIG, num_layers=4, sliding_window=2,
+                                               sliding_layers=(False, True, True, False))):
+        assert len(layer_runs(config)) == (1 if config is CONFIG else 3)
+        stacked = LlamaModel(config, rngs=nnx.Rngs(0))
+        unrolled = LlamaModel(config, rngs=nnx.Rngs(0), scan_layers=False)
+        for i in range(config.num_layers):
+            np.testing.assert_array_equal(stacked.linear(i, "down_proj")[0], unrolled.linear(i, "down_proj")[0])
+        pages = RowPages(1, 8, block_size=2)
+        outs = []
+        for model in (stacked, unrolled):
+            cache = pages.cache(config, mesh)
+            prompt = jnp.asarray([5, 6, 7, 8, 9], jnp.int32)
+            _, cache = model(prompt[:4], jnp.arange(4, dtype=jnp.int32), cache,
+                             pages.prefill(np.zeros(4, np.int32), np.arange(4)))
+            hidden, cache = model(prompt[4:], jnp.asarray([4], jnp.int32), cache, pages.decode([0], [4]))
+            outs.append((np.asarray(hidden), np.asarray(cache.k), np.asarray(cache.v)))
+        for a, b in zip(*outs):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        per_layer = outs[0][1].reshape(config.num_kv_heads, config.num_layers, -1)
+        assert (np.abs(per_layer).sum(axis=(0, 2)) > 0).all()  # every layer wrote its own pages
 
 
 def with_rope(config: ModelConfig, rope: dict) -> ModelConfig:

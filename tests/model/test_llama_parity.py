@@ -165,8 +165,8 @@ def test_tensor_parallel_matches_transformers(hf_checkpoints, family):
     mesh = make_mesh(4)
     check_prefill_and_decode(hf_model, path, mesh)
     config, model = load_model(str(path), mesh)
-    q = model.layers[0].self_attn.q_proj.kernel[...]
-    assert len(q.sharding.device_set) == 4 and q.addressable_shards[0].data.shape[1] == q.shape[1] // 4
+    q = model.layers.self_attn.q_proj.kernel[...]  # [L, hidden, q]
+    assert len(q.sharding.device_set) == 4 and q.addressable_shards[0].data.shape[2] == q.shape[2] // 4
     seqs = prompts(config.vocab_size)
     assert greedy(config, model, mesh, seqs, 4) == [hf_greedy(hf_model, s, 4) for s in seqs]
 

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from tests.helpers.paged import RowPages
 from lora_runtime.errors import CheckpointError
 from lora_runtime.model.loader import hf_name, load_model
-from lora_runtime.model.sharding import make_mesh
+from lora_runtime.model.sharding import make_mesh, stacked_layer_param
 from tests.model.conftest import build_hf_model, save_checkpoint
 
 Q_NAME = "model.layers.1.self_attn.q_proj.weight"
@@ -42,12 +42,17 @@ def assert_params_equal(model, hf_model, dtype=np.float32):
     """Every parameter equals transformers' tensor of the same name (kernels transposed)."""
     hf = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
     params = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    assert len(params) == len([k for k in hf if not (k == "lm_head.weight" and model.lm_head is None)])
+    matched = 0
     for path, var in params:
         ours = np.asarray(var.get_value())
         assert ours.dtype == dtype, path
-        ref = hf[hf_name(path)]
-        np.testing.assert_array_equal(ours.astype(np.float32), ref.T if path[-1] == "kernel" else ref)
+        layers = [(hf_name(path, i), ours[i]) for i in range(len(ours))] if stacked_layer_param(path) else \
+            [(hf_name(path), ours)]
+        for name, value in layers:
+            ref = hf[name]
+            np.testing.assert_array_equal(value.astype(np.float32), ref.T if path[-1] == "kernel" else ref)
+            matched += 1
+    assert matched == len([k for k in hf if not (k == "lm_head.weight" and model.lm_head is None)])
 
 
 def prefill_logits(config, model, mesh, tokens: list[int]) -> np.ndarray:
@@ -59,10 +64,12 @@ def prefill_logits(config, model, mesh, tokens: list[int]) -> np.ndarray:
     return np.asarray(model.logits(hidden))
 
 
-def test_single_file_checkpoint_loads_exact_weights(llama):
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_single_file_checkpoint_loads_exact_weights(llama, scan_layers):
     hf_model, path = llama
-    config, model = load_model(str(path), make_mesh(1))
+    config, model = load_model(str(path), make_mesh(1), scan_layers=scan_layers)
     assert config.architecture == "llama" and config.dtype == "float32"
+    assert model.scan_layers == scan_layers
     assert_params_equal(model, hf_model)
 
 
@@ -194,12 +201,13 @@ def test_tensor_parallel_slices(hf_checkpoints):
     """Each device holds only its slice: column-parallel out, row-parallel in, vocab split."""
     hf_model, path = hf_checkpoints["qwen2"]
     _, model = load_model(str(path), make_mesh(4))
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    attn, mlp = model.layers.self_attn, model.layers.mlp  # stacked: every layer on a leading axis
+    layers = model.config.num_layers
     expected = {
-        "q": (attn.q_proj.kernel[...], (64, 16)),
-        "q_bias": (attn.q_proj.bias[...], (16,)),
-        "o": (attn.o_proj.kernel[...], (16, 64)),
-        "down": (mlp.down_proj.kernel[...], (24, 64)),
+        "q": (attn.q_proj.kernel[...], (layers, 64, 16)),
+        "q_bias": (attn.q_proj.bias[...], (layers, 16)),
+        "o": (attn.o_proj.kernel[...], (layers, 16, 64)),
+        "down": (mlp.down_proj.kernel[...], (layers, 24, 64)),
         "embed": (model.embed_tokens.embedding[...], (32, 64)),
         "norm": (model.norm.scale[...], (64,)),
     }
@@ -207,6 +215,6 @@ def test_tensor_parallel_slices(hf_checkpoints):
         assert {s.data.shape for s in array.addressable_shards} == {shard_shape}, name
         assert len(array.sharding.device_set) == 4, name
     ref = hf_model.state_dict()["model.layers.0.self_attn.o_proj.weight"].numpy().T
-    shard = next(s for s in attn.o_proj.kernel[...].addressable_shards if s.index[0].start == 16)
-    np.testing.assert_array_equal(np.asarray(shard.data), ref[16:32])
+    shard = next(s for s in attn.o_proj.kernel[...].addressable_shards if s.index[1].start == 16)
+    np.testing.assert_array_equal(np.asarray(shard.data)[0], ref[16:32])
     assert model.embed_tokens.embedding[...].sharding.spec == P("tensor", None)
