@@ -93,6 +93,9 @@ class Engine:
         self.warm_compiles: int | None = None  # executables warm-up built (JAX's compile events)
         self._loop_builds = 0
         self._phase: list[Sequence] = []  # the sequences of the part of a step now running
+        # Sequences with a token whose text (detokenizing, stop strings, the stream item) waits
+        # for the next decode step to be dispatched, so that host work overlaps the device's.
+        self._text_pending: list[Sequence] = []
 
     @classmethod
     def from_pretrained(
@@ -405,6 +408,7 @@ class Engine:
             except Exception:  # never let one bad request stop the loop thread
                 logger.exception("engine inbox handling failed")
             if not self.scheduler.has_work():
+                self._catch_up_text()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -414,6 +418,7 @@ class Engine:
                 logger.exception("engine step failed")
                 self._recover(err)
             self.scheduler.step += 1
+        self._catch_up_text()
         for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
             seq.abort()
             self._finish(seq)
@@ -471,6 +476,8 @@ class Engine:
         decoding = [s for s in scheduler.decoding() if alone is None or s is alone]
         if decoding:
             self._decode(decoding)
+        else:
+            self._catch_up_text()  # no device step to hide it behind
         if alone is not None and (admission.packed or extended or decoding):
             alone.suspect_steps -= 1  # a step it passed alone
             self.counters["isolated_steps"] += 1
@@ -498,6 +505,7 @@ class Engine:
         self.counters["failed_steps"] += 1
         involved = [s for s in self._phase if not s.finished] or list(self.scheduler.running.values())
         self._phase = []
+        self._catch_up_text()
         suspects = [s for s in involved if s.suspect_steps > 0]
         if len(involved) == 1 or suspects:
             for seq in suspects or involved:
@@ -714,21 +722,44 @@ class Engine:
             members.append((seq.row, seq, seq.num_tokens - 1, 1))
         inputs = self._paged_inputs(b, 1, members, sampling_rows)
         start = time.perf_counter()
-        sampled = self.runner.decode(inputs, self._pool())
+        pending = self.runner.dispatch_decode(inputs, self._pool())
+        # While the device runs this step: the text of the step before. A sequence that a stop
+        # string finishes there is in this step too; its token from it is dropped below.
+        self._catch_up_text()
+        sampled = pending.get()
         self.counters["decode_seconds"] += time.perf_counter() - start
         self.counters["decode_steps"] += 1
         self.counters["decode_row_steps"] += len(active)
         distinct = len({s.adapter for s in active if s.adapter is not None})
         self.counters["max_batch_adapters"] = max(self.counters["max_batch_adapters"], distinct)
         for seq in active:
+            if seq.finished:  # by a stop string in the text of its token before
+                continue
             self.scheduler.computed(seq, 1)
             self._settle(seq, self._append, seq, sampled, seq.row)
 
     def _append(self, seq: Sequence, sampled: Sampled, i: int) -> None:
+        """Adds a sampled token; a sequence its token ids finish is finished now, the text of
+        the others waits for the next decode step's dispatch (_catch_up_text)."""
         n = seq.params.logprobs
         logprob = None if n is None else _token_logprob(sampled, i, n)
-        seq.append_token(int(sampled.tokens[i]), self.config.max_seq_len, logprob)
+        seq.add_token(int(sampled.tokens[i]), self.config.max_seq_len, logprob)
         self.counters["generated_tokens"] += 1
+        if seq.finished:
+            self._finish(seq)
+        else:
+            self._text_pending.append(seq)
+
+    def _catch_up_text(self) -> None:
+        """The text of the tokens added since the last call, and the stream items they make; a
+        stop string in it finishes its sequence."""
+        pending, self._text_pending = self._text_pending, []
+        for seq in pending:
+            if not seq.closed and seq.text_pending:
+                self._settle(seq, self._emit_text, seq)
+
+    def _emit_text(self, seq: Sequence) -> None:
+        seq.catch_up_text()
         if seq.finished:
             self._finish(seq)
         else:
@@ -737,6 +768,7 @@ class Engine:
                 _deliver(seq, out)
 
     def _finish(self, seq: Sequence) -> None:
+        seq.catch_up_text()
         self.scheduler.finish(seq)
         self.counters["aborted" if seq.finish_reason.value == "abort" else "finished"] += 1
         out = seq.take_output()

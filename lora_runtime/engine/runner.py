@@ -59,6 +59,19 @@ class Sampled:
                    np.asarray(logprobs.top))
 
 
+@dataclasses.dataclass
+class PendingSample:
+    """A dispatched step's sampled tokens (and log-probabilities), still on the device."""
+
+    tokens: jax.Array
+    logprobs: object
+    wanted: bool  # whether any row asked for log-probabilities
+
+    def get(self) -> Sampled:
+        """Waits for the step and brings its tokens (and asked-for log-probabilities) to the host."""
+        return Sampled.from_device(self.tokens, self.logprobs, self.wanted)
+
+
 def history_bucket(n: int) -> int:
     """The padded length of a row history of `n` tokens (init_rows)."""
     size = MIN_HISTORY
@@ -274,10 +287,17 @@ class ModelRunner:
 
     def decode(self, inputs: StepInputs, pool) -> Sampled:
         """Runs one decode step, a token per batch row; returns a token per row."""
+        return self.dispatch_decode(inputs, pool).get()
+
+    def dispatch_decode(self, inputs: StepInputs, pool) -> "PendingSample":
+        """Starts one decode step and its sampling on the device and returns at once; the
+        PendingSample's get() waits for the tokens (one device-to-host transfer)."""
         with jax.set_mesh(self.mesh):
             logits, self.kv_cache = self._decode(*self._decode_args(inputs, pool))
-        rows = np.where(inputs.rows >= 0, np.arange(inputs.rows.shape[0], dtype=np.int32), -1).astype(np.int32)
-        return self._sample_rows(logits, inputs.sampling, rows)
+            rows = np.where(inputs.rows >= 0, np.arange(inputs.rows.shape[0], dtype=np.int32), -1).astype(np.int32)
+            tokens, logprobs, self.token_counts = self._sample(logits, self.token_counts, self.prompt_seen,
+                                                               inputs.sampling, rows)
+        return PendingSample(tokens, logprobs, inputs.sampling.any_logprobs)
 
 
 def _sample_impl(logits, counts, seen, sampling, seq_rows):

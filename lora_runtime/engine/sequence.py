@@ -74,6 +74,7 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     prompt_logprob_parts: list[TokenLogprob | None] = dataclasses.field(default_factory=list)  # chunk by chunk
     text: str = ""
+    text_tokens: int = 0  # output tokens whose text is in `text` (catch_up_text)
     emitted_text: int = 0
     emitted_tokens: int = 0
     finish_reason: FinishReason | None = None
@@ -107,20 +108,45 @@ class Sequence:
         return self.finish_reason is not None
 
     def append_token(self, token: int, max_seq_len: int, logprob: TokenLogprob | None = None) -> None:
-        """Adds a sampled token (and its log-probability) and decides whether the sequence is finished."""
+        """Adds a sampled token (and its log-probability), its text, and decides whether the sequence is finished."""
+        self.add_token(token, max_seq_len, logprob)
+        self.catch_up_text()
+
+    def add_token(self, token: int, max_seq_len: int, logprob: TokenLogprob | None = None) -> None:
+        """Adds a sampled token and finishes the sequence on what token ids alone decide: an
+        end-of-sequence or stop token id, max_tokens, max_seq_len. Its text (and a stop
+        string in it) waits for catch_up_text, which the engine runs while the device
+        computes the next step."""
         self.output_ids.append(token)
         if logprob is not None:
             self.output_logprobs.append(logprob)
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.finish_reason = FinishReason.STOP
-            self.text += self.detokenizer.flush()
-            return
-        self.text += self.detokenizer.step(token)
-        if p.stop and self._cut_at_stop_string():
-            self.finish_reason = FinishReason.STOP
         elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_seq_len:
             self.finish_reason = FinishReason.LENGTH
+
+    @property
+    def text_pending(self) -> bool:
+        """Whether tokens were added whose text catch_up_text has not produced yet."""
+        return self.text_tokens < len(self.output_ids)
+
+    def catch_up_text(self) -> None:
+        """Detokenizes the tokens added since the last call. A stop string in the text cuts it
+        there and finishes the sequence (stop); a finish by token id flushes the detokenizer
+        (a stop or end-of-sequence token adds no text)."""
+        while self.text_tokens < len(self.output_ids):
+            token = self.output_ids[self.text_tokens]
+            self.text_tokens += 1
+            if self.text_tokens == len(self.output_ids) and self.finish_reason is FinishReason.STOP:
+                self.text += self.detokenizer.flush()  # a stop or end-of-sequence token: no text of its own
+                return
+            self.text += self.detokenizer.step(token)
+            if self.params.stop and self._cut_at_stop_string():
+                if self.finish_reason in (None, FinishReason.LENGTH):
+                    self.finish_reason = FinishReason.STOP
+                return
+        if self.finish_reason is FinishReason.LENGTH:
             self.text += self.detokenizer.flush()
 
     def _cut_at_stop_string(self) -> bool:

@@ -80,14 +80,14 @@ def _engine(checkpoint, adapters, **overrides):
 )
 def test_mixed_adapter_batch_matches_peft(checkpoint, adapters, peft_greedy, backend, tp):
     engine = _engine(checkpoint, adapters, lora_backend=backend, tensor_parallel_size=tp)
-    decode = engine.runner.decode
+    decode = engine.runner.dispatch_decode
     reads_pool = []  # per decode step: whether it ran the adapter pool
 
     def spy(inputs, pool):
         reads_pool.append(inputs.lora is not None)
         return decode(inputs, pool)
 
-    engine.runner.decode = spy
+    engine.runner.dispatch_decode = spy
     try:
         # Base traffic alone runs the base model's program: no pool, no adapter work.
         outs = engine.generate_batch(PROMPTS, GREEDY)
@@ -262,7 +262,7 @@ def test_submit_and_pinning_do_not_wait_for_a_running_step(checkpoint, adapters,
     """While a step runs, submit returns at once; a slot write asked for on another thread
     (pinning) waits for the loop and runs between steps, never under a running step."""
     engine = _engine(checkpoint, adapters)
-    decode = engine.runner.decode
+    decode = engine.runner.dispatch_decode
     in_step, release = threading.Event(), threading.Event()
 
     def held(inputs, pool):
@@ -270,7 +270,7 @@ def test_submit_and_pinning_do_not_wait_for_a_running_step(checkpoint, adapters,
         release.wait(60)
         return decode(inputs, pool)
 
-    engine.runner.decode = held
+    engine.runner.dispatch_decode = held
     try:
         outs = []
         engine.submit(PROMPTS[0], GREEDY, outs.append, adapter="r4")
@@ -295,7 +295,7 @@ def test_submit_and_pinning_do_not_wait_for_a_running_step(checkpoint, adapters,
         assert engine.compiles_after_warmup == 0
     finally:
         release.set()
-        engine.runner.decode = decode
+        engine.runner.dispatch_decode = decode
         engine.shutdown()
 
 

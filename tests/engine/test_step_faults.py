@@ -64,7 +64,7 @@ def _poisoned(engine, method: str, *, lose_cache: bool, after_steps: int):
     return real, step
 
 
-@pytest.mark.parametrize(("method", "after_steps"), [("prefill", 0), ("decode", 2)])
+@pytest.mark.parametrize(("method", "after_steps"), [("prefill", 0), ("dispatch_decode", 2)])
 @pytest.mark.parametrize("lose_cache", [False, True], ids=["cache-kept", "cache-lost"])
 def test_a_step_failing_for_one_request_fails_that_request_alone(engine, method, after_steps, lose_cache):
     healthy = _healthy(engine)
@@ -93,16 +93,16 @@ def test_a_step_failing_for_one_request_fails_that_request_alone(engine, method,
 def test_a_step_failing_for_everyone_fails_each_request_and_the_engine_serves_on(engine):
     """A fault no request caused (every step raises): each is tried alone, then failed."""
     healthy = _healthy(engine)
-    real = engine.runner.decode
+    real = engine.runner.dispatch_decode
 
     def broken(inputs, pool):
         raise RuntimeError("device fault")
 
-    engine.runner.decode = broken
+    engine.runner.dispatch_decode = broken
     try:
         outs = engine.generate_batch(_prompts(engine), [_params(i) for i in range(4)], return_errors=True)
     finally:
-        engine.runner.decode = real
+        engine.runner.dispatch_decode = real
     assert all("device fault" in str(o.error) for o in outs)
     assert _healthy(engine) == healthy
 
@@ -137,7 +137,7 @@ def test_a_suspect_that_passes_alone_rejoins_the_batch(engine):
     """A step that fails once (a fault of the moment): nobody fails; each suspect passes
     its steps alone and the tokens are those of a healthy run."""
     healthy = _healthy(engine)
-    real = engine.runner.decode
+    real = engine.runner.dispatch_decode
     calls = [0]
 
     def flaky(inputs, pool):
@@ -147,11 +147,11 @@ def test_a_suspect_that_passes_alone_rejoins_the_batch(engine):
         return real(inputs, pool)
 
     before = engine.stats()
-    engine.runner.decode = flaky
+    engine.runner.dispatch_decode = flaky
     try:
         outs = engine.generate_batch(_prompts(engine), [_params(i) for i in range(4)], return_errors=True)
     finally:
-        engine.runner.decode = real
+        engine.runner.dispatch_decode = real
     assert [o.token_ids for o in outs] == healthy and all(o.error is None for o in outs)
     after = engine.stats()
     assert after["failed"] == before["failed"] and after["failed_steps"] - before["failed_steps"] == 1

@@ -1,0 +1,102 @@
+"""Host work overlaps the device: a decode step is dispatched before the text of the step
+before it is made (detokenizing, stop strings, stream items), and a sequence that a stop
+string ends there gives up the token the already dispatched step computed for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.engine import Engine
+from lora_runtime.engine.sampling import SamplingParams
+from tests.helpers.checkpoints import save_tiny_llama
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    cfg = EngineConfig(max_batch=4, max_seq_len=128, max_loras_per_batch=0)
+    eng = Engine.from_pretrained(str(save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))), cfg).start()
+    yield eng
+    eng.shutdown()
+
+
+def _prompts(engine) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, engine.model_config.vocab_size, size=10 + 2 * i).tolist() for i in range(3)]
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_text_is_made_while_the_next_step_runs(engine, monkeypatch):
+    """Each decode step after the first has text work of the step before between its
+    dispatch and the wait for its tokens; only a sequence's last token (finished by
+    max_tokens, nothing to overlap with) has its text made outside a step."""
+    events: list[str] = []
+    dispatch = engine.runner.dispatch_decode
+
+    def spy(inputs, pool):
+        pending = dispatch(inputs, pool)
+        events.append("dispatch")
+        get = pending.get
+
+        def waited():
+            events.append("get")
+            return get()
+
+        pending.get = waited
+        return pending
+
+    decode = engine.tokenizer.decode
+
+    def text(ids, **kw):
+        events.append("text")
+        return decode(ids, **kw)
+
+    monkeypatch.setattr(engine.runner, "dispatch_decode", spy)
+    monkeypatch.setattr(engine.tokenizer, "decode", text)
+    outs = engine.generate_batch(_prompts(engine), _greedy())
+    monkeypatch.undo()
+    assert all(len(o.token_ids) == NEW_TOKENS for o in outs)
+    windows, inside, outside, open_ = 0, 0, 0, False
+    for e in events:
+        if e == "dispatch":
+            windows, open_ = windows + 1, True
+            seen = False
+        elif e == "get":
+            assert open_
+            open_ = False
+            inside += seen
+        elif open_:
+            seen = True
+        else:
+            outside += 1
+    # At least NEW_TOKENS - 1 decode steps follow the prefill (more if the requests were
+    # admitted in two steps); each has the text of the tokens before it.
+    assert windows >= NEW_TOKENS - 1 and inside == windows, events
+    assert outside > 0  # the last tokens' text, made when their sequences finish
+
+
+def test_a_stop_string_found_a_step_late_drops_the_extra_token(engine):
+    """The stop string is found in the text of token k while step k + 1 is running: the
+    output ends at token k, with the text cut before the stop string, as without overlap."""
+    prompt = _prompts(engine)[0]
+    tokens = engine.generate_batch([prompt], _greedy())[0].token_ids
+    texts = [engine.tokenizer.decode(tokens[:k]) for k in range(NEW_TOKENS + 1)]
+    full = texts[-1]
+
+    def first_with(stop):  # the token whose text completes the stop string's first occurrence
+        return next(k for k in range(1, NEW_TOKENS + 1) if stop in texts[k])
+
+    # A two-character stop string first completed by the third token or later.
+    stop = next(full[i:i + 2] for i in range(len(full) - 1) if first_with(full[i:i + 2]) >= 3)
+    k = first_with(stop)
+    out = engine.generate_batch([prompt], _greedy(stop=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == tokens[:k] and out.completion_tokens == k
+    assert out.text == full[: full.find(stop)]
+    assert engine.scheduler.pool.num_free == engine.scheduler.pool.usable
