@@ -29,7 +29,8 @@ CPU; adapters of rank 64 on all seven projections, 64 device slots. Measured:
   warm-up: building random weights of these widths on CPU is a fixed cost of its own).
 - `warmup_32_over_4`: the warm-up (every step shape compiled, then run once) of a 32-layer
   engine over a 4-layer one, layers as a loop (scan_layers), each in a fresh process with
-  no compilation cache; the table also shows them unrolled. At hidden 1024 (16 heads, 4 kv,
+  no compilation cache; the table also shows them unrolled, and the seconds XLA spent
+  compiling (JAX's backend-compile events, summed over the warm-up's threads). At hidden 1024 (16 heads, 4 kv,
   intermediate 4096, vocab 128256): 32 layers of 8B widths do not fit a CPU host in f32.
 
 On CPU the step-time engines run their layers unrolled (scan_layers=False): inside a loop
@@ -142,7 +143,7 @@ _START = textwrap.dedent("""
     engine.start()
     c = compile_events.process_counts()
     print(json.dumps({"ready_s": time.perf_counter() - start, "warmup_s": time.perf_counter() - built,
-                      "compiled": c.compiled, "hits": c.cache_hits}))
+                      "compiled": c.compiled, "hits": c.cache_hits, "compile_s": c.seconds}))
     engine.shutdown()
 """)
 
@@ -343,9 +344,10 @@ def _depth_warmups(unrolled: bool) -> dict:
 
 
 def _print_depth(depth: dict) -> None:
-    rows = [(f"{'loop' if scan else 'unrolled'}, {layers} layers", r["warmup_s"], r["compiled"])
+    rows = [(f"{'loop' if scan else 'unrolled'}, {layers} layers", r["warmup_s"], r["compile_s"], r["compiled"])
             for (scan, layers), r in depth.items()]
-    print_table([f"warm-up, hidden {DEPTH_SHAPE['hidden']}, no cache", "seconds", "compiled"], rows)
+    print_table([f"warm-up, hidden {DEPTH_SHAPE['hidden']}, no cache", "seconds", "compiling (s, all threads)",
+                 "compiled"], rows)
 
 
 if __name__ == "__main__":

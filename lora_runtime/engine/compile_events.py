@@ -34,6 +34,7 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
 _compiles: collections.Counter = collections.Counter()  # thread id -> backend compiles (hits included)
 _hits: collections.Counter = collections.Counter()  # thread id -> persistent-cache hits
+_seconds: collections.Counter = collections.Counter()  # thread id -> seconds spent in backend compiles
 _in_callbacks: collections.Counter = collections.Counter()  # thread id -> compiles inside host callbacks
 _installed = False
 _CALLBACK_FILE = os.path.join("jax", "_src", "callback.py")
@@ -51,9 +52,12 @@ def _inside_host_callback() -> bool:
 
 def _on_duration(event: str, duration: float, **_) -> None:
     if event == BACKEND_COMPILE_EVENT:
-        counter = _in_callbacks if _inside_host_callback() else _compiles
+        inside = _inside_host_callback()
+        counter = _in_callbacks if inside else _compiles
         with _lock:
             counter[threading.get_ident()] += 1
+            if not inside:
+                _seconds[threading.get_ident()] += duration
 
 
 def _on_event(event: str, **_) -> None:
@@ -77,6 +81,7 @@ def install() -> None:
 class CompileCounts:
     builds: int  # executables built: compiled, or read from the persistent cache
     cache_hits: int  # of which read from the persistent cache
+    seconds: float = 0.0  # spent building them (XLA's backend compile, or the cache read), summed over threads
 
     @property
     def compiled(self) -> int:
@@ -89,7 +94,7 @@ def counts(thread_id: int | None = None) -> CompileCounts:
     install()
     tid = threading.get_ident() if thread_id is None else thread_id
     with _lock:
-        return CompileCounts(_compiles[tid], _hits[tid])
+        return CompileCounts(_compiles[tid], _hits[tid], _seconds[tid])
 
 
 def callback_builds() -> int:
@@ -103,7 +108,7 @@ def process_counts() -> CompileCounts:
     """What JAX built on every thread of this process (warm-up compiles on several)."""
     install()
     with _lock:
-        return CompileCounts(sum(_compiles.values()), sum(_hits.values()))
+        return CompileCounts(sum(_compiles.values()), sum(_hits.values()), sum(_seconds.values()))
 
 
 def default_cache_dir() -> str:

@@ -24,13 +24,15 @@ def test_a_compile_counts_on_the_thread_that_compiled_it():
     def other():
         before = compile_events.counts()
         jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(np.arange(5.0))
-        seen["delta"] = compile_events.counts().builds - before.builds
+        after = compile_events.counts()
+        seen["delta"], seen["seconds"] = after.builds - before.builds, after.seconds - before.seconds
 
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    assert seen["delta"] == 1
+    assert seen["delta"] == 1 and seen["seconds"] > 0  # the compile's duration, from the same event
     assert compile_events.counts().builds == here.builds  # this thread compiled nothing
+    assert compile_events.counts().seconds == here.seconds
 
 
 def test_compiles_inside_a_host_callback_are_counted_apart():
