@@ -58,6 +58,12 @@ class ServedApp:
                        headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=300)
         r.raise_for_status()
 
+    def engine_stats(self) -> dict:
+        """The model-server replica's engine counters, as /health reports them."""
+        r = httpx.get(f"{self.url}/health", timeout=60)
+        r.raise_for_status()
+        return r.json()["engine"]
+
     def stream_completions(self, requests: Sequence[dict], timeout_s: float = 600.0) -> tuple[float, int]:
         """Sends the completion requests at once, each streamed; returns (seconds from the
         first send to the last finish, completion tokens over all of them)."""
