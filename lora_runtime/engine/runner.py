@@ -219,14 +219,14 @@ class ModelRunner:
         with jax.set_mesh(self.mesh):
             logits, self.kv_cache, self._last_hidden = step(*self._prefill_args(inputs, pool))
         self._last_head = _head_lora(inputs, pool)
-        return self._sample_rows(logits, inputs.sampling, inputs.seq_rows)
+        return self._dispatch_sample(logits, inputs.sampling, inputs.seq_rows).get()
 
-    def _sample_rows(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray) -> Sampled:
-        """Samples a token per logit row; row i belongs to batch row seq_rows[i] (-1: none)."""
+    def _dispatch_sample(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray) -> "PendingSample":
+        """Starts sampling a token per logit row; row i belongs to batch row seq_rows[i] (-1: none)."""
         with jax.set_mesh(self.mesh):
             tokens, logprobs, self.token_counts = self._sample(logits, self.token_counts, self.prompt_seen,
                                                                sampling, seq_rows)
-        return Sampled.from_device(tokens, logprobs, sampling.any_logprobs)
+        return PendingSample(tokens, logprobs, sampling.any_logprobs)
 
     def _prefill_args(self, inputs: StepInputs, pool) -> tuple:
         return (self.state, self.kv_cache, _pool_for(inputs, pool), inputs.tokens, inputs.positions, inputs.attn,
@@ -294,10 +294,8 @@ class ModelRunner:
         PendingSample's get() waits for the tokens (one device-to-host transfer)."""
         with jax.set_mesh(self.mesh):
             logits, self.kv_cache = self._decode(*self._decode_args(inputs, pool))
-            rows = np.where(inputs.rows >= 0, np.arange(inputs.rows.shape[0], dtype=np.int32), -1).astype(np.int32)
-            tokens, logprobs, self.token_counts = self._sample(logits, self.token_counts, self.prompt_seen,
-                                                               inputs.sampling, rows)
-        return PendingSample(tokens, logprobs, inputs.sampling.any_logprobs)
+        rows = np.where(inputs.rows >= 0, np.arange(inputs.rows.shape[0], dtype=np.int32), -1).astype(np.int32)
+        return self._dispatch_sample(logits, inputs.sampling, rows)
 
 
 def _sample_impl(logits, counts, seen, sampling, seq_rows):

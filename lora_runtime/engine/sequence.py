@@ -107,11 +107,6 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append_token(self, token: int, max_seq_len: int, logprob: TokenLogprob | None = None) -> None:
-        """Adds a sampled token (and its log-probability), its text, and decides whether the sequence is finished."""
-        self.add_token(token, max_seq_len, logprob)
-        self.catch_up_text()
-
     def add_token(self, token: int, max_seq_len: int, logprob: TokenLogprob | None = None) -> None:
         """Adds a sampled token and finishes the sequence on what token ids alone decide: an
         end-of-sequence or stop token id, max_tokens, max_seq_len. Its text (and a stop
