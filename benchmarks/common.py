@@ -181,3 +181,53 @@ def decode_step_s(engine, adapters, prompt, params, repeats: int) -> float:
         steps = engine.counters["decode_steps"] - before["decode_steps"]
         best = min(best, (engine.counters["decode_seconds"] - before["decode_seconds"]) / steps)
     return best
+
+
+# A byte-level BPE of Llama-3's vocabulary size, trained on the installed Python sources (no
+# download): what the grammar benchmarks need is a real vocabulary of that size, not its merges.
+BENCH_VOCAB = 128_000
+_BENCH_TOKENIZER_CACHE = "~/.cache/multilora-bench/tokenizer-128k.json"
+_BENCH_CORPUS_CHARS = 150_000_000
+
+
+def large_tokenizer(path: str | None = None) -> tuple[Tokenizer, str]:
+    """(Tokenizer, its tokenizer.json text): the one at `path` (e.g. Llama-3's tokenizer.json),
+    else a 128k-token byte-level BPE trained once (about 40 s) and cached under ~/.cache."""
+    import glob
+    import json
+    import os
+    import pathlib
+    import sysconfig
+
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    file = pathlib.Path(os.path.expanduser(path or _BENCH_TOKENIZER_CACHE))
+    if path is None and not file.is_file():
+        sources = sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "**", "*.py"), recursive=True))
+
+        def corpus():
+            total = 0
+            for source in sources:
+                try:
+                    text = open(source, errors="ignore").read()
+                except OSError:
+                    continue
+                total += len(text)
+                if total > _BENCH_CORPUS_CHARS:
+                    return
+                yield text
+
+        tok = BackendTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=BENCH_VOCAB, special_tokens=["<s>", "</s>"], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(corpus(), trainer)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tok.save(str(file))
+    backend = BackendTokenizer.from_file(str(file))
+    eos = next((t for t in ("</s>", "<|end_of_text|>", "<|eot_id|>", "<|endoftext|>") if backend.token_to_id(t)
+                is not None), None)
+    config = {"eos_token": eos} if eos else {}
+    return Tokenizer(backend, config, chat_template=None), json.dumps(json.loads(file.read_text()))

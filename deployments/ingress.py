@@ -8,6 +8,7 @@ stream from a LoRAModelServer replica, and shape OpenAI responses and errors.
 # in the replica, or Serve's class-based routes read `Header`/body params as queries.
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -71,6 +72,8 @@ from deployments.openai_protocol import (
     usage,
     usage_chunk,
 )
+from deployments.tool_calls import ToolCallStream, chunk_tool_calls, parse_tool_calls
+from lora_runtime.engine.grammar import GuidedSpec
 from lora_runtime.engine.sampling_params import SamplingParams
 from lora_runtime.errors import ServingError
 
@@ -263,6 +266,36 @@ def _from_item(err: dict) -> OpenAIError:
     param = err.get("param") or ("model" if err["status_code"] == 404 else None)
     return OpenAIError(err["message"], status_code=err["status_code"], error_type=err["type"], param=param,
                        code=err.get("code"))
+
+
+def _tools_of(body) -> dict | None:
+    """The request's tools when its answers may hold calls (chat, tools, tool_choice not none)."""
+    return body.tool_request() if isinstance(body, ChatCompletionRequest) and body.calls_tools else None
+
+
+def _tool_finish(finish_reason: str | None, calls: list[dict], tools: dict) -> str | None:
+    """OpenAI's finish_reason of an answer with tool calls: tool_calls, except for a named
+    function (stop, as OpenAI answers a forced call); the engine's own otherwise."""
+    if calls and finish_reason == "stop":
+        return "stop" if tools["choice"] not in ("auto", "required") else "tool_calls"
+    return finish_reason
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(spec: GuidedSpec) -> ServingError | None:
+    try:
+        spec.check()
+    except ServingError as e:
+        return e
+    return None
+
+
+def _check_grammar(spec: GuidedSpec) -> None:
+    """A request's grammar checked at the edge (no tokenizer needed), each distinct one once:
+    a bad schema, regex or grammar is a 400 naming its field before it reaches a replica."""
+    error = _grammar_error(spec)
+    if error is not None:
+        raise error
 
 
 def _choice_id(rid: str, k: int, count: int) -> str:
@@ -484,7 +517,10 @@ class OpenAIIngress:
             raise OpenAIError(f"max_tokens={max_tokens} leaves no room for a prompt within max_seq_len={limit}",
                               param="max_tokens")
         try:
-            SamplingParams(**{**sampling, "max_tokens": limit - 1 if max_tokens is None else max_tokens}).validate()
+            params = SamplingParams(**{**sampling, "max_tokens": limit - 1 if max_tokens is None else max_tokens})
+            params.validate()
+            if params.guided is not None:
+                _check_grammar(params.guided)
         except ServingError as e:
             raise _from_serving(e, param=e.param) from None
 
@@ -512,7 +548,8 @@ class OpenAIIngress:
         rid = new_id("chatcmpl")
         samplings = body.choice_samplings(default_max_tokens=None)
         self._check_sampling(samplings[0])
-        payloads = [{"kind": "chat", "messages": body.chat_messages(), "sampling": sp,
+        tools = body.tool_request()
+        payloads = [{"kind": "chat", "messages": body.chat_messages(), "sampling": sp, "tools": tools,
                      "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
         return await self._respond(body, caller, rid, payloads, [0] * len(payloads), chat=True)
 
@@ -537,15 +574,16 @@ class OpenAIIngress:
                 for stream, _ in streams:
                     stream.cancel()
             self._charge(caller, [items[-1] for items in results], prompt_of)
-            return self._full_response(rid, body.model, results, prompt_of, chat=chat)
+            return self._full_response(rid, body.model, results, prompt_of, chat=chat, tools=_tools_of(body))
         return StreamingResponse(
             self._sse_stream(rid, body.model, streams, prompt_of, chat=chat, include_usage=body.include_usage,
-                             caller=caller),
+                             caller=caller, tools=_tools_of(body)),
             media_type="text/event-stream",
         )
 
     def _full_response(self, rid: str, model: str, results: list[list[dict]], prompt_of: list[int], *,
-                       chat: bool) -> dict:
+                       chat: bool, tools: dict | None = None) -> dict:
+        """`tools`: the request's tool_request() when its answers may hold tool calls."""
         errors = [i["error"] for items in results for i in items if "error" in i]
         if errors:
             raise _from_item(errors[0])
@@ -558,13 +596,18 @@ class OpenAIIngress:
             if prompt_entries is not None:  # echo with logprobs: the prompt's tokens come first
                 logprobs = prompt_entries + (logprobs or [])
             text = (items[0].get("prompt_text") or "") + "".join(i["text"] for i in items)
+            if tools is not None:
+                content, calls = parse_tool_calls(items[0]["tool_format"], text, tools["tools"])
+                choices.append(chat_choice(index, content, _tool_finish(last["finish_reason"], calls, tools),
+                                           logprobs, tool_calls=calls))
+                continue
             choices.append(choice(index, text, last["finish_reason"], logprobs))
         use = _usage([items[-1] for items in results], prompt_of)
         build = chat_response if chat else completion_response
         return build(rid, model, choices, use)
 
     async def _sse_stream(self, rid, model, streams, prompt_of: list[int], *, chat: bool, include_usage: bool,
-                          caller: Caller):
+                          caller: Caller, tools: dict | None = None):
         created = int(time.time())
         chunk = chat_chunk if chat else completion_chunk
         items: asyncio.Queue = asyncio.Queue()
@@ -593,6 +636,9 @@ class OpenAIIngress:
         tasks = [asyncio.create_task(pump(i, stream, first)) for i, (stream, first) in enumerate(streams)]
         last: dict[int, dict] = {}
         text_offset = [0] * len(streams)  # of each choice's logprobs tokens (completions)
+        # With tools: each choice's output split into content and tool calls as it streams.
+        splitters = [None if tools is None else ToolCallStream(first["tool_format"], tools["tools"])
+                     for _, first in streams]
         try:
             if chat:
                 for index in range(len(streams)):
@@ -611,6 +657,14 @@ class OpenAIIngress:
                     break
                 last[index] = item
                 text = (item.get("prompt_text") or "") + item["text"]  # echo: the prompt first
+                finish_reason = item["finish_reason"]
+                splitter = splitters[index]
+                if splitter is not None:
+                    text = splitter.feed(text, item["finished"])
+                    if item["finished"]:
+                        finish_reason = _tool_finish(finish_reason, splitter.calls, tools)
+                        for delta in chunk_tool_calls(splitter.calls):
+                            yield _sse(chat_chunk(rid, model, created, delta, None, index=index))
                 delta = {"content": text} if chat else text
                 entries = item.get("logprobs")
                 if item.get("prompt_logprobs"):
@@ -623,7 +677,7 @@ class OpenAIIngress:
                     else:
                         logprobs = completion_logprobs(entries, text_offset[index])
                         text_offset[index] += sum(len(e["token"]) for e in entries)
-                    yield _sse(chunk(rid, model, created, delta, item["finish_reason"], logprobs, index=index))
+                    yield _sse(chunk(rid, model, created, delta, finish_reason, logprobs, index=index))
             if include_usage and last:
                 indices = sorted(last)
                 use = _usage([last[k] for k in indices], [prompt_of[k] for k in indices])

@@ -18,6 +18,7 @@ from cluster.registry_view import RegistryView
 from cluster.serve_router import routing_stats
 from deployments.config import AppArgs
 from deployments.placement import check_devices
+from deployments.tool_calls import tool_format, tool_grammar, with_tools_described
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 
 logger = logging.getLogger("ray.serve")
@@ -97,16 +98,20 @@ class LoRAModelServer:
         return {"model_name": self._engine.model_name, "max_seq_len": self._args.max_seq_len}
 
     def _chat_tokens(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                     add_special_tokens: bool = False) -> list[int]:
-        """A chat's prompt token ids: the model's chat template rendered, then tokenized."""
+                     add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """A chat's prompt token ids: the model's chat template rendered (with the request's
+        tools), then tokenized."""
         tokenizer = self._engine.tokenizer
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        if tools and "tools" not in (tokenizer.chat_template or ""):
+            messages = with_tools_described(messages, tools)  # a template that knows no tools
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         # Chat templates write BOS themselves: by default no second one from the tokenizer.
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _prompt(self, request: dict) -> str | list[int]:
         if request["kind"] == "chat":
-            return self._chat_tokens(request["messages"])
+            tools = request.get("tools")
+            return self._chat_tokens(request["messages"], tools=tools and tools["tools"])
         return request["prompt"]
 
     def _sampling(self, request: dict, prompt: str | list[int]):
@@ -116,7 +121,17 @@ class LoRAModelServer:
         if fields["max_tokens"] is None:
             n_prompt = len(prompt) if isinstance(prompt, list) else len(self._engine.tokenizer.encode(prompt))
             fields["max_tokens"] = max(1, self._args.max_seq_len - n_prompt)
+        tools = request.get("tools")
+        if tools and tools["choice"] not in ("auto", "none"):  # required, or a named function: a grammar
+            required = tools["choice"] == "required"
+            chosen = [t for t in tools["tools"] if required or t["function"]["name"] == tools["choice"]]
+            fields["guided"] = tool_grammar(self._tool_format, chosen, parallel=tools["parallel"] and required)
         return SamplingParams(**fields).validate()
+
+    @property
+    def _tool_format(self) -> str:
+        """The format this model writes tool calls in (deployments/tool_calls.py)."""
+        return tool_format(self._engine.tokenizer.chat_template)
 
     def _logprob_entries(self, token_ids, logprobs) -> list[dict] | None:
         """Per token: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}; a
@@ -180,6 +195,7 @@ class LoRAModelServer:
                     "prompt_logprobs": self._logprob_entries(out.prompt_token_ids, out.prompt_logprobs),
                     # Echo: the prompt's text goes ahead of the first output.
                     "prompt_text": echo_text if out is first else None,
+                    "tool_format": self._tool_format if out is first and request.get("tools") else None,
                 }
                 if finished:
                     break

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
-
 import time
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from lora_runtime.engine.grammar import GuidedSpec
+from lora_runtime.errors import ServingError
 
 # lora_runtime.engine.sampling.MAX_LOGPROBS (not imported: the ingress stays free of JAX).
 MAX_LOGPROBS = 20
@@ -127,6 +130,16 @@ class _Request(_Body):
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> value in [-100, 100] added to its logit before sampling."
     )
+    response_format: "ResponseFormat | None" = Field(
+        None, description="text, json_object (any JSON object) or json_schema (output valid against the schema).")
+    guided_json: dict | str | None = Field(None, description="Extension (vLLM): a JSON schema the output matches.")
+    guided_regex: str | None = Field(None, description="Extension (vLLM): a regex the output matches.")
+    guided_choice: list[str] | None = Field(None, description="Extension (vLLM): the output is one of these.")
+    guided_grammar: str | None = Field(
+        None, description="Extension (vLLM): a Lark (or GBNF) grammar the output matches.")
+    guided_whitespace_pattern: str | None = Field(
+        None, description="Extension (vLLM): the whitespace JSON output may hold between tokens (default: "
+        "compact JSON).")
 
     @field_validator("logit_bias")
     @classmethod
@@ -167,6 +180,39 @@ class _Request(_Body):
             raise FieldError("stream_options is only allowed with stream=true", "stream_options")
         return self
 
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        self.guided()  # raises when more than one field constrains the output
+        return self
+
+    def guided(self) -> GuidedSpec | None:
+        """What the output must match: response_format or one guided_* field; FieldError when
+        more than one is given."""
+        given = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            given.append("response_format")
+        given += [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                  if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise FieldError(f"{' and '.join(given)} both constrain the output; give one", given[1])
+        ws = self.guided_whitespace_pattern
+        if not given:
+            return None
+        if given[0] == "response_format":
+            if fmt.type == "json_object":
+                return GuidedSpec("json_object", whitespace=ws, param="response_format")
+            return GuidedSpec("json_schema", json.dumps(fmt.json_schema.schema_), whitespace=ws,
+                              param="response_format")
+        if given[0] == "guided_json":
+            value = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            return GuidedSpec("json_schema", value, whitespace=ws, param="guided_json")
+        if given[0] == "guided_choice":
+            return GuidedSpec("choice", json.dumps(self.guided_choice), param="guided_choice")
+        if given[0] == "guided_regex":
+            return GuidedSpec("regex", self.guided_regex, param="guided_regex")
+        return GuidedSpec("grammar", self.guided_grammar, param="guided_grammar")
+
     def sampling(self, default_max_tokens: int | None) -> dict:
         """Keyword arguments of lora_runtime SamplingParams (max_tokens None = fill context)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -189,6 +235,7 @@ class _Request(_Body):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            "guided": None if (spec := self.guided()) is None else spec.to_dict(),
         }
 
     def logprobs_wanted(self) -> int | None:
@@ -210,6 +257,30 @@ class _Request(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise FieldError("response_format of type json_schema needs its json_schema", "response_format")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise FieldError(f"response_format of type {self.type} takes no json_schema", "response_format")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -274,12 +345,67 @@ class CompletionRequest(_Request):
         return self
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str = Field(..., description="The call's arguments as a JSON object, in a string.")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="A JSON schema of the arguments (an object).")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def template_message(self) -> dict:
+        """The message as chat templates read it: a call's arguments as a dict (transformers'
+        convention), a tool result with the id of its call."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -303,6 +429,10 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(
         None, description=f"With logprobs: also the n likeliest tokens at each position (0-{MAX_LOGPROBS})."
     )
+    tools: list[Tool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (default with tools), required (at least one call) or a named function.")
+    parallel_tool_calls: bool = Field(True, description="Whether one answer may hold several calls.")
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -321,12 +451,60 @@ class ChatCompletionRequest(_Request):
                     f"{self.max_completion_tokens} disagree", "max_completion_tokens",
                 )
             self.max_tokens = self.max_completion_tokens
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
             m.text()  # raises on non-text parts
+            for j, call in enumerate(m.tool_calls or ()):
+                try:
+                    args = json.loads(call.function.arguments)
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    raise FieldError(f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",
+                                     "messages")
+        self._check_tools()
         return self
 
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise FieldError(f"tools name {next(n for n in names if names.count(n) > 1)!r} twice", "tools")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise FieldError("tool_choice needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError(f"tool_choice names function {choice.function.name!r}, which tools do not hold",
+                             "tool_choice")
+        if self.calls_tools and self.tool_choice not in (None, "auto") and self.guided() is not None:
+            raise FieldError("tool_choice required or a named function constrains the output already; drop "
+                             "response_format", "response_format")
+        for i, t in enumerate(self.tools or ()):
+            params = t.function.parameters
+            if params is not None:
+                if params.get("type", "object") != "object":
+                    raise FieldError(f"tools[{i}].function.parameters must be a JSON schema of an object",
+                                     "tools")
+                try:
+                    GuidedSpec("json_schema", json.dumps(params), param="tools").check()
+                except ServingError as e:  # llguidance's message
+                    raise FieldError(f"tools[{i}].function.parameters: {e}", "tools") from None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools given, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_request(self) -> dict | None:
+        """What the replica needs of the tools: their definitions (the template renders them),
+        which must be called ("auto", "required" or a function's name) and parallel_tool_calls."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        return {"tools": [t.model_dump(exclude_none=True) for t in self.tools],
+                "choice": choice.function.name if isinstance(choice, NamedToolChoice) else choice,
+                "parallel": self.parallel_tool_calls}
+
     def chat_messages(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_message() for m in self.messages]
 
 
 class AdapterRegisterRequest(_Body):
@@ -442,10 +620,14 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs), "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: list[dict] | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": chat_logprobs(logprobs),
         "finish_reason": finish_reason,
     }

@@ -32,6 +32,7 @@ import numpy as np
 
 from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.grammar import GrammarCompiler, GrammarMatcher
 from lora_runtime.engine.runner import ModelRunner, Sampled, StepInputs, history_bucket
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
 from lora_runtime.engine.scheduler import Admission, Scheduler
@@ -88,6 +89,8 @@ class Engine:
             "extend_steps": 0,  # chunks of prompts computed over a cached prefix or earlier chunks
             "failed_steps": 0,  # steps that raised (their requests failed, or were run alone to tell)
             "isolated_steps": 0,  # steps run with one suspect alone
+            "masked_rows": 0,  # sampled rows constrained by a grammar
+            "mask_seconds": 0.0,  # host time computing their allowed-token masks
         }
         self.memory_plan = None  # the MemoryPlan the cache was sized by (set by the builder)
         self.warm_compiles: int | None = None  # executables warm-up built (JAX's compile events)
@@ -96,6 +99,8 @@ class Engine:
         # Sequences with a token whose text (detokenizing, stop strings, the stream item) waits
         # for the next decode step to be dispatched, so that host work overlaps the device's.
         self._text_pending: list[Sequence] = []
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(
@@ -167,8 +172,9 @@ class Engine:
                 for kind, inputs, pool in steps]
         # The sampler, per row count: prefill and decode sample max_batch rows, a
         # several-sequence extend one per sequence, a one-sequence extend one.
-        jobs += [functools.partial(runner.compile_sample, rows)
-                 for rows in sorted({self.config.max_batch, self._rows_sequences, 1})]
+        jobs += [functools.partial(runner.compile_sample, rows, masked=masked)
+                 for rows in sorted({self.config.max_batch, self._rows_sequences, 1}) for masked in (False, True)]
+        self.grammars  # noqa: B018  (its tokenizer index builds on its own thread meanwhile)
         workers = max(1, min(len(jobs), os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile") as compilers:
             builds = sum(compilers.map(_builds_of, jobs))
@@ -178,6 +184,8 @@ class Engine:
             run_step[kind](inputs, pool)
             if kind == "prefill" and _reads_head(inputs, pool):
                 runner.prompt_logprobs(np.zeros(inputs.tokens.shape[0], np.int32))
+        for rows in sorted({self.config.max_batch, self._rows_sequences, 1}):
+            runner.warm_sample(rows, masked=True)  # the unmasked one ran in the steps above
         size = history_bucket(1)
         while True:
             runner.init_row(0, [0] * size, size)
@@ -229,11 +237,14 @@ class Engine:
         *,
         request_id: str | None = None,
         adapter: str | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> str:
         """Validates and queues a request; `emit` gets its outputs on the loop thread.
+        `grammar`: the request's matcher when the caller compiled params.guided already (else
+        it is compiled here, on the caller's thread).
 
-        Raises a ServingError (nothing is queued) for a bad prompt, bad parameters or an
-        unknown adapter.
+        Raises a ServingError (nothing is queued) for a bad prompt, bad parameters, a grammar
+        that does not compile or an unknown adapter.
         """
         if not self._accepting:
             raise CapacityError("the engine is shutting down and accepts no new requests")
@@ -251,6 +262,8 @@ class Engine:
                     f"(max_loras_per_batch=0)"
                 )
             self.lora_manager.check_request(adapter)
+        if params.guided is not None and grammar is None:
+            grammar = self.grammars.matcher(params.guided)
         request_id = request_id or uuid.uuid4().hex
         seq = Sequence(
             request_id=request_id,
@@ -263,10 +276,32 @@ class Engine:
                 self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
             ),
             eos_token_ids=self._eos,
+            grammar=grammar,
         )
         self._inbox.put(("add", seq))
         self._wake.set()
         return request_id
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of requests' grammars for this model's tokenizer (made on first use;
+        warm-up makes it, so its tokenizer index builds while the steps compile)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, self._eos)
+            return self._grammars
+
+    def _masks(self, rows: list[tuple[int, Sequence]], n_rows: int) -> np.ndarray | None:
+        """The allowed-token bitmask of a step's sampled rows ((row, sequence) pairs), or None
+        when none of them has a grammar (the step samples with the unmasked program)."""
+        guided = [(i, seq.grammar) for i, seq in rows if seq.grammar is not None and not seq.finished]
+        if not guided:
+            return None
+        start = time.perf_counter()
+        mask = self.grammars.fill_masks(guided, n_rows)
+        self.counters["mask_seconds"] += time.perf_counter() - start
+        self.counters["masked_rows"] += len(guided)
+        return mask
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -316,7 +351,9 @@ class Engine:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        request_id = self.submit(prompt, params, emit, request_id=request_id, adapter=adapter)
+        # A grammar compiles on the compiler's thread: this event loop serves others meanwhile.
+        grammar = None if params.guided is None else await self.grammars.matcher_async(params.guided)
+        request_id = self.submit(prompt, params, emit, request_id=request_id, adapter=adapter, grammar=grammar)
         finished = False
         held: RequestOutput | None = None  # an error taken while merging: raised after what came before
         try:
@@ -565,7 +602,7 @@ class Engine:
             SamplingBatch.from_rows(sampling_rows, self._eos), last_index, self._lora_info(slots), seq_rows,
         )
         start = time.perf_counter()
-        sampled = self.runner.prefill(inputs, self._pool())
+        sampled = self.runner.prefill(inputs, self._pool(), lambda: self._masks(list(enumerate(seqs)), b))
         if any(seq.wants_prompt_logprobs for seq in seqs):
             self._read_prompt_logprobs(seqs, tokens)
         self.counters["prefill_seconds"] += time.perf_counter() - start
@@ -663,7 +700,7 @@ class Engine:
         members = [(i, seq, seq.computed, n) for i, (seq, n) in enumerate(zip(seqs, rest))]
         inputs = self._paged_inputs(e, c, members, sampling_rows, last_index, seq_rows)
         t0 = time.perf_counter()
-        sampled = self.runner.extend(inputs, self._pool())
+        sampled = self.runner.extend(inputs, self._pool(), lambda: self._masks(list(enumerate(seqs)), e))
         self.counters["prefill_seconds"] += time.perf_counter() - t0
         self.counters["extend_steps"] += 1
         for i, (seq, n) in enumerate(zip(seqs, rest)):
@@ -681,7 +718,7 @@ class Engine:
         inputs = self._paged_inputs(1, bucket, [(0, seq, start, n)], [(seq.params, seq.seed, len(seq.output_ids))],
                                     np.array([n - 1], np.int32), np.array([seq.row if final else -1], np.int32))
         t0 = time.perf_counter()
-        sampled = self.runner.extend(inputs, self._pool())
+        sampled = self.runner.extend(inputs, self._pool(), (lambda: self._masks([(0, seq)], 1)) if final else None)
         k = seq.params.prompt_logprobs
         if seq.wants_prompt_logprobs:
             prompt = seq.prompt_ids
@@ -722,10 +759,14 @@ class Engine:
             members.append((seq.row, seq, seq.num_tokens - 1, 1))
         inputs = self._paged_inputs(b, 1, members, sampling_rows)
         start = time.perf_counter()
-        pending = self.runner.dispatch_decode(inputs, self._pool())
-        # While the device runs this step: the text of the step before. A sequence that a stop
-        # string finishes there is in this step too; its token from it is dropped below.
-        self._catch_up_text()
+        def while_forward() -> np.ndarray | None:
+            # While the device runs this step's forward: the text of the step before (a sequence
+            # that a stop string finishes there is in this step too; its token from it is
+            # dropped below), then the grammars' masks for this step's sampling.
+            self._catch_up_text()
+            return self._masks([(seq.row, seq) for seq in active], b)
+
+        pending = self.runner.dispatch_decode(inputs, self._pool(), while_forward)
         sampled = pending.get()
         self.counters["decode_seconds"] += time.perf_counter() - start
         self.counters["decode_steps"] += 1

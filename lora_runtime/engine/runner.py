@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lora_runtime.engine.config import EngineConfig
-from lora_runtime.engine.sampling import SamplingBatch, apply_penalties, sample, step_logprobs
+from lora_runtime.engine.sampling import SamplingBatch, apply_penalties, apply_token_mask, sample, step_logprobs
 from lora_runtime.lora.batch_info import LoRABatchInfo
 from lora_runtime.lora.backend.base import BaseLoRABackend
 from lora_runtime.model.config import ModelConfig
@@ -21,6 +22,10 @@ from lora_runtime.model.llama import LlamaModel
 
 # Row histories (init_rows) are padded to a power of two from this many tokens.
 MIN_HISTORY = 64
+
+# Host work a step runs while its model forward computes on the device; it returns the
+# step's allowed-token bitmask (i32[rows, ceil(vocab / 32)]), or None when no row has a grammar.
+HostWork = Callable[[], "np.ndarray | None"]
 
 
 @dataclasses.dataclass
@@ -206,26 +211,30 @@ class ModelRunner:
 
     # ---- host calls --------------------------------------------------------------------
 
-    def prefill(self, inputs: StepInputs, pool) -> Sampled:
-        """Runs one packed prefill step of fresh sequences; returns each one's first sampled token."""
-        return self._run_prefill(self._prefill, inputs, pool)
+    def prefill(self, inputs: StepInputs, pool, host_work: HostWork | None = None) -> Sampled:
+        """Runs one packed prefill step of fresh sequences; returns each one's first sampled
+        token. `host_work` runs while the forward computes (see HostWork)."""
+        return self._run_prefill(self._prefill, inputs, pool, host_work)
 
-    def extend(self, inputs: StepInputs, pool) -> Sampled:
+    def extend(self, inputs: StepInputs, pool, host_work: HostWork | None = None) -> Sampled:
         """Runs chunks of sequences over what their blocks already hold (Q groups of C tokens,
         see AttentionMetadata); a sequence's last chunk samples its next token."""
-        return self._run_prefill(self._extend, inputs, pool)
+        return self._run_prefill(self._extend, inputs, pool, host_work)
 
-    def _run_prefill(self, step, inputs: StepInputs, pool) -> Sampled:
+    def _run_prefill(self, step, inputs: StepInputs, pool, host_work: HostWork | None) -> Sampled:
         with jax.set_mesh(self.mesh):
             logits, self.kv_cache, self._last_hidden = step(*self._prefill_args(inputs, pool))
         self._last_head = _head_lora(inputs, pool)
-        return self._dispatch_sample(logits, inputs.sampling, inputs.seq_rows).get()
+        mask = host_work() if host_work is not None else None
+        return self._dispatch_sample(logits, inputs.sampling, inputs.seq_rows, mask).get()
 
-    def _dispatch_sample(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray) -> "PendingSample":
-        """Starts sampling a token per logit row; row i belongs to batch row seq_rows[i] (-1: none)."""
+    def _dispatch_sample(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray,
+                         mask: np.ndarray | None = None) -> "PendingSample":
+        """Starts sampling a token per logit row; row i belongs to batch row seq_rows[i] (-1:
+        none) and may draw only what row i of `mask` allows (None: anything; a program of its own)."""
         with jax.set_mesh(self.mesh):
             tokens, logprobs, self.token_counts = self._sample(logits, self.token_counts, self.prompt_seen,
-                                                               sampling, seq_rows)
+                                                               sampling, seq_rows, mask)
         return PendingSample(tokens, logprobs, sampling.any_logprobs)
 
     def _prefill_args(self, inputs: StepInputs, pool) -> tuple:
@@ -260,13 +269,28 @@ class ModelRunner:
         with jax.set_mesh(self.mesh):
             self._decode.lower(*self._decode_args(inputs, pool)).compile()
 
-    def compile_sample(self, rows: int) -> None:
-        """Compiles the sampler for steps that sample `rows` rows."""
+    def compile_sample(self, rows: int, *, masked: bool = False) -> None:
+        """Compiles the sampler for steps that sample `rows` rows; `masked`: the variant for
+        steps where some row has a grammar."""
         logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
                                       sharding=NamedSharding(self.mesh, PartitionSpec()))
+        mask = np.full((rows, self.mask_words), -1, np.int32) if masked else None
         with jax.set_mesh(self.mesh):
             self._sample.lower(logits, self.token_counts, self.prompt_seen, SamplingBatch.from_rows([None] * rows),
-                               np.full(rows, -1, np.int32)).compile()
+                               np.full(rows, -1, np.int32), mask).compile()
+
+    def warm_sample(self, rows: int, *, masked: bool) -> None:
+        """Runs the sampler once on zero logits of `rows` idle rows (warm-up)."""
+        logits = jax.device_put(jnp.zeros((rows, self.model_config.vocab_size), jnp.float32),
+                                NamedSharding(self.mesh, PartitionSpec()))
+        mask = np.full((rows, self.mask_words), -1, np.int32) if masked else None
+        self._dispatch_sample(logits, SamplingBatch.from_rows([None] * rows), np.full(rows, -1, np.int32),
+                              mask).get()
+
+    @property
+    def mask_words(self) -> int:
+        """32-bit words of one row's allowed-token bitmask."""
+        return (self.model_config.vocab_size + 31) // 32
 
     def init_row(self, row: int, tokens: list[int], prompt_len: int) -> None:
         """Sets a batch row's penalty state for a sequence with `tokens` so far (prompt first)."""
@@ -285,25 +309,31 @@ class ModelRunner:
             logprobs = self._prompt_logprobs(self.state, self._last_hidden, next_tokens, *self._last_head)
         return Sampled.from_device(next_tokens, logprobs)
 
-    def decode(self, inputs: StepInputs, pool) -> Sampled:
+    def decode(self, inputs: StepInputs, pool, host_work: HostWork | None = None) -> Sampled:
         """Runs one decode step, a token per batch row; returns a token per row."""
-        return self.dispatch_decode(inputs, pool).get()
+        return self.dispatch_decode(inputs, pool, host_work).get()
 
-    def dispatch_decode(self, inputs: StepInputs, pool) -> "PendingSample":
-        """Starts one decode step and its sampling on the device and returns at once; the
+    def dispatch_decode(self, inputs: StepInputs, pool, host_work: HostWork | None = None) -> "PendingSample":
+        """Starts one decode step on the device, runs `host_work` while its forward computes,
+        starts its sampling (with the mask host_work returned) and returns; the
         PendingSample's get() waits for the tokens (one device-to-host transfer)."""
         with jax.set_mesh(self.mesh):
             logits, self.kv_cache = self._decode(*self._decode_args(inputs, pool))
+        mask = host_work() if host_work is not None else None
         rows = np.where(inputs.rows >= 0, np.arange(inputs.rows.shape[0], dtype=np.int32), -1).astype(np.int32)
-        return self._dispatch_sample(logits, inputs.sampling, rows)
+        return self._dispatch_sample(logits, inputs.sampling, rows, mask)
 
 
-def _sample_impl(logits, counts, seen, sampling, seq_rows):
-    """Tokens for the logit rows (row i of batch row seq_rows[i], -1: none), their
-    log-probabilities, and the counts with each row's new token added."""
+def _sample_impl(logits, counts, seen, sampling, seq_rows, mask=None):
+    """Tokens for the logit rows (row i of batch row seq_rows[i], -1: none; allowed tokens:
+    row i of `mask`, see apply_token_mask), their log-probabilities, and the counts with
+    each row's new token added."""
     n_rows = counts.shape[0]
     row_of = jnp.clip(seq_rows, 0, n_rows - 1)
-    tokens = sample(apply_penalties(logits, counts, seen, sampling, row_of), sampling)
+    adjusted = apply_penalties(logits, counts, seen, sampling, row_of)
+    if mask is not None:
+        adjusted = apply_token_mask(adjusted, mask)
+    tokens = sample(adjusted, sampling)
     count_rows = jnp.where(seq_rows >= 0, seq_rows, n_rows)  # -1 rows fall off the end
     counts = counts.at[count_rows, tokens].add(1, mode="drop")
     # Log-probabilities are the model's own, before penalties (as sampling params leave them).

@@ -116,6 +116,22 @@ def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, 
     return lax.cond(biased | jnp.any(hold), bias_and_hold, lambda lg: lg, logits)
 
 
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """The logits with every token a row's grammar does not allow at -inf (f32[B, V]).
+
+    mask: i32[B, ceil(V / 32)], bit t % 32 of word t // 32 allows token t (llguidance's
+    layout); a row without a grammar has every bit set. If what the request's penalties
+    and min_tokens left of a row allows nothing the grammar does (min_tokens holding back
+    the EOS that alone may end it), the grammar wins: its allowed tokens get equal logits.
+    """
+    b, v = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=mask.dtype)) & 1
+    allowed = bits.reshape(b, -1)[:, :v] != 0
+    masked = jnp.where(allowed, logits, -jnp.inf)
+    dead = jnp.all(masked == -jnp.inf, axis=-1, keepdims=True)
+    return jnp.where(dead, jnp.where(allowed, 0.0, -jnp.inf), masked)
+
+
 def _penalize(logits, counts, in_prompt, row_of, batch):
     counts, in_prompt = counts[row_of], in_prompt[row_of]
     seen = counts > 0

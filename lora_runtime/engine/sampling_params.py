@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+from lora_runtime.engine.grammar import GuidedSpec
 from lora_runtime.errors import InvalidRequestError
 
 # Most alternatives a request may ask log-probabilities for (OpenAI's limit too).
@@ -36,6 +37,10 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), OpenAI's
+    guided: GuidedSpec | None = None  # what the output must match (a JSON schema, regex, choice, grammar)
+
+    def __post_init__(self):
+        object.__setattr__(self, "guided", GuidedSpec.coerce(self.guided))  # its dict form, as requests carry it
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequestError naming the first bad field; returns self."""

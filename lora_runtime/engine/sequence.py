@@ -6,6 +6,7 @@ import dataclasses
 import enum
 from typing import Callable
 
+from lora_runtime.engine.grammar import GrammarMatcher
 from lora_runtime.engine.sampling import SamplingParams
 from lora_runtime.model.tokenizer import IncrementalDetokenizer
 
@@ -79,6 +80,9 @@ class Sequence:
     emitted_tokens: int = 0
     finish_reason: FinishReason | None = None
     closed: bool = False  # its last output (finished) was handed to its consumer
+    grammar: GrammarMatcher | None = None  # where its output is in the grammar it must match
+    stop_token: bool = False  # it ended on a stop or end-of-sequence token (which adds no text)
+    text_done: bool = False  # its text is final (catch_up_text met its end)
 
     @property
     def num_tokens(self) -> int:
@@ -109,15 +113,20 @@ class Sequence:
 
     def add_token(self, token: int, max_seq_len: int, logprob: TokenLogprob | None = None) -> None:
         """Adds a sampled token and finishes the sequence on what token ids alone decide: an
-        end-of-sequence or stop token id, max_tokens, max_seq_len. Its text (and a stop
+        end-of-sequence or stop token id, its grammar's end, max_tokens, max_seq_len. Its text (and a stop
         string in it) waits for catch_up_text, which the engine runs while the device
         computes the next step."""
         self.output_ids.append(token)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if self.grammar is not None:
+            self.grammar.advance(token)
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.finish_reason = FinishReason.STOP
+            self.stop_token = True
+        elif self.grammar is not None and self.grammar.stopped:
+            self.finish_reason = FinishReason.STOP  # the grammar is complete: nothing more may follow
         elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_seq_len:
             self.finish_reason = FinishReason.LENGTH
 
@@ -130,19 +139,24 @@ class Sequence:
         """Detokenizes the tokens added since the last call. A stop string in the text cuts it
         there and finishes the sequence (stop); a finish by token id flushes the detokenizer
         (a stop or end-of-sequence token adds no text)."""
+        if self.text_done:
+            return
         while self.text_tokens < len(self.output_ids):
             token = self.output_ids[self.text_tokens]
             self.text_tokens += 1
-            if self.text_tokens == len(self.output_ids) and self.finish_reason is FinishReason.STOP:
+            if self.text_tokens == len(self.output_ids) and self.stop_token:
                 self.text += self.detokenizer.flush()  # a stop or end-of-sequence token: no text of its own
+                self.text_done = True
                 return
             self.text += self.detokenizer.step(token)
             if self.params.stop and self._cut_at_stop_string():
                 if self.finish_reason in (None, FinishReason.LENGTH):
                     self.finish_reason = FinishReason.STOP
+                self.text_done = True
                 return
-        if self.finish_reason is FinishReason.LENGTH:
+        if self.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):  # by length, or its grammar's end
             self.text += self.detokenizer.flush()
+            self.text_done = True
 
     def _cut_at_stop_string(self) -> bool:
         longest = max(len(s) for s in self.params.stop)

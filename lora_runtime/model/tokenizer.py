@@ -111,8 +111,10 @@ class Tokenizer:
                 text = text.replace(before, after)
         return text
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat: the model's template rendered as transformers does.
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for a chat: the model's template rendered as transformers does
+        (with `tools`, OpenAI function definitions, for templates that describe them).
 
         Tokenize the result with ``add_special_tokens=False``: templates write BOS themselves.
         """
@@ -122,12 +124,21 @@ class Tokenizer:
             self._compiled_template = _chat_environment().from_string(self._chat_template)
         try:
             return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens,
+                **({"tools": tools} if tools else {}),
             )
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
         except (TypeError, ValueError) as e:  # the template's own expressions, over the client's messages
             raise InvalidRequestError(f"chat template cannot render the messages: {e}") from e
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (for libraries that read the vocabulary)."""
+        return self._backend.to_str()
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, or None."""

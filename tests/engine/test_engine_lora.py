@@ -83,9 +83,9 @@ def test_mixed_adapter_batch_matches_peft(checkpoint, adapters, peft_greedy, bac
     decode = engine.runner.dispatch_decode
     reads_pool = []  # per decode step: whether it ran the adapter pool
 
-    def spy(inputs, pool):
+    def spy(inputs, pool, host_work=None):
         reads_pool.append(inputs.lora is not None)
-        return decode(inputs, pool)
+        return decode(inputs, pool, host_work)
 
     engine.runner.dispatch_decode = spy
     try:
@@ -265,10 +265,10 @@ def test_submit_and_pinning_do_not_wait_for_a_running_step(checkpoint, adapters,
     decode = engine.runner.dispatch_decode
     in_step, release = threading.Event(), threading.Event()
 
-    def held(inputs, pool):
+    def held(inputs, pool, host_work=None):
         in_step.set()
         release.wait(60)
-        return decode(inputs, pool)
+        return decode(inputs, pool, host_work)
 
     engine.runner.dispatch_decode = held
     try:

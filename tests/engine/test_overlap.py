@@ -39,9 +39,12 @@ def test_text_is_made_while_the_next_step_runs(engine, monkeypatch):
     events: list[str] = []
     dispatch = engine.runner.dispatch_decode
 
-    def spy(inputs, pool):
-        pending = dispatch(inputs, pool)
-        events.append("dispatch")
+    def spy(inputs, pool, host_work=None):
+        def work():  # runs once the step's forward is dispatched
+            events.append("dispatch")
+            return host_work() if host_work is not None else None
+
+        pending = dispatch(inputs, pool, work)
         get = pending.get
 
         def waited():

@@ -50,7 +50,7 @@ def _poisoned(engine, method: str, *, lose_cache: bool, after_steps: int):
     real = getattr(runner, method)
     seen = [0]
 
-    def step(inputs, pool):
+    def step(inputs, pool, host_work=None):
         seeds = np.asarray(inputs.sampling.seed)
         if (seeds[:, 1] == POISON_SEED).any() and (seeds[:, 0] == 0).all():
             seen[0] += 1
@@ -59,7 +59,7 @@ def _poisoned(engine, method: str, *, lose_cache: bool, after_steps: int):
                     for a in runner.kv_cache.arrays:
                         a.delete()
                 raise RuntimeError("poisoned step")
-        return real(inputs, pool)
+        return real(inputs, pool, host_work)
 
     return real, step
 
@@ -95,7 +95,7 @@ def test_a_step_failing_for_everyone_fails_each_request_and_the_engine_serves_on
     healthy = _healthy(engine)
     real = engine.runner.dispatch_decode
 
-    def broken(inputs, pool):
+    def broken(inputs, pool, host_work=None):
         raise RuntimeError("device fault")
 
     engine.runner.dispatch_decode = broken
@@ -140,11 +140,11 @@ def test_a_suspect_that_passes_alone_rejoins_the_batch(engine):
     real = engine.runner.dispatch_decode
     calls = [0]
 
-    def flaky(inputs, pool):
+    def flaky(inputs, pool, host_work=None):
         calls[0] += 1
         if calls[0] == 2:
             raise RuntimeError("transient")
-        return real(inputs, pool)
+        return real(inputs, pool, host_work)
 
     before = engine.stats()
     engine.runner.dispatch_decode = flaky

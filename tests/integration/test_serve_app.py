@@ -7,12 +7,14 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import re
 import shutil
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import yaml
@@ -481,6 +483,101 @@ def test_logit_bias_over_http(app, reference):
     assert r.status_code == 400 and "logit_bias token ids [99999]" in r.json()["error"]["message"]
 
 
+# JSON schemas whose outputs fit the demo's 64-token context: nested objects, arrays, enums,
+# bounded numbers, required fields.
+JSON_SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                      "c": {"enum": ["red", "blue"]}},
+     "required": ["ok", "n", "c"], "additionalProperties": False},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["x"], "additionalProperties": False}},
+     "required": ["p"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                      "score": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["name", "score"], "additionalProperties": False},
+]
+
+
+def test_response_format_outputs_validate_for_base_and_adapters(app, files):
+    """Every output parses and validates against its schema: chat and completions, the base
+    model and adapters, greedy and sampled, whole and streamed, with n choices and logprobs."""
+    client = _client(app)
+    _ensure_adapters(app, files, ["ad1"])
+    for model in (BASE, "ad1", "reverse"):
+        for i, schema in enumerate(JSON_SCHEMAS):
+            fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+            for temperature in (0.0, 1.0):
+                got = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                                     response_format=fmt, temperature=temperature, seed=i,
+                                                     max_tokens=48)
+                assert got.choices[0].finish_reason == "stop", got.choices[0].message.content
+                jsonschema.validate(json.loads(got.choices[0].message.content), schema)
+    schema = JSON_SCHEMAS[0]
+    stream = client.completions.create(model="ad1", prompt=PROMPTS[0], max_tokens=48, stream=True, n=2, logprobs=1,
+                                       temperature=1.0, seed=3, stop=["never"],
+                                       extra_body={"guided_json": schema})
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == [0, 1]
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_guided_regex_choice_and_grammar_over_http(app):
+    client = _client(app)
+    cases = [({"guided_regex": "[a-c]{2,4}-[0-9]{2}"}, lambda t: re.fullmatch("[a-c]{2,4}-[0-9]{2}", t)),
+             ({"guided_choice": ["yes", "no", 'say "hi"']}, lambda t: t in ("yes", "no", 'say "hi"')),
+             ({"guided_grammar": 'start: "(" num ("+" num)* ")"\nnum: /[0-9]/'},
+              lambda t: re.fullmatch(r"\([0-9](\+[0-9])*\)", t))]
+    for extra, ok in cases:
+        for model, temperature in ((BASE, 0.0), ("reverse", 1.0)):
+            got = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=40, temperature=temperature,
+                                            seed=1, extra_body=extra)
+            assert got.choices[0].finish_reason == "stop" and ok(got.choices[0].text), (extra, got.choices[0].text)
+
+
+def test_tool_calls_required_and_named_always_parse_whole_and_streamed(app, files):
+    client = _client(app)
+    _ensure_adapters(app, files, ["ad1"])
+    tools = [_tool("add"), _tool("pick", {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}},
+                                          "required": ["c"], "additionalProperties": False})]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    messages = [{"role": "user", "content": "hello"}]
+    named = {"type": "function", "function": {"name": "pick"}}
+    for model in (BASE, "ad1"):
+        for choice, finish in (("required", "tool_calls"), (named, "stop")):
+            for temperature in (0.0, 1.0):
+                got = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=choice,
+                                                     temperature=temperature, seed=2, max_tokens=48,
+                                                     parallel_tool_calls=False)
+                message = got.choices[0].message
+                assert got.choices[0].finish_reason == finish and message.content is None
+                [call] = message.tool_calls
+                assert call.id.startswith("call_") and call.type == "function"
+                assert choice == "required" or call.function.name == "pick"
+                jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        stream = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="required",
+                                                temperature=0, max_tokens=48, stream=True, parallel_tool_calls=False)
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in stream:
+            c = chunk.choices[0]
+            finish = c.finish_reason or finish
+            assert not c.delta.content
+            for delta in c.delta.tool_calls or ():
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+        assert finish == "tool_calls" and len(calls) == 1
+        jsonschema.validate(json.loads(calls[0]["arguments"]), params[calls[0]["name"]])
+    # With tool_choice auto the answer is content, or calls that parse.
+    got = client.chat.completions.create(model=BASE, messages=messages, tools=tools, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content is not None or got.choices[0].message.tool_calls
+
+
 def test_several_prompts_in_one_completions_request(app, reference):
     """Choice index = prompt number * n + sample number; each prompt's tokens count once."""
     prompts = [PROMPTS[0], PROMPTS[3]]
@@ -534,6 +631,15 @@ def test_errors_use_the_openai_format(app, files):
 
 
 _LONG = "a" * 100  # over max_seq_len=64 tokens
+_USER = [{"role": "user", "content": "x"}]
+
+
+def _tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"], "additionalProperties": False}}}
+
+
 BAD_REQUESTS = [
     # (path, body (dict, or raw bytes), status, param)
     ("/v1/completions", b'{"model": "reverse", "prompt": ', 400, None),  # malformed JSON
@@ -578,6 +684,30 @@ BAD_REQUESTS = [
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": "reverse", "messages": [{"role": "user", "content": "x"}],
                               "max_tokens": 2, "max_completion_tokens": 3}, 400, "max_completion_tokens"),
+    # Structured outputs and tools: bad schemas, grammars and tool definitions.
+    ("/v1/chat/completions", {"model": "reverse", "messages": _USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "objekt"}}}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": _USER, "response_format": {"type": "json_schema"}},
+     400, "response_format"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": _USER, "response_format": {"type": "yaml"}}, 400,
+     "response_format.type"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "guided_regex": "a(b"}, 400, "guided_regex"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "guided_grammar": "start: foo"}, 400, "guided_grammar"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "guided_json": {"enum": ["x" * 70000]}}, 400,
+     "guided_json"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": _USER, "tools": [_tool("f", {"type": "objekt"})]},
+     400, "tools"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": _USER, "tools": [_tool("f"), _tool("f")]}, 400,
+     "tools"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": _USER, "tools": [_tool("bad name")]}, 400,
+     "tools.0.function.name"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": _USER, "tools": [_tool("f")],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": _USER, "tool_choice": "required"}, 400,
+     "tool_choice"),
 ]
 
 
