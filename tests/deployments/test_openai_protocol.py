@@ -218,3 +218,59 @@ def test_detokenize_bodies():
         with pytest.raises(ValidationError) as e:
             DetokenizeRequest.model_validate({"model": "m", **body})
         assert e.value.errors()[0]["loc"][0] == field
+
+
+def test_response_format_and_guided_fields_map_to_one_spec():
+    from lora_runtime.engine.grammar import GuidedSpec
+
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array"}, "strict": True}})
+    assert GuidedSpec.coerce(chat.sampling(None)["guided"]) == GuidedSpec("json_schema", '{"type": "array"}')
+    plain = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                  response_format={"type": "text"})
+    assert plain.sampling(None)["guided"] is None
+    cases = [({"guided_json": {"type": "object"}}, GuidedSpec("json_schema", '{"type": "object"}', param="guided_json")),
+             ({"guided_regex": "a+"}, GuidedSpec("regex", "a+", param="guided_regex")),
+             ({"guided_choice": ["a", "b"]}, GuidedSpec("choice", '["a", "b"]', param="guided_choice")),
+             ({"guided_grammar": 'start: "a"'}, GuidedSpec("grammar", 'start: "a"', param="guided_grammar")),
+             ({"response_format": {"type": "json_object"}, "guided_whitespace_pattern": " ?"},
+              GuidedSpec("json_object", whitespace=" ?"))]
+    for fields, spec in cases:
+        assert GuidedSpec.coerce(CompletionRequest(model="m", prompt="x", **fields).sampling(16)["guided"]) == spec
+    with pytest.raises(ValidationError, match="both constrain the output"):
+        CompletionRequest(model="m", prompt="x", guided_regex="a", response_format={"type": "json_object"})
+    with pytest.raises(ValidationError, match="needs its json_schema"):
+        CompletionRequest(model="m", prompt="x", response_format={"type": "json_schema"})
+
+
+def test_tool_messages_reach_the_template_as_transformers_passes_them():
+    """An assistant's tool calls (arguments as a dict) and the tool's result (with its call id)
+    render through a Qwen-style template, with the request's tools."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import models
+
+    from lora_runtime.model.tokenizer import Tokenizer
+
+    template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function | tojson }}{% endfor %}</tools>{% endif %}"
+        "{% for m in messages %}<|{{ m.role }}|>{% if m.content %}{{ m.content }}{% endif %}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+        "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}"
+        "{% if m.role == 'tool' %}[{{ m.tool_call_id }}]{% endif %}{% endfor %}"
+    )
+    backend = BackendTokenizer(models.BPE(vocab={"a": 0, "</s>": 1}, merges=[]))
+    tok = Tokenizer(backend, {"eos_token": "</s>"}, chat_template=template)
+    body = ChatCompletionRequest(model="m", tools=[{"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}], messages=[
+        {"role": "user", "content": "add 2"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]},
+        {"role": "tool", "content": "4", "tool_call_id": "call_1"}])
+    text = tok.apply_chat_template(body.chat_messages(), tools=body.tool_request()["tools"])
+    assert '<tools>{"name": "add", "parameters"' in text
+    assert '<|assistant|><tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>' in text
+    assert text.endswith("<|tool|>4[call_1]")
+    bad = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                "function": {"name": "add", "arguments": "[1]"}}]}
+    with pytest.raises(ValidationError, match="is not a JSON object"):
+        ChatCompletionRequest(model="m", messages=[bad])

@@ -123,3 +123,52 @@ def test_grammars_are_compiled_once_and_cached(engine):
     engine.generate_batch([_prompt(engine, i) for i in range(3)], [_params(spec, sampled=True, seed=i) for i in range(3)])
     assert engine.grammars.compiled == compiled + 1
     assert engine.grammars.hits >= 2
+
+
+def test_masks_are_computed_while_the_forward_runs(engine, monkeypatch):
+    """Each constrained decode step: forward dispatched, then the grammars' masks on the host,
+    then the masked sampler; a step with no grammar samples without a mask."""
+    events: list[str] = []
+    runner = engine.runner
+    for name, label in (("_decode", "forward"), ("_sample", "sample")):
+        real = getattr(runner, name)
+
+        def spy(*args, _real=real, _label=label):
+            events.append(_label if _label != "sample" or args[-1] is None else "masked sample")
+            return _real(*args)
+
+        monkeypatch.setattr(runner, name, spy)
+    fill = engine.grammars.fill_masks
+    monkeypatch.setattr(engine.grammars, "fill_masks", lambda *a: (events.append("mask"), fill(*a))[1])
+    spec = GuidedSpec("regex", "[0-9]{6}", param="guided_regex")
+    engine.generate_batch([_prompt(engine, 3)], [_params(spec, sampled=False)])
+    decode = events[events.index("forward"):]
+    assert len(decode) >= 6  # two decode steps at least
+    assert decode == ["forward", "mask", "masked sample"] * (len(decode) // 3)
+    events.clear()
+    engine.generate_batch([_prompt(engine, 3)], [_params(None, sampled=False, max_tokens=4)])
+    assert "mask" not in events and "masked sample" not in events and "sample" in events
+
+
+def test_grammars_compile_off_the_engine_loop(engine, monkeypatch):
+    """generate() compiles on the compiler's thread (the caller's event loop serves on), submit()
+    on its caller's: never on the engine loop."""
+    import asyncio
+    import threading
+
+    threads: list[str] = []
+    matcher = engine.grammars.matcher
+
+    def spy(spec):
+        threads.append(threading.current_thread().name)
+        return matcher(spec)
+
+    monkeypatch.setattr(engine.grammars, "matcher", spy)
+
+    async def run() -> str:
+        spec = GuidedSpec("regex", "[a-z]{3}", param="guided_regex")
+        return "".join([o.text async for o in engine.generate(_prompt(engine, 4), _params(spec, sampled=False))])
+
+    assert len(asyncio.run(run())) == 3
+    engine.generate_batch([_prompt(engine, 5)], [_params(GuidedSpec("regex", "[x-z]{2}"), sampled=False)])
+    assert threads[0].startswith("grammar-compile") and threads[1] == threading.current_thread().name
