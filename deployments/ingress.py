@@ -751,7 +751,7 @@ class OpenAIIngress:
         if body.messages is not None:
             result = await _replica_call(handle.tokenize_chat.remote(
                 messages=body.chat_messages(), add_generation_prompt=body.generation_prompt(),
-                add_special_tokens=body.special_tokens(),
+                add_special_tokens=body.special_tokens(), tools=body.tool_definitions(),
             ))
         else:
             result = await _replica_call(handle.tokenize.remote(prompt=body.prompt,

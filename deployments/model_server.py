@@ -236,7 +236,7 @@ class LoRAModelServer:
         return self._tokens_item(self._engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     async def tokenize_chat(self, *, messages: list[dict], add_generation_prompt: bool,
-                            add_special_tokens: bool) -> dict:
+                            add_special_tokens: bool, tools: list[dict] | None = None) -> dict:
         """The same for a chat, rendered as generate renders chat requests."""
         try:
             await self._check_model()
@@ -244,7 +244,7 @@ class LoRAModelServer:
             return error_item(e)
         try:
             ids = self._chat_tokens(messages, add_generation_prompt=add_generation_prompt,
-                                    add_special_tokens=add_special_tokens)
+                                    add_special_tokens=add_special_tokens, tools=tools)
         except ServingError as e:  # the chat template refused the messages
             return error_item(e, param="messages")
         return self._tokens_item(ids)

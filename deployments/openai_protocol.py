@@ -543,6 +543,9 @@ class TokenizeRequest(_Body):
         "whose chat template writes them."
     )
 
+    tools: list[Tool] | None = Field(None, description="With messages: the tools the template renders, as chat "
+                                     "completions takes them.")
+
     @field_validator("messages")
     @classmethod
     def _text_only(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
@@ -557,10 +560,15 @@ class TokenizeRequest(_Body):
             raise ValueError(f"exactly one of prompt and messages is required; {given} given")
         if self.add_generation_prompt is not None and self.messages is None:
             raise ValueError("add_generation_prompt applies to messages only")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools apply to messages only")
         return self
 
     def chat_messages(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages or ()]
+        return [m.template_message() for m in self.messages or ()]
+
+    def tool_definitions(self) -> list[dict] | None:
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
 
     def special_tokens(self) -> bool:
         """Whether the tokenizer adds its special tokens: vLLM's defaults when not given."""

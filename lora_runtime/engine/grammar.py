@@ -138,8 +138,9 @@ def _first_lines(message: str, n: int = 6) -> str:
 class GrammarMatcher:
     """One sequence's position in its grammar; the engine thread alone uses it."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, param: str = "response_format"):
         self._matcher = matcher
+        self.param = param
 
     @property
     def stopped(self) -> bool:
@@ -151,8 +152,11 @@ class GrammarMatcher:
         return self._matcher.get_error() if self._matcher.is_error() else None
 
     def advance(self, token: int) -> None:
-        """Moves past a sampled token. A token its mask did not allow leaves the matcher in
-        error; that is a bug in applying the mask, raised here."""
+        """Moves past a sampled token. A grammar that ran past llguidance's work limits while
+        its mask was computed is the request's error (InvalidRequestError naming the limit);
+        a token its mask did not allow is a bug in applying the mask (RuntimeError)."""
+        if self._matcher.is_error():
+            raise InvalidRequestError(f"{self.param}: {_first_lines(self._matcher.get_error())}", param=self.param)
         if not self._matcher.consume_token(token):
             raise RuntimeError(f"token {token} is not allowed by the request's grammar: {self._matcher.get_error()}")
 
@@ -194,7 +198,7 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(spec)
                 self.hits += 1
-                return GrammarMatcher(template.deep_copy())
+                return GrammarMatcher(template.deep_copy(), spec.param)
         grammar = spec.grammar()
         template = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0, limits=_limits())
         if template.is_error():
@@ -204,7 +208,7 @@ class GrammarCompiler:
             self._cache[spec] = template
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return GrammarMatcher(template.deep_copy())
+        return GrammarMatcher(template.deep_copy(), spec.param)
 
     async def matcher_async(self, spec: GuidedSpec) -> GrammarMatcher:
         """matcher() on the compiler's thread: the caller's event loop goes on meanwhile."""

@@ -172,3 +172,15 @@ def test_grammars_compile_off_the_engine_loop(engine, monkeypatch):
     assert len(asyncio.run(run())) == 3
     engine.generate_batch([_prompt(engine, 5)], [_params(GuidedSpec("regex", "[x-z]{2}"), sampled=False)])
     assert threads[0].startswith("grammar-compile") and threads[1] == threading.current_thread().name
+
+
+def test_a_grammar_past_the_work_limits_is_refused_naming_the_limit(engine, monkeypatch):
+    import llguidance
+
+    import lora_runtime.engine.grammar as grammar
+
+    monkeypatch.setattr(grammar, "_limits", lambda: llguidance.LLParserLimits(initial_lexer_fuel=10))
+    spec = GuidedSpec("regex", "([a-z]{1,50}x){1,20}", param="guided_regex")
+    with pytest.raises(InvalidRequestError, match=r"too big \(limit for this grammar: 10\)") as err:
+        engine.submit(_prompt(engine, 0), _params(spec, sampled=False), lambda out: None)
+    assert err.value.param == "guided_regex"

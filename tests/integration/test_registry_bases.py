@@ -7,10 +7,13 @@ own (deployments/placement.py), and serves exactly what one process on one devic
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import httpx
+import jsonschema
+import openai
 import pytest
 import yaml
 
@@ -27,12 +30,27 @@ DEMO, TINY = "/demo", "/tiny"  # route prefixes
 DEMO_ADAPTERS = {"reverse", "upper", "sort", "caesar"}
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TENSOR_PARALLEL = dict(num_replicas=2, tensor_parallel_size=2, accelerator="cpu", replica_num_cpus=0.5)
+# The tiny Llama speaks Qwen2.5's chat format, tools included (a shortened copy of its template).
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "\n</tools>\nCall a function inside <tool_call></tool_call> tags.<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for tc in message.tool_calls %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{{ tc.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("registry_bases")
     tiny = save_tiny_llama(root / "tiny")
+    config = json.loads((tiny / "tokenizer_config.json").read_text())
+    (tiny / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
     return {"root": root, "tiny": tiny, "tiny_adapter": save_peft_adapter(tiny, root / "tiny-ad", seed=5)}
 
 
@@ -55,7 +73,8 @@ def bases(cluster, files):
     demo = {**template, "name": DEMO_APP, "route_prefix": DEMO,
             "args": {**template["args"], **shared, **TENSOR_PARALLEL}}
     tiny = {**template, "name": TINY_APP, "route_prefix": TINY,
-            "args": {**template["args"], **shared, "model": str(files["tiny"]), "model_name": "tiny"}}
+            "args": {**template["args"], **shared, "model": str(files["tiny"]), "model_name": "tiny",
+                     "max_seq_len": 256}}
     # The demo app first: the tiny app then starts over a registry holding the demo adapters.
     _deploy(cluster, files["root"] / "demo.yaml", [demo])
     _deploy(cluster, files["root"] / "both.yaml", [demo, tiny])
@@ -179,3 +198,64 @@ def test_two_tensor_parallel_replicas_serve_what_one_device_serves(bases):
                 assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text, (model, prompt, r.text)
     finally:
         engine.shutdown()
+
+
+TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"c": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}},
+    "required": ["c", "n"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "ok", "parameters": {
+        "type": "object", "properties": {"yes": {"type": "boolean"}}, "required": ["yes"],
+        "additionalProperties": False}}}]
+SCHEMA = {"type": "object", "properties": {"p": {"type": "array", "items": {"enum": ["a", "bc"]}, "maxItems": 3},
+                                           "q": {"type": "integer", "minimum": -9, "maximum": 9}},
+          "required": ["p", "q"], "additionalProperties": False}
+
+
+def test_a_qwen_format_model_serves_schemas_and_tool_calls_to_the_openai_client(bases):
+    """A random-weight Llama with Qwen2.5's chat template (hermes tool calls), base and
+    adapter, greedy and sampled: json_schema outputs validate; tool_choice required and a
+    named function give calls whose arguments validate, whole and streamed; a tool's result
+    goes back through the template."""
+    client = openai.OpenAI(base_url=f"{bases.base_url}{TINY}/v1", api_key="unused", max_retries=0, timeout=120)
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    messages = [{"role": "user", "content": "pick one"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}
+    for model in ("tiny", "tiny-ad"):
+        for temperature in (0.0, 1.0):
+            got = client.chat.completions.create(model=model, messages=messages, response_format=fmt,
+                                                 temperature=temperature, seed=1, max_tokens=64)
+            assert got.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(got.choices[0].message.content), SCHEMA)
+            for choice in ("required", {"type": "function", "function": {"name": "ok"}}):
+                got = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice=choice,
+                                                     temperature=temperature, seed=2, max_tokens=64,
+                                                     parallel_tool_calls=False)
+                [call] = got.choices[0].message.tool_calls
+                assert got.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
+                assert choice == "required" or call.function.name == "ok"
+                jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        stream = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
+                                                max_tokens=64, temperature=0, stream=True, parallel_tool_calls=False)
+        parts = {"name": "", "arguments": "", "finish": None}
+        for chunk in stream:
+            c = chunk.choices[0]
+            parts["finish"] = c.finish_reason or parts["finish"]
+            for delta in c.delta.tool_calls or ():
+                parts["name"] += delta.function.name or ""
+                parts["arguments"] += delta.function.arguments or ""
+        assert parts["finish"] == "tool_calls"
+        jsonschema.validate(json.loads(parts["arguments"]), params[parts["name"]])
+    # The call and its result back in the conversation: the template renders both.
+    followup = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "ok", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+    r = httpx.post(f"{bases.base_url}{TINY}/tokenize", timeout=60, json={"model": "tiny", "messages": followup, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    text = httpx.post(f"{bases.base_url}{TINY}/detokenize", timeout=60,
+                      json={"model": "tiny", "tokens": r.json()["tokens"]}).json()["prompt"]
+    assert "<tool_call>\n{\"name\": \"ok\"" in text and "<tool_response>\ndone\n</tool_response>" in text
+    assert '<tools>\n{"type": "function", "function": {"name": "pick"' in text
+    got = client.chat.completions.create(model="tiny", messages=followup, tools=TOOLS, max_tokens=8, temperature=0)
+    assert got.choices[0].message.content is not None or got.choices[0].message.tool_calls
