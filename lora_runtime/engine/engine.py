@@ -226,6 +226,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self._grammars is not None:
+            self._grammars.close()
 
     # ---- requests ------------------------------------------------------------------
 

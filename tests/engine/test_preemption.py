@@ -94,3 +94,23 @@ def test_a_preempted_stream_keeps_streaming_its_tokens_in_order(tight):
     for i in range(4):
         tokens = [t for out in parts[i] for t in out.token_ids]
         assert len(tokens) == 40 and parts[i][-1].completion_tokens == 40
+
+
+def test_preempted_constrained_streams_keep_their_grammar(roomy, tight):
+    """Sequences under grammars, preempted and recomputed, go on where their grammar was: the
+    same tokens as without preemption, every one allowed."""
+    import json
+
+    from lora_runtime.engine.grammar import GuidedSpec
+
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40}
+    spec = GuidedSpec("json_schema", json.dumps(schema))
+    params = [SamplingParams(max_tokens=40, temperature=t, seed=5 + i, guided=spec)
+              for i, t in enumerate((0.0, 0.0, 1.0, 1.0))]
+    before = tight.stats()["preemptions"]
+    want = roomy.generate_batch(PROMPTS, params)
+    got = tight.generate_batch(PROMPTS, params)
+    assert tight.stats()["preemptions"] > before
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == "length"
+        assert g.text.startswith("[") and all(part.strip().isdigit() for part in g.text[1:].split(",")[:-1])
