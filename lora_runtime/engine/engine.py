@@ -248,8 +248,7 @@ class Engine:
         Raises a ServingError (nothing is queued) for a bad prompt, bad parameters, a grammar
         that does not compile or an unknown adapter.
         """
-        if not self._accepting:
-            raise CapacityError("the engine is shutting down and accepts no new requests")
+        self._check_accepting()
         params.validate(self.model_config.vocab_size)
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) + params.max_tokens > self.config.max_seq_len:
@@ -283,6 +282,10 @@ class Engine:
         self._inbox.put(("add", seq))
         self._wake.set()
         return request_id
+
+    def _check_accepting(self) -> None:
+        if not self._accepting:
+            raise CapacityError("the engine is shutting down and accepts no new requests")
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -354,6 +357,7 @@ class Engine:
                 loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         # A grammar compiles on the compiler's thread: this event loop serves others meanwhile.
+        self._check_accepting()
         grammar = None if params.guided is None else await self.grammars.matcher_async(params.guided)
         request_id = self.submit(prompt, params, emit, request_id=request_id, adapter=adapter, grammar=grammar)
         finished = False
