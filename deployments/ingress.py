@@ -72,7 +72,7 @@ from deployments.openai_protocol import (
     usage,
     usage_chunk,
 )
-from deployments.tool_calls import ToolCallStream, chunk_tool_calls, parse_tool_calls
+from deployments.tool_calls import ToolCallStream, parse_tool_calls
 from lora_runtime.engine.grammar import GuidedSpec
 from lora_runtime.engine.sampling_params import SamplingParams
 from lora_runtime.errors import ServingError
@@ -660,11 +660,11 @@ class OpenAIIngress:
                 finish_reason = item["finish_reason"]
                 splitter = splitters[index]
                 if splitter is not None:
-                    text = splitter.feed(text, item["finished"])
+                    text, call_deltas = splitter.feed(text, item["finished"])
+                    for delta in call_deltas:
+                        yield _sse(chat_chunk(rid, model, created, delta, None, index=index))
                     if item["finished"]:
                         finish_reason = _tool_finish(finish_reason, splitter.calls, tools)
-                        for delta in chunk_tool_calls(splitter.calls):
-                            yield _sse(chat_chunk(rid, model, created, delta, None, index=index))
                 delta = {"content": text} if chat else text
                 entries = item.get("logprobs")
                 if item.get("prompt_logprobs"):

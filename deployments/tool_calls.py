@@ -151,41 +151,142 @@ def _starts(fmt: str) -> tuple[str, ...]:
             "llama3_json": ("<|python_tag|>", "{"), "json": ("{",)}[fmt]
 
 
+# The head of one call as every format writes it: its name, then its arguments' key.
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _value_prefix(text: str, start: int) -> tuple[str, bool]:
+    """The JSON value beginning at text[start] as far as the text goes, and whether it is
+    whole (its brackets balanced, strings read with their escapes)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return text[start:i + 1], True
+    return text[start:], False
+
+
 class ToolCallStream:
-    """Splits a streamed output into content deltas and tool calls: text that cannot begin a
-    call streams as content at once; an output that begins like one is held and, when it
-    ends, parsed into calls (or, if it is none, sent as content)."""
+    """Splits a streamed output into content and tool-call deltas as OpenAI streams them.
+
+    Content streams at once until a call can begin there (at the start; in hermes, at any
+    `<tool_call>`); text that could still be the start of one is held. A call streams as
+    soon as its name is whole (its id, type and name), then its arguments piece by piece as
+    the model writes them. At the end the whole output is parsed: calls that were not
+    streamed (their keys in another order) are sent whole, and held text that was no call
+    is sent as content."""
 
     def __init__(self, fmt: str, tools: list[dict]):
         self.fmt, self.tools = fmt, tools
+        self._names = {t["function"]["name"] for t in tools}
         self.text = ""
-        self.held = None  # None: undecided; True: holding a possible call; False: content
-        self.calls: list[dict] = []
+        self._sent = 0  # characters of text sent as content
+        self._calls_at: int | None = None  # where the calls begin in text, once known
+        self._plain = False  # no call can begin any more: all of it is content
+        self._streamed: list[dict] = []  # per call: {"id", "name", "arguments" (sent so far), "whole"}
+        self.calls: list[dict] = []  # at the end: the answer's tool calls
 
-    def feed(self, delta: str, finished: bool) -> str:
-        """The content to send now for `delta`; at the end, `calls` holds the tool calls."""
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+        """(content to send now, tool-call deltas to send now) for `delta`; at the end,
+        `calls` holds the answer's tool calls."""
         self.text += delta
-        if self.held is None:
-            head = self.text.lstrip()
-            if head:
-                starts = _starts(self.fmt)
-                if any(head.startswith(s) for s in starts):
-                    self.held = True
-                elif not any(s.startswith(head) for s in starts):
-                    self.held = False
-                    return self.text
-        if self.held is False:
-            return delta
-        if not finished:
+        content = self._content(finished)
+        deltas = self._call_deltas() if self._calls_at is not None else []
+        if finished:
+            more_content, more = self._finish()
+            content, deltas = content + more_content, deltas + more
+        return content, deltas
+
+    def _content(self, finished: bool) -> str:
+        if self._calls_at is not None:
             return ""
-        content, self.calls = parse_tool_calls(self.fmt, self.text, self.tools)
-        return content or ""
+        text, sent = self.text, self._sent
+        if self._plain:
+            self._sent = len(text)
+            return text[sent:]
+        if self.fmt == "hermes":
+            at = text.find("<tool_call>", sent)
+            if at >= 0:
+                self._calls_at, self._sent = at, at
+                return text[sent:at]
+            keep = 0 if finished else _held_tail(text, "<tool_call>")
+            self._sent = len(text) - keep
+            return text[sent:self._sent]
+        head = text.lstrip()
+        starts = _starts(self.fmt)
+        if any(head.startswith(s) for s in starts):
+            self._calls_at = 0
+            return ""
+        if (head and not any(s.startswith(head) for s in starts)) or finished:
+            self._plain, self._sent = True, len(text)
+            return text[sent:]
+        return ""
+
+    def _call_deltas(self) -> list[dict]:
+        deltas, at, index = [], self._calls_at, -1
+        while True:
+            index += 1
+            head = _CALL_HEAD.search(self.text, at)
+            if head is None:
+                break
+            name = json.loads(f'"{head.group(1)}"')
+            if name not in self._names:
+                break
+            if index == len(self._streamed):
+                self._streamed.append({"id": _call_id(), "name": name, "arguments": "", "whole": False})
+                deltas.append({"tool_calls": [{"index": index, "id": self._streamed[index]["id"], "type": "function",
+                                               "function": {"name": name, "arguments": ""}}]})
+            call = self._streamed[index]
+            value, whole = _value_prefix(self.text, head.end())
+            if not value.startswith("{"):
+                break
+            if len(value) > len(call["arguments"]):
+                deltas.append({"tool_calls": [{"index": index,
+                                               "function": {"arguments": value[len(call["arguments"]):]}}]})
+                call["arguments"] = value
+            call["whole"] = whole
+            if not whole:
+                break
+            at = head.end() + len(value)
+        return deltas
+
+    def _finish(self) -> tuple[str, list[dict]]:
+        content, parsed = parse_tool_calls(self.fmt, self.text[self._sent:], self.tools)
+        self.calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                      for c in self._streamed]
+        if not self.calls and not parsed:  # held text that was no call
+            self._sent = len(self.text)
+            return content or "", []
+        deltas = chunk_tool_calls(parsed[len(self.calls):], first_index=len(self.calls))
+        self.calls += parsed[len(self.calls):]
+        return "", deltas
 
 
-def chunk_tool_calls(calls: list[dict]) -> list[dict]:
+def _held_tail(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the start of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def chunk_tool_calls(calls: list[dict], first_index: int = 0) -> list[dict]:
     """OpenAI stream deltas of whole calls: each call's id and name, then its arguments."""
     deltas = []
-    for i, call in enumerate(calls):
+    for i, call in enumerate(calls, start=first_index):
         fn = call["function"]
         deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
                                        "function": {"name": fn["name"], "arguments": ""}}]})

@@ -72,21 +72,77 @@ def test_hermes_keeps_the_text_around_calls_as_content():
     assert content == "Let me add." and len(calls) == 1
 
 
-def test_the_stream_splitter_sends_content_at_once_and_holds_calls_to_the_end():
-    plain = ToolCallStream("hermes", TOOLS)
-    assert [plain.feed(d, f) for d, f in (("Hel", False), ("lo", False), ("!", True))] == ["Hel", "lo", "!"]
-    assert plain.calls == []
-    held = ToolCallStream("hermes", TOOLS)
-    pieces = [" <tool", '_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', "\n</tool_call>"]
-    assert [held.feed(d, False) for d in pieces] == ["", "", ""]
-    assert held.feed("", True) == ""
-    _check_calls(held.calls, {"add"})
-    deltas = chunk_tool_calls(held.calls)
-    assert deltas[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
-    assert json.loads(deltas[1]["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
-    # Held because it began like a call, but is none: sent as content at the end.
-    fake = ToolCallStream("json", TOOLS)
-    assert fake.feed("{not a call", False) == "" and fake.feed("}", True) == "{not a call}"
+def _stream(fmt: str, text: str, step: int = 3) -> tuple[list[str], list[list[dict]], ToolCallStream]:
+    """Feeds `text` a few characters at a time: (content per feed, tool-call deltas per feed, the splitter)."""
+    splitter, contents, deltas = ToolCallStream(fmt, TOOLS), [], []
+    pieces = [text[i:i + step] for i in range(0, len(text), step)] or [""]
+    for k, piece in enumerate(pieces):
+        content, calls = splitter.feed(piece, k == len(pieces) - 1)
+        contents.append(content)
+        deltas.append(calls)
+    return contents, deltas, splitter
+
+
+def _assembled(deltas: list[list[dict]]) -> list[dict]:
+    """What an OpenAI client builds from the deltas: per index, id, name and arguments joined."""
+    calls: dict[int, dict] = {}
+    for d in (d for feed in deltas for d in feed):
+        [part] = d["tool_calls"]
+        call = calls.setdefault(part["index"], {"id": None, "name": "", "arguments": ""})
+        call["id"] = part.get("id", call["id"])
+        call["name"] += part.get("function", {}).get("name", "")
+        call["arguments"] += part["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
+def test_content_streams_at_once_and_calls_stream_their_arguments_as_written():
+    contents, deltas, _ = _stream("hermes", "Hello there!")
+    assert "".join(contents) == "Hello there!" and not any(deltas) and contents[0] == "Hel"
+    call = '{"name": "add", "arguments": {"a": 12, "b": "}\\"{"}}'  # a brace and an escaped quote in a string
+    text = f"Let me add.\n<tool_call>\n{call}\n</tool_call>\n<tool_call>\n" \
+           '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+    contents, deltas, splitter = _stream("hermes", text)
+    assert "".join(contents) == "Let me add.\n"
+    got = _assembled(deltas)
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == \
+        [("add", {"a": 12, "b": '}"{'}), ("get_weather", {"city": "Oslo", "unit": "c"})]
+    assert [c["id"] for c in got] == [c["id"] for c in splitter.calls] and len(set(c["id"] for c in got)) == 2
+    # Arguments arrive piece by piece while the model writes them, not at the end.
+    feeds_with_arguments = [k for k, feed in enumerate(deltas) if any("id" not in d["tool_calls"][0] for d in feed)]
+    assert len(feeds_with_arguments) > 4 and feeds_with_arguments[0] < len(deltas) // 2
+    assert [c["function"]["arguments"] for c in splitter.calls] == [c["arguments"] for c in got]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_streams_to_the_calls_the_whole_parse_gives(fmt):
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    calls = [{"name": "get_weather", key: {"city": "東京", "unit": "f"}}, {"name": "add", key: {"a": -1, "b": 2}}]
+    text = {"hermes": "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls),
+            "mistral": json.dumps(calls, ensure_ascii=False),
+            "llama3_json": "; ".join(json.dumps(c, ensure_ascii=False) for c in calls),
+            "json": "; ".join(json.dumps(c, ensure_ascii=False) for c in calls)}[fmt]
+    for step in (1, 4, len(text)):
+        contents, deltas, splitter = _stream(fmt, text, step)
+        assert "".join(contents) == ""
+        whole = parse_tool_calls(fmt, text, TOOLS)[1]
+        assert [(c["name"], json.loads(c["arguments"])) for c in _assembled(deltas)] == \
+            [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
+        _check_calls(splitter.calls, {"add", "get_weather"})
+
+
+def test_held_text_that_is_no_call_is_sent_as_content_at_the_end():
+    contents, deltas, splitter = _stream("json", '{"not": "a call"}')
+    assert "".join(contents[:-1]) == "" and contents[-1] == '{"not": "a call"}'
+    assert not any(deltas) and splitter.calls == []
+    # A call of a function the request does not offer is content too.
+    text = '{"name": "sub", "arguments": {"a": 1}}'
+    contents, deltas, splitter = _stream("json", text)
+    assert "".join(contents) == text and not any(deltas)
+    # Keys in another order: not streamed, sent whole at the end.
+    text = '{"arguments": {"a": 1, "b": 2}, "name": "add"}'
+    contents, deltas, splitter = _stream("json", text)
+    assert not any(deltas[:-1]) and [c["name"] for c in _assembled(deltas)] == ["add"]
+    assert chunk_tool_calls(splitter.calls)[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1, "b": 2}'
 
 
 @pytest.fixture(scope="module")
