@@ -456,7 +456,7 @@ class ChatCompletionRequest(_Request):
             for j, call in enumerate(m.tool_calls or ()):
                 try:
                     args = json.loads(call.function.arguments)
-                except ValueError:
+                except json.JSONDecodeError:
                     args = None
                 if not isinstance(args, dict):
                     raise FieldError(f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",

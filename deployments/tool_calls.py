@@ -98,7 +98,7 @@ def _openai_call(obj, fmt: str, names: set[str]) -> dict | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string already
         try:
             args = json.loads(args)
-        except ValueError:
+        except json.JSONDecodeError:
             return None
     if not isinstance(args, dict):
         return None
@@ -116,7 +116,7 @@ def _json_values(text: str) -> list | None:
             return values
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except json.JSONDecodeError:
             return None
         values.append(value)
 

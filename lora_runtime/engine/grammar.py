@@ -92,7 +92,7 @@ class GuidedSpec:
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.value)
-            except ValueError as e:
+            except json.JSONDecodeError as e:
                 raise InvalidRequestError(f"{self.param}: the JSON schema is not JSON: {e}", param=self.param) from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequestError(f"{self.param}: a JSON schema is an object or a boolean, not "
@@ -101,7 +101,10 @@ class GuidedSpec:
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
-            choices = json.loads(self.value)
+            try:
+                choices = json.loads(self.value)
+            except json.JSONDecodeError:
+                choices = None
             if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
                     or not all(isinstance(c, str) for c in choices)):
                 raise InvalidRequestError(f"{self.param} must be a list of 1-{MAX_CHOICES} strings",
