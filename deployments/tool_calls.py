@@ -17,13 +17,13 @@ import json
 import re
 import uuid
 
-from lora_runtime.engine.grammar import GuidedSpec
+from lora_runtime.engine.grammar import JSON_COMPACT, GuidedSpec
 
 FORMATS = ("hermes", "mistral", "llama3_json", "json")
 # Most calls one answer may hold (parallel_tool_calls): the grammar ends there.
 MAX_PARALLEL_CALLS = 8
-# Calls are written as compact JSON (json.dumps's separators): no run of whitespace can grow without end.
-COMPACT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+# Calls are written as compact JSON, as response_format's JSON is.
+COMPACT = {"x-guidance": JSON_COMPACT}
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 

@@ -28,12 +28,13 @@ from lora_runtime.errors import InvalidRequestError
 # Most characters of a schema, regex or grammar a request may send.
 MAX_GRAMMAR_CHARS = 64 * 1024
 # Most strings of a choice.
-MAX_CHOICES = 1024
+MAX_CHOICE_STRINGS = 1024
 # Compiled grammars a replica keeps.
 GRAMMAR_CACHE_SIZE = 256
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # JSON is generated compact, as json.dumps writes it: no run of whitespace can grow without end.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# (llguidance's JSON options; a schema carries them as "x-guidance" where it is embedded in a grammar.)
+JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _limits():
@@ -84,7 +85,7 @@ class GuidedSpec:
         if len(self.value) > MAX_GRAMMAR_CHARS:
             raise InvalidRequestError(f"{self.param} holds {len(self.value)} characters; at most "
                                       f"{MAX_GRAMMAR_CHARS}", param=self.param)
-        options = dict(_JSON_OPTIONS)
+        options = dict(JSON_COMPACT)
         if self.whitespace is not None:
             options = {"whitespace_pattern": self.whitespace}
         if self.kind == "json_object":
@@ -105,9 +106,9 @@ class GuidedSpec:
                 choices = json.loads(self.value)
             except json.JSONDecodeError:
                 choices = None
-            if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
+            if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICE_STRINGS
                     or not all(isinstance(c, str) for c in choices)):
-                raise InvalidRequestError(f"{self.param} must be a list of 1-{MAX_CHOICES} strings",
+                raise InvalidRequestError(f"{self.param} must be a list of 1-{MAX_CHOICE_STRINGS} strings",
                                           param=self.param)
             # Lark string literals take JSON's escapes.
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
