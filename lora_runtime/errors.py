@@ -61,6 +61,15 @@ class AdapterUnavailableError(ServingError):
     code = "adapter_unavailable"
 
 
+class HostLostError(ServingError):
+    """A multi-host replica lost one of its hosts (its process failed or went away): the
+    replica cannot compute any more and is being replaced; retry."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "host_lost"
+
+
 class CapacityError(ServingError):
     """The server cannot take the request now (e.g. every adapter slot is pinned)."""
 

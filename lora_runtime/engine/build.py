@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+import jax
+
 from kernels.common import default_platform
 from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
@@ -21,19 +23,21 @@ logger = logging.getLogger(__name__)
 
 
 def build_engine(
-    model_path: str, config: EngineConfig, *, model_name: str | None = None, tokenizer_path: str | None = None
+    model_path: str, config: EngineConfig, *, model_name: str | None = None, tokenizer_path: str | None = None,
+    plan: MemoryPlan | None = None,
 ) -> Engine:
     """An engine serving the HF checkpoint at `model_path` (not yet started).
 
     The memory plan is made from the checkpoint's config before any weight is read, so a
-    configuration that does not fit is refused with nothing allocated.
+    configuration that does not fit is refused with nothing allocated; `plan` gives it instead
+    (a multi-host replica's followers take their leader's, so every host's cache is one shape).
     `tokenizer_path`: a folder with tokenizer.json (and its config and chat template) to use
     instead of the checkpoint's own; generation_config.json still comes from the checkpoint.
     """
     model_config = ModelConfig.from_pretrained(model_path, dtype=config.dtype)
     model_config.check_max_seq_len(config.max_seq_len)
     mesh = make_mesh(config.tensor_parallel_size)
-    plan = make_plan(model_config, config, mesh)
+    plan = plan or make_plan(model_config, config, mesh)
     model_config, model = load_model(model_path, mesh, dtype=config.dtype, scan_layers=config.scan_layers)
     tokenizer = Tokenizer.from_pretrained(tokenizer_path or model_path, generation_config_dir=model_path)
     name = model_name or os.path.basename(os.path.normpath(model_path))
@@ -43,8 +47,10 @@ def build_engine(
 def make_plan(model_config: ModelConfig, config: EngineConfig, mesh) -> MemoryPlan:
     """The replica's memory plan on this machine's platform, logged in one line."""
     platform = default_platform()
+    # This process's devices: on a replica spanning hosts, the others' report to their own process.
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     plan = plan_memory(model_config, config, mesh, platform=platform, block_size=config.block_size(platform),
-                       device_bytes=device_memory_bytes(mesh.devices.flat))
+                       device_bytes=device_memory_bytes(local))
     logger.info("%s", plan.describe())
     return plan
 

@@ -104,13 +104,15 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, model_path: str, config: EngineConfig, *, model_name: str | None = None, tokenizer_path: str | None = None
+        cls, model_path: str, config: EngineConfig, *, model_name: str | None = None, tokenizer_path: str | None = None,
+        plan=None,
     ) -> "Engine":
         """Loads the checkpoint sharded over `tensor_parallel_size` devices and builds the engine
-        (with the tokenizer of `tokenizer_path` when given, else the checkpoint's)."""
+        (with the tokenizer of `tokenizer_path` when given, else the checkpoint's; with the
+        MemoryPlan `plan` when given, else its own)."""
         from lora_runtime.engine.build import build_engine
 
-        return build_engine(model_path, config, model_name=model_name, tokenizer_path=tokenizer_path)
+        return build_engine(model_path, config, model_name=model_name, tokenizer_path=tokenizer_path, plan=plan)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -152,6 +154,33 @@ class Engine:
         first run is built now. Then the row-state reset per history bucket and the
         adapter slot write."""
         runner = self.runner
+        self.grammars  # noqa: B018  (its tokenizer index builds on its own thread meanwhile)
+        builds = self.compile_steps()
+        before = compile_events.counts()
+        run_step = {"prefill": runner.prefill, "extend": runner.extend, "decode": runner.decode}
+        for kind, inputs, pool in self._warm_steps():
+            run_step[kind](inputs, pool)
+            if kind == "prefill" and _reads_head(inputs, pool):
+                runner.prompt_logprobs(np.zeros(inputs.tokens.shape[0], np.int32))
+        for rows in self._sample_rows():
+            runner.warm_sample(rows, masked=True)  # the unmasked one ran in the steps above
+        size = history_bucket(1)
+        while True:
+            runner.init_row(0, [0] * size, size)
+            if size >= self.config.max_seq_len:
+                break
+            size *= 2
+        if self.lora_manager is not None:
+            self.lora_manager.warm_up()
+        self.warm_compiles = builds + compile_events.counts().builds - before.builds
+
+    def _sample_rows(self) -> list[int]:
+        """The sampler's row counts: prefill and decode sample max_batch rows, a
+        several-sequence extend one per sequence, a one-sequence extend one."""
+        return sorted({self.config.max_batch, self._rows_sequences, 1})
+
+    def _warm_steps(self) -> list[tuple[str, StepInputs, object]]:
+        """Every step shape as (kind, idle inputs, pool)."""
         steps: list[tuple[str, StepInputs, object]] = []
         for lora in (False, True) if self.lora_manager is not None else (False,):
             pool = self._pool()
@@ -163,38 +192,25 @@ class Engine:
                 steps.append(("extend", self._idle_inputs(e * c, prefill=False, groups=e, lora=lora), pool))
             b = self.config.max_batch
             steps.append(("decode", self._idle_inputs(b, prefill=False, groups=b, lora=lora), pool))
+        return steps
+
+    def compile_steps(self) -> int:
+        """Compiles every step shape ahead of time (warm-up's first half; a multi-host
+        replica's followers run only this, then launch what the leader's warm-up runs) in
+        parallel, a thread per core; returns the executables built."""
+        runner = self.runner
         compile_step = {"prefill": runner.compile_prefill, "extend": runner.compile_extend,
                         "decode": runner.compile_decode}
         # Prompt log-probabilities read a prefill's hidden states (per bucket): a base one's, and
         # an adapter one's where adapters may change the head.
         jobs = [functools.partial(compile_step[kind], inputs, pool,
                                   **({"prompt_logprobs": _reads_head(inputs, pool)} if kind == "prefill" else {}))
-                for kind, inputs, pool in steps]
-        # The sampler, per row count: prefill and decode sample max_batch rows, a
-        # several-sequence extend one per sequence, a one-sequence extend one.
+                for kind, inputs, pool in self._warm_steps()]
         jobs += [functools.partial(runner.compile_sample, rows, masked=masked)
-                 for rows in sorted({self.config.max_batch, self._rows_sequences, 1}) for masked in (False, True)]
-        self.grammars  # noqa: B018  (its tokenizer index builds on its own thread meanwhile)
+                 for rows in self._sample_rows() for masked in (False, True)]
         workers = max(1, min(len(jobs), os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile") as compilers:
-            builds = sum(compilers.map(_builds_of, jobs))
-        before = compile_events.counts()
-        run_step = {"prefill": runner.prefill, "extend": runner.extend, "decode": runner.decode}
-        for kind, inputs, pool in steps:
-            run_step[kind](inputs, pool)
-            if kind == "prefill" and _reads_head(inputs, pool):
-                runner.prompt_logprobs(np.zeros(inputs.tokens.shape[0], np.int32))
-        for rows in sorted({self.config.max_batch, self._rows_sequences, 1}):
-            runner.warm_sample(rows, masked=True)  # the unmasked one ran in the steps above
-        size = history_bucket(1)
-        while True:
-            runner.init_row(0, [0] * size, size)
-            if size >= self.config.max_seq_len:
-                break
-            size *= 2
-        if self.lora_manager is not None:
-            self.lora_manager.warm_up()
-        self.warm_compiles = builds + compile_events.counts().builds - before.builds
+            return sum(compilers.map(_builds_of, jobs))
 
     @property
     def compiles_after_warmup(self) -> int:

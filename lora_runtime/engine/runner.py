@@ -19,6 +19,7 @@ from lora_runtime.lora.backend.base import BaseLoRABackend
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.kv_cache import AttentionMetadata, KVCache
 from lora_runtime.model.llama import LlamaModel
+from lora_runtime.model.sharding import zeros_on
 
 # Row histories (init_rows) are padded to a power of two from this many tokens.
 MIN_HISTORY = 64
@@ -116,13 +117,19 @@ class ModelRunner:
         self._prefill = jax.jit(functools.partial(self._prefill_impl, mode="prefill"), donate_argnums=(1,))
         self._extend = jax.jit(functools.partial(self._prefill_impl, mode="paged"), donate_argnums=(1,))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1,))
-        self._sample = jax.jit(_sample_impl, donate_argnums=(1,))
+        # What the host reads (tokens, log-probabilities) comes out whole on every device: on a
+        # replica spanning hosts, each process can read it from its own devices.
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self._sample = jax.jit(_sample_impl, donate_argnums=(1,), out_shardings=replicated)
         self._init_row = jax.jit(self._init_row_impl, donate_argnums=(0, 1))
         # Prompt log-probabilities from the last prefill's hidden states, compiled per bucket
         # on first use (only requests that ask pay for the [T, vocab] logits).
-        self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, out_shardings=replicated)
+        self._logits = None  # the last forward's logits, which the next sample op reads
         self._last_hidden = None
         self._last_head = (None, None)  # the last prefill's pool and adapter batch, if its head has adapters
+        # A multi-host replica's leader (engine/spmd.py): every device op goes to the followers first.
+        self.mirror = None
 
     def _create_state(self) -> None:
         """The KV cache and the per-row token state the steps donate and return."""
@@ -131,9 +138,9 @@ class ModelRunner:
         # How often each batch row's sequence generated each token (presence/frequency penalties).
         replicated = NamedSharding(mesh, PartitionSpec())
         rows_by_vocab = (config.max_batch, self.model_config.vocab_size)
-        self.token_counts = jax.device_put(jnp.zeros(rows_by_vocab, jnp.int32), replicated)
+        self.token_counts = zeros_on(rows_by_vocab, jnp.int32, replicated)
         # Which tokens each row's prompt holds (the repetition penalty covers them too).
-        self.prompt_seen = jax.device_put(jnp.zeros(rows_by_vocab, bool), replicated)
+        self.prompt_seen = zeros_on(rows_by_vocab, bool, replicated)
 
     def reset_if_lost(self) -> bool:
         """After a failed step: recreates the cache and row state if the step had consumed
@@ -141,11 +148,61 @@ class ModelRunner:
         arrays = (*self.kv_cache.arrays, self.token_counts, self.prompt_seen)
         if not any(a.is_deleted() for a in arrays):
             return False
-        for a in arrays:
+        self._op("reset_state")
+        return True
+
+    # ---- device ops ---------------------------------------------------------------------
+    # Every device program a step launches goes through _op: on a multi-host replica's leader
+    # it is first sent to the followers, which launch the same op_<name> with the same host
+    # arguments on their shards (engine/spmd.py). Ops take host values only.
+
+    def _op(self, name: str, *args):
+        if self.mirror is None:
+            return getattr(self, "op_" + name)(*args)
+        with self.mirror.issuing("runner", name, args):
+            return getattr(self, "op_" + name)(*args)
+
+    def op_reset_state(self) -> None:
+        """Frees whatever survived of the cache and row state and makes them afresh."""
+        for a in (*self.kv_cache.arrays, self.token_counts, self.prompt_seen):
             if not a.is_deleted():
                 a.delete()  # free the survivors before allocating afresh
         self._create_state()
-        return True
+
+    def op_forward(self, kind: str, inputs: StepInputs, pool) -> None:
+        """Launches a step's model forward ("prefill", "extend" or "decode"); its logits wait
+        for the sample op."""
+        with jax.set_mesh(self.mesh):
+            if kind == "decode":
+                self._logits, self.kv_cache = self._decode(*self._decode_args(inputs, pool))
+                return
+            step = self._prefill if kind == "prefill" else self._extend
+            self._logits, self.kv_cache, self._last_hidden = step(*self._prefill_args(inputs, pool))
+        self._last_head = _head_lora(inputs, pool)
+
+    def op_idle_logits(self, rows: int) -> None:
+        """Zero logits of `rows` rows for the next sample op (warm-up)."""
+        self._logits = zeros_on((rows, self.model_config.vocab_size), jnp.float32,
+                                NamedSharding(self.mesh, PartitionSpec()))
+
+    def op_sample(self, sampling: SamplingBatch, seq_rows: np.ndarray, mask: np.ndarray | None) -> "PendingSample":
+        """Launches sampling a token per row of the last forward's logits; row i belongs to
+        batch row seq_rows[i] (-1: none) and may draw only what row i of `mask` allows (None:
+        anything; a program of its own)."""
+        logits, self._logits = self._logits, None
+        with jax.set_mesh(self.mesh):
+            tokens, logprobs, self.token_counts = self._sample(logits, self.token_counts, self.prompt_seen,
+                                                               sampling, seq_rows, mask)
+        return PendingSample(tokens, logprobs, sampling.any_logprobs)
+
+    def op_init_row(self, row: int, history: np.ndarray, prompt_len: int) -> None:
+        with jax.set_mesh(self.mesh):
+            self.token_counts, self.prompt_seen = self._init_row(
+                self.token_counts, self.prompt_seen, np.int32(row), history, np.int32(prompt_len))
+
+    def op_prompt_logprobs(self, next_tokens: np.ndarray):
+        with jax.set_mesh(self.mesh):
+            return self._prompt_logprobs(self.state, self._last_hidden, next_tokens, *self._last_head)
 
     # ---- host-side metadata ----------------------------------------------------------
 
@@ -214,28 +271,17 @@ class ModelRunner:
     def prefill(self, inputs: StepInputs, pool, host_work: HostWork | None = None) -> Sampled:
         """Runs one packed prefill step of fresh sequences; returns each one's first sampled
         token. `host_work` runs while the forward computes (see HostWork)."""
-        return self._run_prefill(self._prefill, inputs, pool, host_work)
+        return self._run_prefill("prefill", inputs, pool, host_work)
 
     def extend(self, inputs: StepInputs, pool, host_work: HostWork | None = None) -> Sampled:
         """Runs chunks of sequences over what their blocks already hold (Q groups of C tokens,
         see AttentionMetadata); a sequence's last chunk samples its next token."""
-        return self._run_prefill(self._extend, inputs, pool, host_work)
+        return self._run_prefill("extend", inputs, pool, host_work)
 
-    def _run_prefill(self, step, inputs: StepInputs, pool, host_work: HostWork | None) -> Sampled:
-        with jax.set_mesh(self.mesh):
-            logits, self.kv_cache, self._last_hidden = step(*self._prefill_args(inputs, pool))
-        self._last_head = _head_lora(inputs, pool)
+    def _run_prefill(self, kind: str, inputs: StepInputs, pool, host_work: HostWork | None) -> Sampled:
+        self._op("forward", kind, _without_sampling(inputs), pool)
         mask = host_work() if host_work is not None else None
-        return self._dispatch_sample(logits, inputs.sampling, inputs.seq_rows, mask).get()
-
-    def _dispatch_sample(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray,
-                         mask: np.ndarray | None = None) -> "PendingSample":
-        """Starts sampling a token per logit row; row i belongs to batch row seq_rows[i] (-1:
-        none) and may draw only what row i of `mask` allows (None: anything; a program of its own)."""
-        with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.token_counts = self._sample(logits, self.token_counts, self.prompt_seen,
-                                                               sampling, seq_rows, mask)
-        return PendingSample(tokens, logprobs, sampling.any_logprobs)
+        return self._op("sample", inputs.sampling, inputs.seq_rows, mask).get()
 
     def _prefill_args(self, inputs: StepInputs, pool) -> tuple:
         return (self.state, self.kv_cache, _pool_for(inputs, pool), inputs.tokens, inputs.positions, inputs.attn,
@@ -281,11 +327,9 @@ class ModelRunner:
 
     def warm_sample(self, rows: int, *, masked: bool) -> None:
         """Runs the sampler once on zero logits of `rows` idle rows (warm-up)."""
-        logits = jax.device_put(jnp.zeros((rows, self.model_config.vocab_size), jnp.float32),
-                                NamedSharding(self.mesh, PartitionSpec()))
+        self._op("idle_logits", rows)
         mask = np.full((rows, self.mask_words), -1, np.int32) if masked else None
-        self._dispatch_sample(logits, SamplingBatch.from_rows([None] * rows), np.full(rows, -1, np.int32),
-                              mask).get()
+        self._op("sample", SamplingBatch.from_rows([None] * rows), np.full(rows, -1, np.int32), mask).get()
 
     @property
     def mask_words(self) -> int:
@@ -296,18 +340,14 @@ class ModelRunner:
         """Sets a batch row's penalty state for a sequence with `tokens` so far (prompt first)."""
         history = np.full(history_bucket(len(tokens)), -1, np.int32)
         history[: len(tokens)] = tokens
-        with jax.set_mesh(self.mesh):
-            self.token_counts, self.prompt_seen = self._init_row(
-                self.token_counts, self.prompt_seen, np.int32(row), history, np.int32(prompt_len))
+        self._op("init_row", row, history, prompt_len)
 
     def prompt_logprobs(self, next_tokens: np.ndarray) -> Sampled:
         """Log-probabilities at every position of the last prefill: of `next_tokens[t]` (the
         prompt token after position t) and the likeliest tokens there."""
         if self._last_hidden is None:
             raise RuntimeError("prompt_logprobs needs a prefill first")
-        with jax.set_mesh(self.mesh):
-            logprobs = self._prompt_logprobs(self.state, self._last_hidden, next_tokens, *self._last_head)
-        return Sampled.from_device(next_tokens, logprobs)
+        return Sampled.from_device(next_tokens, self._op("prompt_logprobs", next_tokens))
 
     def decode(self, inputs: StepInputs, pool, host_work: HostWork | None = None) -> Sampled:
         """Runs one decode step, a token per batch row; returns a token per row."""
@@ -317,11 +357,10 @@ class ModelRunner:
         """Starts one decode step on the device, runs `host_work` while its forward computes,
         starts its sampling (with the mask host_work returned) and returns; the
         PendingSample's get() waits for the tokens (one device-to-host transfer)."""
-        with jax.set_mesh(self.mesh):
-            logits, self.kv_cache = self._decode(*self._decode_args(inputs, pool))
+        self._op("forward", "decode", _without_sampling(inputs), pool)
         mask = host_work() if host_work is not None else None
         rows = np.where(inputs.rows >= 0, np.arange(inputs.rows.shape[0], dtype=np.int32), -1).astype(np.int32)
-        return self._dispatch_sample(logits, inputs.sampling, rows, mask)
+        return self._op("sample", inputs.sampling, rows, mask)
 
 
 def _sample_impl(logits, counts, seen, sampling, seq_rows, mask=None):
@@ -338,6 +377,11 @@ def _sample_impl(logits, counts, seen, sampling, seq_rows, mask=None):
     counts = counts.at[count_rows, tokens].add(1, mode="drop")
     # Log-probabilities are the model's own, before penalties (as sampling params leave them).
     return tokens, step_logprobs(logits, tokens, sampling.want_logprobs), counts
+
+
+def _without_sampling(inputs: StepInputs) -> StepInputs:
+    """A step's inputs as its forward takes them (sampling goes to the sample op)."""
+    return dataclasses.replace(inputs, sampling=None)
 
 
 def _head_lora(inputs: StepInputs, pool) -> tuple:

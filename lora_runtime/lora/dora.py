@@ -18,14 +18,21 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lora_runtime.lora.adapter import EMBED, NO_LAYER, LoRAAdapter, module_shapes, outer_shapes
 from lora_runtime.lora.base_weights import BaseWeights
 from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, plain_terms
 from lora_runtime.model.lora_hook import GROUP_SLICES
+from lora_runtime.model.sharding import host_value
 
 
-@functools.partial(jax.jit, static_argnames="out_in")
+@functools.cache
+def _scale_fn(out_in: bool, mesh):
+    """The jitted _scale, its output whole on every device of `mesh` (so any host reads it)."""
+    return jax.jit(functools.partial(_scale, out_in=out_in), out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
 def _scale(w, a, b, s, magnitude, *, out_in: bool):
     """g = magnitude / ||W + s B A||_row; w [in, out] (or [out, in] with out_in), a [R, in], b [out, R]."""
     w = w.astype(jnp.float32)
@@ -50,7 +57,7 @@ def module_scale(base: BaseWeights, adapter: LoRAAdapter, layer: int, module: st
     b = np.zeros((w.b.shape[0], rank), np.float32)
     a[:r], b[:, :r] = w.a, w.b
     kernel, out_in = base.kernel(layer, module)
-    return _scale(kernel, a, b, np.float32(adapter.scaling * w.ratio), w.magnitude, out_in=out_in)
+    return _scale_fn(out_in, kernel.sharding.mesh)(kernel, a, b, np.float32(adapter.scaling * w.ratio), w.magnitude)
 
 
 def dora_terms(pool: LoRAMemoryPool, base: BaseWeights, adapter: LoRAAdapter) -> DoraTerms | None:
@@ -73,11 +80,11 @@ def dora_terms(pool: LoRAMemoryPool, base: BaseWeights, adapter: LoRAAdapter) ->
                 g_vec = module_scale(base, adapter, layer, module, rank)
                 if g_vec is None:
                     continue
-                new_scale[i][row] = np.asarray(g_vec)
+                new_scale[i][row] = host_value(g_vec)
                 if shifts:
                     bias = base.bias(layer, module)
                     if bias is not None:
-                        new_shift[i][row] = (1.0 - new_scale[i][row]) * np.asarray(bias, np.float32)
+                        new_shift[i][row] = (1.0 - new_scale[i][row]) * host_value(bias).astype(np.float32)
         terms.scale[g] = tuple(new_scale)
         terms.shift[g] = tuple(new_shift)
     return terms
@@ -91,6 +98,11 @@ def warm_up_scales(base: BaseWeights, model_config, rank: int, groups: tuple[str
             if module not in shapes or g == EMBED:
                 continue
             fan_in, fan_out = shapes[module]
-            kernel, out_in = base.kernel(0 if g in GROUP_SLICES else NO_LAYER, module)
-            _scale(kernel, np.zeros((rank, fan_in), np.float32), np.zeros((fan_out, rank), np.float32),
-                   np.float32(1.0), np.ones(fan_out, np.float32), out_in=out_in).block_until_ready()
+            layer = 0 if g in GROUP_SLICES else NO_LAYER
+            kernel, out_in = base.kernel(layer, module)
+            _scale_fn(out_in, kernel.sharding.mesh)(kernel, np.zeros((rank, fan_in), np.float32),
+                                                    np.zeros((fan_out, rank), np.float32), np.float32(1.0),
+                                                    np.ones(fan_out, np.float32)).block_until_ready()
+            bias = base.bias(layer, module)
+            if bias is not None:
+                host_value(bias)  # DoRA's shift reads it (gathered, across hosts)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lora_runtime.errors import (AdapterNotFoundError, AdapterUnavailableError, CapacityError, InvalidAdapterError,
                                  ServingError)
@@ -153,6 +154,13 @@ class LoRAManager:
         self._fetching_since: dict[Key, float] = {}  # fetches from storage under way, since when
         self.load_timeout_s = load_timeout_s
         self._owner: Callable[[Callable], object] | None = None
+        # A multi-host replica's leader (engine/spmd.py): slot writes go to the followers first.
+        self.mirror = None
+        # On a mesh spanning processes, device work on the base weights (DoRA's norms, the check
+        # of saved base weights) involves every host, so it runs with the slot write, in the
+        # order every host launches ops, instead of on fetch threads.
+        self._spans_hosts = not NamedSharding(mesh, PartitionSpec()).is_fully_addressable
+        self._followed: collections.OrderedDict[Key, concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.RLock()
         self._tick = 0
         self._stats = LoRAStats()
@@ -306,6 +314,8 @@ class LoRAManager:
         if version is None:
             version = 1 if old is None else old.version + 1
         entry = RegistryEntry(name=name, source=source, version=version, pinned=pinned)
+        if pinned:
+            self._hint(entry)
         adapter = self._fetch_now(entry)
         weights = self._pool_weights(adapter) if pinned else None
 
@@ -423,6 +433,7 @@ class LoRAManager:
                     continue
                 future = concurrent.futures.Future()
                 self._inflight[key] = future
+            self._hint(entry)
             self._executor.submit(self._run_fetch, entry, future, True)
 
     def prepare_lora_batch(self, token_slots: np.ndarray,  # i32[T], -1 = none
@@ -579,6 +590,13 @@ class LoRAManager:
         by writing zeros into empty slots, the DoRA scale of each module shape and class rank,
         and the write of each saved-module table, so the first adapter load after warm-up
         compiles nothing."""
+        if self.mirror is None:
+            self.op_warm_up()
+        else:
+            with self.mirror.issuing("adapters", "warm_up", ()):
+                self.op_warm_up()
+
+    def op_warm_up(self) -> None:
         pool = self._pool
         if pool.dora:
             for rc in pool.classes:
@@ -618,13 +636,22 @@ class LoRAManager:
         rank = pool.classes[pool.class_for_rank(adapter.rank)].rank  # the narrowest class it fits
         weights = adapter.pool_weights(self.model_config, rank, pool.dtype, pool.holds(EMBED))
         saved = {m: np.asarray(t, pool.dtype) for m, t in adapter.saved_modules.items()}
-        return weights, dora_terms(pool, self.base_weights, adapter), saved
+        # Across hosts DoRA's terms are computed with the slot write (_write_local).
+        terms = None if self._spans_hosts else dora_terms(pool, self.base_weights, adapter)
+        return weights, terms, saved
 
     def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """Refuses what this pool cannot hold (naming the option) and the base weights PEFT
         saved that differ from the served model's; returns the adapter without them."""
         check_room(adapter, dora=self._pool.dora, outer=self._pool.holds(EMBED),
                    saved_max_bytes=self.saved_module_bytes, dtype=self._pool.dtype)
+        if self._spans_hosts:
+            return adapter  # its saved base weights are checked with its slot write (_write_local)
+        return self._check_saved_base(adapter)
+
+    def _check_saved_base(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Refuses base weights PEFT saved that differ from the served model's; returns the
+        adapter without them."""
         for module, saved in adapter.saved_base.items():
             if self.base_weights is None:
                 raise InvalidAdapterError(
@@ -656,16 +683,14 @@ class LoRAManager:
                 f"no modules_to_save slot for adapter {entry.name!r}: all {self._pool.num_saved_slots} are held by "
                 "requests or pinned")
         start = time.perf_counter()
-        lora, terms, saved = weights
-        self._pool = write_slot(self._pool, slot, lora, terms)
+        self._write(entry, adapter, weights, slot, {m: j for m, (j, _) in plan.items()})
         if self._slots[slot].content is not None:
             self._stats.evictions += 1
             self._free(slot)
-        for module, (index, victim) in plan.items():
+        for index, victim in plan.values():
             if victim is not None and self._slots[victim].content is not None:
                 self._stats.evictions += 1
                 self._free(victim)
-            self._pool = write_saved(self._pool, module, index, saved[module])
         self._tick += 1
         self._slots[slot] = _Slot(content=adapter.content_id, last_used=self._tick, scaling=adapter.scaling,
                                   rank=adapter.rank, flags=_flags(adapter),
@@ -676,6 +701,79 @@ class LoRAManager:
         self._stats.loads += 1
         self._stats.load_seconds += time.perf_counter() - start
         return slot
+
+    def _write(self, entry: RegistryEntry, adapter: LoRAAdapter, weights: Weights, slot: int,
+               saved: dict[str, int]) -> None:
+        """The device side of making `adapter` resident: its slot write and the writes of its
+        modules_to_save copies (module -> saved-module slot); a leader's go to its followers first."""
+        if self.mirror is None:
+            self._write_local(adapter, weights, slot, saved)
+            return
+        with self.mirror.issuing("adapters", "write", (entry, adapter.content_id, slot, saved)):
+            self._write_local(adapter, weights, slot, saved)
+
+    def _write_local(self, adapter: LoRAAdapter, weights: Weights, slot: int, saved: dict[str, int]) -> None:
+        lora, terms, copies = weights
+        if self._spans_hosts:  # the device work fetch threads leave to the write across hosts
+            self._check_saved_base(adapter)
+            terms = dora_terms(self._pool, self.base_weights, adapter)
+        self._pool = write_slot(self._pool, slot, lora, terms)
+        for module, index in saved.items():
+            self._pool = write_saved(self._pool, module, index, copies[module])
+
+    # ---- a multi-host replica's follower (engine/spmd.py) ------------------------------
+    # It holds no registry: the leader decides every slot, and a follower fetches and pads
+    # the adapters it is told of (hint_stage) so that their writes (op_write) find them ready.
+
+    def hint_stage(self, entry: RegistryEntry) -> None:
+        """Starts fetching and padding `entry` on a fetch thread, unless already under way."""
+        key = (entry.name, entry.version)
+        with self._lock:
+            if key in self._followed:
+                self._followed.move_to_end(key)
+                return
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._followed[key] = future
+            while len(self._followed) > self.max_staged:  # padded adapters are large: a few at a time
+                self._followed.popitem(last=False)
+        self._executor.submit(self._follow_fetch, entry, future)
+
+    def _follow_fetch(self, entry: RegistryEntry, future: concurrent.futures.Future) -> None:
+        try:
+            adapter = self._followed_adapter(entry)
+            future.set_result((adapter, self._pool_weights(adapter)))
+        except Exception as err:
+            future.set_exception(err)
+
+    def _followed_adapter(self, entry: RegistryEntry) -> LoRAAdapter:
+        """The adapter of `entry` from this follower's host cache, else fetched into it."""
+        key = (entry.name, entry.version)
+        with self._lock:
+            content = self._content_of.get(key)
+            adapter = None if content is None else self._host.get(content)
+        if adapter is None:
+            adapter = self._fetch_now(entry)
+            with self._lock:
+                self._remember(key, adapter)
+        return adapter
+
+    def op_write(self, entry: RegistryEntry, content: bytes, slot: int, saved: dict[str, int]) -> None:
+        """Writes what the leader wrote: `entry`'s adapter, whose content id is `content`."""
+        key = (entry.name, entry.version)
+        with self._lock:
+            future = self._followed.pop(key, None)
+        try:
+            if future is not None:
+                adapter, weights = future.result()
+            else:  # never hinted, or padded and dropped since: from the host cache or storage now
+                adapter = self._followed_adapter(entry)
+                weights = self._pool_weights(adapter)
+        except Exception as err:  # the leader has it: this host's storage failed, not the request
+            raise RuntimeError(f"this host could not fetch adapter {entry.name!r} from {entry.source!r}: {err}") from err
+        if adapter.content_id != content:
+            raise RuntimeError(f"adapter {entry.name!r} at {entry.source!r} holds other weights on this host "
+                               f"(content {adapter.content_id.hex()[:12]}) than on the leader ({content.hex()[:12]})")
+        self._write_local(adapter, weights, slot, saved)
 
     def _ensure_resident(self, entry: RegistryEntry) -> int:
         with self._lock:
@@ -710,8 +808,14 @@ class LoRAManager:
             if self._is_current(entry) and self._resident(key) is None:
                 self._staged[key] = _Staged(adapter, weights, time.monotonic())
 
+    def _hint(self, entry: RegistryEntry) -> None:
+        """Tells a leader's followers to fetch and pad `entry` too (its write will need it)."""
+        if self.mirror is not None:
+            self.mirror.hint("adapters", "stage", (entry,))
+
     def _prepare(self, entry: RegistryEntry) -> tuple[LoRAAdapter, Weights]:
         """The adapter (host cache, else fetched) and its weights padded for a slot write."""
+        self._hint(entry)
         adapter = self._host_adapter(entry)
         return adapter, self._pool_weights(adapter)
 

@@ -35,6 +35,19 @@ def zeros_on(shape: Sequence[int], dtype, sharding: NamedSharding) -> jax.Array:
     return _zeros_fn(tuple(int(d) for d in shape), jnp.dtype(dtype), sharding)()
 
 
+@functools.lru_cache(maxsize=64)
+def _replicate_fn(sharding: NamedSharding):
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+def host_value(x: jax.Array) -> np.ndarray:
+    """The whole value of a device array on this host, whatever its sharding. On a mesh that
+    spans processes it is gathered first, which every process must do alike (a collective)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(_replicate_fn(NamedSharding(x.sharding.mesh, PartitionSpec()))(x))
+
+
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 1-D ("tensor",) mesh over the first ``tensor_parallel_size`` devices."""
     available = list(jax.devices() if devices is None else devices)
