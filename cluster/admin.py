@@ -17,6 +17,7 @@ import re
 import time
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.base_model import BaseModel, config_fingerprint, entry_base
 from cluster.registry_store import RegistryDoc, RegistryStore
@@ -296,6 +297,8 @@ async def connect_admin(name: str, registry_url: str) -> "ray.actor.ActorHandle"
         max_restarts=-1,
         num_cpus=0,
         max_concurrency=1000,
+        # Never in the caller's placement group (a multi-host replica's): it would go with it.
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
     ).remote(registry_url)
     try:
         method = handle.registry_url

@@ -69,7 +69,7 @@ def build_app(args: dict | AppArgs) -> Application:
         **scale,
         max_ongoing_requests=a.max_ongoing_requests,
         max_queued_requests=a.max_queued_requests,
-        ray_actor_options=placement.actor_options(),
+        **placement.deployment_options(),
         health_check_period_s=_HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=_HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=a.drain_timeout_s + 5.0,

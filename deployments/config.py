@@ -32,7 +32,12 @@ class AppArgs(BaseModel):
         "template) to use instead of the checkpoint's; None uses the checkpoint's.",
     )
     num_replicas: int = Field(1, description="LoRAModelServer replicas, one engine each.")
-    tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over.")
+    tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over (over all its hosts).")
+    hosts_per_replica: int = Field(
+        1, description="Hosts (machines) each replica spans, for a model larger than one host: each holds "
+        "tensor_parallel_size / hosts_per_replica devices, the replica leads one worker on each other host, and "
+        "all join one JAX runtime whose mesh spans every host's devices (deployments/hosts.py). On cpu the hosts "
+        "are processes, which may share a node.")
     max_batch: int = Field(
         8, description="Most sequences one replica runs at once (decoded together; vLLM's max_num_seqs). "
         "Their K/V take cache blocks as they grow, so this is not a memory reservation.")
@@ -127,7 +132,8 @@ class AppArgs(BaseModel):
         "the adapters theirs names. Re-read every api_keys_refresh_s. None: the inference API is open.")
     api_keys_refresh_s: float = Field(
         10.0, description="Seconds between re-reads of the keys file: how soon a new or revoked key takes effect.")
-    replica_num_cpus: float = Field(1.0, description="CPUs reserved per model-server replica.")
+    replica_num_cpus: float = Field(
+        1.0, description="CPUs reserved per model-server replica (on each of its hosts when it spans several).")
     replica_num_gpus: float = Field(
         0.0, description="GPUs reserved per model-server replica: 0 (derived from accelerator and "
         "tensor_parallel_size) or tensor_parallel_size; a replica's GPUs are its own.")
@@ -166,7 +172,7 @@ class AppArgs(BaseModel):
     )
 
     @field_validator(
-        "num_replicas", "tensor_parallel_size", "max_batch", "max_lora_rank",
+        "num_replicas", "tensor_parallel_size", "hosts_per_replica", "max_batch", "max_lora_rank",
         "max_cpu_loras", "max_adapter_bytes", "max_ongoing_requests", "routing_max_homes", "max_request_bytes",
         "max_queued_requests",
         "prefix_cache_min_tokens",
@@ -334,7 +340,7 @@ class AppArgs(BaseModel):
 
         return resolve(self.accelerator, self.tensor_parallel_size, num_cpus=self.replica_num_cpus,
                        num_gpus=self.replica_num_gpus, accelerator_type=self.accelerator_type,
-                       cluster_resources=cluster_resources)
+                       cluster_resources=cluster_resources, hosts=self.hosts_per_replica)
 
     def engine_config(self):
         """The replica engine's EngineConfig for these arguments."""

@@ -17,6 +17,7 @@ from cluster.metrics import ReplicaMetrics
 from cluster.registry_view import RegistryView
 from cluster.serve_router import routing_stats
 from deployments.config import AppArgs
+from deployments.hosts import ReplicaHosts
 from deployments.placement import check_devices
 from deployments.tool_calls import tool_format, tool_grammar, with_tools_described
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
@@ -49,12 +50,18 @@ class LoRAModelServer:
 
         self._args = AppArgs(**args)
         a = self._args
+        self._hosts = None
+        if a.hosts_per_replica > 1:  # the other hosts join this process's JAX runtime before it starts
+            self._hosts = await ReplicaHosts.start(a)
         if a.accelerator != "auto":  # resolved by build_app: these devices, or no start
-            check_devices(a.accelerator, a.tensor_parallel_size, jax.devices())
+            check_devices(a.accelerator, a.tensor_parallel_size, jax.devices(), hosts=a.hosts_per_replica,
+                          local=jax.local_devices())
         self._engine = Engine.from_pretrained(
             resolve_model_path(a.model), a.engine_config(), model_name=a.served_model_name,
             tokenizer_path=resolve_tokenizer_path(a.tokenizer),
         )
+        if self._hosts is not None:
+            self._hosts.attach(self._engine)
         self._engine.start()
         # The registry may hold other base models' adapters: this replica sees only its own.
         self._fingerprint = (await asyncio.to_thread(a.adapter_validator().base)).fingerprint
@@ -161,6 +168,8 @@ class LoRAModelServer:
         try:
             if self._draining:
                 raise CapacityError("replica is shutting down; retry")
+            if self._hosts is not None:
+                self._hosts.mirror.check()  # a replica that lost a host takes nothing new
             if adapter is not None:
                 await self._load_adapter(adapter)
             prompt = self._prompt(request)
@@ -266,7 +275,8 @@ class LoRAModelServer:
     # --- Serve hooks -----------------------------------------------------------------
 
     async def health(self) -> dict:
-        devices = [f"{d.platform}:{d.id}" for d in self._engine.runner.mesh.devices.flat]  # its own, sharded over
+        # Its own, sharded over (on every host of a replica spanning several).
+        devices = [f"{d.platform}:{d.id}" for d in self._engine.runner.mesh.devices.flat]
         return {"registry_version": self._registry.version, "devices": devices, **self._engine.stats()}
 
     def record_routing_stats(self) -> dict:
@@ -289,6 +299,8 @@ class LoRAModelServer:
         # The engine steps on its own thread; if that thread died, requests would hang.
         if not self._engine.is_alive():
             raise RuntimeError("the engine's loop thread is not running")
+        if self._hosts is not None:
+            await self._hosts.check()  # a lost host: Serve replaces the whole replica
 
     async def __del__(self) -> None:
         # Graceful drain: running sequences finish, new ones are refused.
@@ -298,6 +310,8 @@ class LoRAModelServer:
             await self._engine.drain(self._args.drain_timeout_s)
         finally:
             self._engine.shutdown()
+            if self._hosts is not None:
+                self._hosts.close()
 
 
 __all__ = ["LoRAModelServer", "error_item"]

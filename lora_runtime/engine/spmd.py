@@ -56,6 +56,13 @@ def join_runtime(coordinator: str, processes: int, process_id: int, timeout_s: i
     return jax.devices()
 
 
+def leave_runtime() -> None:
+    """Ends this process's part of the runtime; every process leaves together (a barrier)."""
+    import jax
+
+    jax.distributed.shutdown()
+
+
 def listen(host: str) -> tuple[Listener, tuple[str, int], bytes]:
     """The leader's listener for its followers: (listener, its address, the key they need)."""
     authkey = secrets.token_bytes(32)
@@ -169,12 +176,12 @@ class Mirror:
                 try:
                     conn.send(message)
                 except (OSError, EOFError, ValueError) as err:
-                    self._lose(f"host {pid}: sending failed ({err})")
+                    self.lose(f"host {pid}: sending failed ({err})")
                     self.check()
 
     def _wait_ready(self) -> None:
         if not self._ready.wait(self._ready_timeout_s):
-            self._lose(f"{len(self._conns) - self._ready_count} follower host(s) not ready after "
+            self.lose(f"{len(self._conns) - self._ready_count} follower host(s) not ready after "
                        f"{self._ready_timeout_s:g} s")
 
     def _watch(self, pid: int, conn: Connection) -> None:
@@ -187,12 +194,13 @@ class Mirror:
                         if self._ready_count == len(self._conns):
                             self._ready.set()
                 elif message[0] == "error":
-                    self._lose(f"host {pid}: {message[1]}")
+                    self.lose(f"host {pid}: {message[1]}")
         except (EOFError, OSError) as err:
             if not self._closing:
-                self._lose(f"host {pid} closed its connection ({type(err).__name__})")
+                self.lose(f"host {pid} closed its connection ({type(err).__name__})")
 
-    def _lose(self, why: str) -> None:
+    def lose(self, why: str) -> None:
+        """Marks the replica lost (the first reason is kept)."""
         with self._state_lock:
             if self.lost is not None:
                 return
@@ -269,4 +277,4 @@ def follow(engine, conn: Connection) -> None:
             raise
 
 
-__all__ = ["Mirror", "POOL", "accept", "attach", "connect", "follow", "join_runtime", "listen", "serve_follower"]
+__all__ = ["Mirror", "POOL", "accept", "attach", "connect", "follow", "join_runtime", "leave_runtime", "listen", "serve_follower"]

@@ -113,3 +113,70 @@ def test_a_registry_on_one_nodes_disk_is_refused_on_a_cluster_of_several():
     for url in ("/shared/registry.json", "file:///tmp/registry.json"):
         with pytest.raises(ValueError, match="3 nodes: use a URL every node reaches"):
             check_registry_reach(url, 3)
+
+
+def test_a_replica_over_hosts_asks_for_a_bundle_per_host_spread_over_nodes():
+    tpu = resolve("tpu", 16, num_cpus=1.0, accelerator_type="TPU-V5LITEPOD", hosts=4)
+    assert tpu.devices_per_host == 4
+    options = tpu.deployment_options()
+    assert options["placement_group_strategy"] == "STRICT_SPREAD"
+    assert options["placement_group_bundles"] == [{"CPU": 1.0, "TPU": 4, "accelerator_type:TPU-V5LITEPOD": 0.001}] * 4
+    # The replica itself takes the first bundle's share; its accelerator type is the bundles'.
+    assert options["ray_actor_options"]["resources"] == {"TPU": 4} and "accelerator_type" not in options[
+        "ray_actor_options"]
+    assert tpu.worker_options()["resources"] == {"TPU": 4}
+    gpu = resolve("gpu", 8, num_cpus=2.0, hosts=2).deployment_options()
+    assert gpu["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 4}] * 2
+    assert gpu["ray_actor_options"]["num_gpus"] == 4
+    # On CPU the hosts are processes with tensor_parallel_size / hosts host devices each, on any node.
+    cpu = resolve("cpu", 4, num_cpus=0.5, hosts=2)
+    assert cpu.strategy == "PACK" and cpu.bundles() == [{"CPU": 0.5}] * 2
+    assert cpu.env()["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert "placement_group_bundles" not in resolve("cpu", 4, num_cpus=1.0).deployment_options()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        (dict(accelerator="tpu", tensor_parallel_size=6, hosts=4), "tensor_parallel_size=6 does not divide"),
+        (dict(accelerator="gpu", tensor_parallel_size=4, hosts=2, num_gpus=4.0), "leave replica_num_gpus at 0"),
+        (dict(accelerator="cpu", tensor_parallel_size=4, hosts=2, num_cpus=0.0), "bundle needs CPUs"),
+        (dict(accelerator="cpu", tensor_parallel_size=4, hosts=0), "hosts_per_replica=0"),
+    ],
+)
+def test_contradictory_multi_host_placements_are_refused(kwargs, says):
+    with pytest.raises(PlacementError, match=says):
+        resolve(kwargs.pop("accelerator"), kwargs.pop("tensor_parallel_size"), **{"num_cpus": 1.0, **kwargs})
+
+
+def test_each_host_checks_its_own_devices_and_the_whole_mesh():
+    check_devices("tpu", 8, _devices(*["tpu"] * 8), hosts=2, local=_devices(*["tpu"] * 4))
+    with pytest.raises(PlacementError, match="this host of a replica over 2 hosts was placed for 4 tpu.*JAX sees "
+                                             "8 tpu on this host"):
+        check_devices("tpu", 8, _devices(*["tpu"] * 8), hosts=2, local=_devices(*["tpu"] * 8))
+    with pytest.raises(PlacementError, match="hosts_per_replica=2.*JAX sees 4 tpu"):
+        check_devices("tpu", 8, _devices(*["tpu"] * 4), hosts=2, local=_devices(*["tpu"] * 4))
+
+
+def test_app_args_place_a_multi_host_replica_and_serve_binds_its_placement_group():
+    args = AppArgs(accelerator="tpu", tensor_parallel_size=16, hosts_per_replica=4, accelerator_type="TPU-V5LITEPOD")
+    assert args.placement(None).hosts == 4
+    app = build_app(args)
+    server = app._bound_deployment.init_args[0]._bound_deployment
+    replica = server._replica_config
+    assert replica.placement_group_bundles == args.placement(None).bundles()
+    assert replica.placement_group_strategy == "STRICT_SPREAD"
+    with pytest.raises(ValueError, match="does not divide over hosts_per_replica=3"):
+        AppArgs(accelerator="tpu", tensor_parallel_size=16, hosts_per_replica=3)
+
+
+def test_process_ids_follow_a_slices_tpu_worker_ids_else_the_bundle_order():
+    from deployments.hosts import process_ids
+
+    def hosts(*ids):
+        return [{"ip": "10.0.0.1", "port": 1, "tpu_worker_id": i} for i in ids]
+
+    assert process_ids(hosts(2, 0, 3, 1)) == [2, 0, 3, 1]  # the leader may be TPU worker 2
+    assert process_ids(hosts(None, None)) == [0, 1]
+    assert process_ids(hosts(0, None, 2)) == [0, 1, 2]  # not every host on a slice
+    assert process_ids(hosts(1, 1)) == [0, 1]  # not one slice's numbering

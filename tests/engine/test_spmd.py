@@ -130,7 +130,7 @@ def test_mirror_refuses_ops_from_two_threads():
 
 def test_a_lost_mirror_refuses_ops():
     mirror = spmd.Mirror({})
-    mirror._lose("host 1 closed its connection")
+    mirror.lose("host 1 closed its connection")
     with pytest.raises(HostLostError, match="host 1 closed"):
         with mirror.issuing("runner", "forward", ()):
             pass
