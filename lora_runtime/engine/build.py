@@ -34,7 +34,8 @@ def build_engine(
     `tokenizer_path`: a folder with tokenizer.json (and its config and chat template) to use
     instead of the checkpoint's own; generation_config.json still comes from the checkpoint.
     """
-    model_config = ModelConfig.from_pretrained(model_path, dtype=config.dtype)
+    model_config = ModelConfig.from_pretrained(model_path, dtype=config.dtype).for_tensor_parallel(
+        config.tensor_parallel_size)
     model_config.check_max_seq_len(config.max_seq_len)
     mesh = make_mesh(config.tensor_parallel_size)
     plan = plan or make_plan(model_config, config, mesh)

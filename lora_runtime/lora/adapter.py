@@ -71,10 +71,12 @@ _PART = {"lora_A.weight": "A", "lora_B.weight": "B", "lora_embedding_A": "A", "l
 _SUPPORTED_CONFIG = {"bias": "none"}
 
 
-def module_shapes(config) -> dict[str, tuple[int, int]]:
-    """(in, out) of each target module of one layer of the base model."""
+def module_shapes(config, *, served: bool = False) -> dict[str, tuple[int, int]]:
+    """(in, out) of each target module of one layer of the base model, as the checkpoint and
+    its adapters hold it; `served`: as the model serves it, kv heads copied over a wide mesh
+    (ModelConfig.for_tensor_parallel)."""
     q_out = config.num_heads * config.head_dim
-    kv_out = config.num_kv_heads * config.head_dim
+    kv_out = (config.num_kv_heads if served else config.checkpoint_kv_heads) * config.head_dim
     h, i = config.hidden_size, config.intermediate_size
     return {
         "q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h),
@@ -93,8 +95,16 @@ def _shape_of(config, module: str) -> tuple[int, int]:
 
 def group_shapes(config) -> dict[str, tuple[int, tuple[int, ...]]]:
     """(in, (out_i per slice)) of each projection group, in hook slice order."""
-    shapes = module_shapes(config)
+    shapes = module_shapes(config, served=True)
     return {g: (shapes[GROUP_SLICES[g][0]][0], tuple(shapes[m][1] for m in GROUP_SLICES[g])) for g in GROUPS}
+
+
+def served_rows(config, module: str, x: np.ndarray) -> np.ndarray:
+    """An adapter's per-output rows of `module` (B [out, r], a DoRA magnitude [out]) as the
+    model serves its outputs: k/v rows of a copied kv head repeated (for_tensor_parallel)."""
+    if config.kv_head_copies == 1 or module not in ("k_proj", "v_proj"):
+        return x
+    return x[config.kv_rows()]
 
 
 def module_path(layer: int, module: str) -> str:
@@ -251,7 +261,7 @@ class LoRAAdapter:
                         continue
                     r = w.a.shape[0]
                     a[row, i * R:i * R + r] = w.a.astype(np.float32)
-                    bs[i][row, :r] = w.b.astype(np.float32).T * w.ratio
+                    bs[i][row, :r] = served_rows(model_config, module, w.b).astype(np.float32).T * w.ratio
             out[group] = (a, bs)
         return out
 

@@ -17,6 +17,11 @@ class BaseWeights:
     def __init__(self, model):
         self._model = model
 
+    @property
+    def config(self):
+        """The served model's ModelConfig."""
+        return self._model.config
+
     def kernel(self, layer: int, module: str) -> tuple[jax.Array, bool]:
         """A module's base weight and whether it is stored [out, in] (the tied head), else [in, out]."""
         m = self._model

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lora_runtime.lora.adapter import EMBED, NO_LAYER, LoRAAdapter, module_shapes, outer_shapes
+from lora_runtime.lora.adapter import EMBED, NO_LAYER, LoRAAdapter, module_shapes, outer_shapes, served_rows
 from lora_runtime.lora.base_weights import BaseWeights
 from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, plain_terms
 from lora_runtime.model.lora_hook import GROUP_SLICES
@@ -53,11 +53,12 @@ def module_scale(base: BaseWeights, adapter: LoRAAdapter, layer: int, module: st
     if w is None or w.magnitude is None:
         return None
     r = w.a.shape[0]
+    wb, magnitude = served_rows(base.config, module, w.b), served_rows(base.config, module, w.magnitude)
     a = np.zeros((rank, w.a.shape[1]), np.float32)
-    b = np.zeros((w.b.shape[0], rank), np.float32)
-    a[:r], b[:, :r] = w.a, w.b
+    b = np.zeros((wb.shape[0], rank), np.float32)
+    a[:r], b[:, :r] = w.a, wb
     kernel, out_in = base.kernel(layer, module)
-    return _scale_fn(out_in, kernel.sharding.mesh)(kernel, a, b, np.float32(adapter.scaling * w.ratio), w.magnitude)
+    return _scale_fn(out_in, kernel.sharding.mesh)(kernel, a, b, np.float32(adapter.scaling * w.ratio), magnitude)
 
 
 def dora_terms(pool: LoRAMemoryPool, base: BaseWeights, adapter: LoRAAdapter) -> DoraTerms | None:
@@ -92,7 +93,7 @@ def dora_terms(pool: LoRAMemoryPool, base: BaseWeights, adapter: LoRAAdapter) ->
 
 def warm_up_scales(base: BaseWeights, model_config, rank: int, groups: tuple[str, ...]) -> None:
     """Compiles the scale of every module shape the pool's groups hold (layer 0 stands for all)."""
-    shapes = {**module_shapes(model_config), **outer_shapes(model_config)}
+    shapes = {**module_shapes(model_config, served=True), **outer_shapes(model_config)}
     for g in groups:
         for module in GROUP_SLICES.get(g, (g,)):
             if module not in shapes or g == EMBED:

@@ -8,6 +8,8 @@ import math
 import os
 from typing import Any
 
+import numpy as np
+
 from lora_runtime.errors import CheckpointError
 
 ARCHITECTURES: dict[str, str] = {
@@ -176,6 +178,9 @@ class ModelConfig:
     mlp_bias: bool = False  # gate/up/down bias (llama mlp_bias)
     # Per layer, whether sliding_window applies; None: every layer (when a window is set).
     sliding_layers: tuple[bool, ...] | None = None
+    # Copies of each checkpoint kv head the model holds (for_tensor_parallel): num_kv_heads
+    # counts them all, so every device of a mesh wider than the checkpoint's kv heads has one.
+    kv_head_copies: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -188,6 +193,31 @@ class ModelConfig:
             raise CheckpointError(
                 f"layer_types has {len(self.sliding_layers)} entries, expected num_hidden_layers={self.num_layers}"
             )
+
+    @property
+    def checkpoint_kv_heads(self) -> int:
+        """The kv heads the checkpoint (and its adapters) hold."""
+        return self.num_kv_heads // self.kv_head_copies
+
+    def for_tensor_parallel(self, tp: int) -> ModelConfig:
+        """This model as a mesh of `tp` devices serves it: as it is where tp divides its kv
+        heads, else with each kv head copied tp / kv_heads times (one per device, as vLLM
+        does), which computes the same attention."""
+        kv = self.checkpoint_kv_heads
+        if kv % tp == 0:
+            return dataclasses.replace(self, num_kv_heads=kv, kv_head_copies=1)
+        if tp % kv:
+            raise CheckpointError(
+                f"tensor_parallel_size={tp} neither divides num_key_value_heads={kv} nor is a multiple of it: "
+                "each device holds a whole number of kv heads (or one copy of one)")
+        return dataclasses.replace(self, num_kv_heads=tp, kv_head_copies=tp // kv)
+
+    def kv_rows(self) -> np.ndarray:
+        """For each k/v projection output the model holds (i32[num_kv_heads * head_dim]), the
+        checkpoint's output it copies."""
+        rows = np.arange(self.num_kv_heads * self.head_dim)
+        head, dim = rows // self.head_dim, rows % self.head_dim
+        return ((head // self.kv_head_copies) * self.head_dim + dim).astype(np.int32)
 
     def check_max_seq_len(self, max_seq_len: int) -> None:
         """Refuses sequences longer than this model's RoPE can be computed for ahead of time."""

@@ -25,6 +25,7 @@ from lora_runtime.model.safetensors_io import TensorInfo, read_header
 from lora_runtime.model.sharding import TENSOR_AXIS, check_divisible, param_sharding, stacked_layer_param
 
 SINGLE_FILE = "model.safetensors"
+KV_MODULES = ("k_proj", "v_proj")
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # Buffers some exporters save that the model recomputes.
@@ -35,7 +36,7 @@ def load_model(path: str, mesh: Mesh, *, dtype: str | None = None,
                scan_layers: bool = True) -> tuple[ModelConfig, LlamaModel]:
     """Reads config.json and the safetensors weights in ``path`` into a model sharded over
     ``mesh`` (its layers stacked for a loop, or unrolled: see LlamaModel)."""
-    config = ModelConfig.from_pretrained(path, dtype=dtype)
+    config = ModelConfig.from_pretrained(path, dtype=dtype).for_tensor_parallel(mesh.shape[TENSOR_AXIS])
     check_divisible(config, mesh.shape[TENSOR_AXIS])
     tensors = checkpoint_tensors(path)
     abstract = nnx.eval_shape(lambda: LlamaModel(config, rngs=nnx.Rngs(0), scan_layers=scan_layers))
@@ -54,7 +55,9 @@ def load_model(path: str, mesh: Mesh, *, dtype: str | None = None,
             used.add(name)
             infos.append(info)
         shape = variable.get_value().shape
-        arrays[param_path] = _load_param(param_path, names, infos, shape, target_dtype, mesh, stacked)
+        # k/v outputs past the checkpoint's kv heads copy them (ModelConfig.for_tensor_parallel).
+        rows = config.kv_rows() if config.kv_head_copies > 1 and _module(param_path) in KV_MODULES else None
+        arrays[param_path] = _load_param(param_path, names, infos, shape, target_dtype, mesh, stacked, rows)
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some exporters save the tied copy too
     unexpected = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES))
@@ -111,6 +114,11 @@ def hf_name(param_path: Sequence[str | int], layer: int | None = None) -> str:
     return ".".join(prefix + modules + [suffix])
 
 
+def _module(param_path: tuple) -> str:
+    """The module a parameter belongs to (its path's last part before the leaf)."""
+    return str(param_path[-2]) if len(param_path) > 1 else ""
+
+
 def _load_param(
     param_path: tuple,
     names: list[str],
@@ -119,12 +127,17 @@ def _load_param(
     dtype: np.dtype,
     mesh: Mesh,
     stacked: bool,
+    rows: np.ndarray | None = None,
 ) -> jax.Array:
     """One parameter, each device reading its own slice (kernels are stored transposed); a
-    stacked layer parameter reads its slice of every layer's tensor (`names`, in layer order)."""
+    stacked layer parameter reads its slice of every layer's tensor (`names`, in layer order).
+    `rows`: for each output the parameter holds, the checkpoint's output it copies (copied kv heads)."""
     transposed = param_path[-1] == "kernel"
     per_layer = tuple(shape[1:]) if stacked else tuple(shape)
-    expected = tuple(reversed(per_layer)) if transposed else per_layer
+    stored = list(per_layer)
+    if rows is not None:  # outputs: a kernel's last dimension, a bias's only one
+        stored[-1] = int(rows.max()) + 1
+    expected = tuple(reversed(stored)) if transposed else tuple(stored)
     for name, info in zip(names, infos):
         if info.shape != expected:
             raise CheckpointError(
@@ -132,9 +145,14 @@ def _load_param(
             )
     data = [info.memmap() for info in infos]
 
+    def outputs(index: slice):
+        return index if rows is None else rows[index]
+
     def read_one(tensor: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
         if transposed:
-            return np.ascontiguousarray(tensor[index[1], index[0]].T.astype(dtype))
+            return np.ascontiguousarray(tensor[outputs(index[1]), index[0]].T.astype(dtype))
+        if rows is not None:
+            return np.ascontiguousarray(tensor[outputs(index[-1])].astype(dtype))
         return np.ascontiguousarray(tensor[index].astype(dtype))
 
     def read(index: tuple[slice, ...]) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The KubeRay RayService manifests: each one's Serve config is this application with
 arguments the app accepts, and the devices its worker pods hold are the devices its replicas
-ask for (chips or GPUs per pod x pods = replicas x tensor_parallel_size, no replica across
-pods)."""
+ask for (chips or GPUs per pod x pods = replicas x tensor_parallel_size; a replica spans
+hosts_per_replica pods, which for TPUs are the hosts of one slice: numOfHosts)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ def _containers(spec: dict) -> list[dict]:
     return spec["template"]["spec"]["containers"]
 
 
-def test_there_is_a_tpu_and_a_gpu_manifest():
-    kinds = {_service(p)[1]["applications"][0]["args"]["accelerator"] for p in MANIFESTS}
-    assert kinds == {"tpu", "gpu"}
+def test_there_is_a_tpu_and_a_gpu_manifest_and_a_multi_host_one():
+    args = [_service(p)[1]["applications"][0]["args"] for p in MANIFESTS]
+    assert {a["accelerator"] for a in args} == {"tpu", "gpu"}
+    assert any(a.get("hosts_per_replica", 1) > 1 for a in args)
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -61,22 +62,29 @@ def test_worker_pods_hold_exactly_the_devices_the_replicas_ask_for(path):
     [container] = _containers(group)
     per_pod = int(container["resources"]["limits"][limit])
     assert int(container["resources"]["requests"][limit]) == per_pod
-    pods = group["replicas"] * group.get("numOfHosts", 1)
-    assert per_pod % args.tensor_parallel_size == 0, "a replica must fit in one pod (one host)"
+    hosts = group.get("numOfHosts", 1)
+    pods = group["replicas"] * hosts
+    assert per_pod % placement.devices_per_host == 0, "a replica's share of a host must fit in one pod"
     assert per_pod * pods == args.num_replicas * args.tensor_parallel_size
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    if args.hosts_per_replica > 1:
+        # Each bundle of the replica's placement group is one pod's devices, on pods of their own.
+        assert placement.bundles()[0][{"tpu": "TPU", "gpu": "GPU"}[placement.accelerator]] == per_pod
+        assert placement.strategy == "STRICT_SPREAD"
+        assert pods % args.hosts_per_replica == 0
     selector = group["template"]["spec"]["nodeSelector"]
     if placement.accelerator == "tpu":
-        assert group.get("numOfHosts", 1) == 1, "a replica spans one host: a multi-host slice needs numOfHosts"
+        # A slice's hosts come together (numOfHosts); a replica is one slice's hosts or one host's chips.
+        assert hosts == args.hosts_per_replica or (args.hosts_per_replica == 1 and hosts == 1)
         assert selector["cloud.google.com/gke-tpu-accelerator"] == TPU_NODE_POOLS[args.accelerator_type]
         chips = 1
         for n in selector["cloud.google.com/gke-tpu-topology"].split("x"):
             chips *= int(n)
-        assert chips == per_pod * group.get("numOfHosts", 1)
+        assert chips == per_pod * hosts
     else:
         assert selector["cloud.google.com/gke-accelerator"].startswith("nvidia-")
     cpus = float(re.sub(r"[^0-9.]", "", str(container["resources"]["limits"]["cpu"])))
-    replicas_per_pod = per_pod // args.tensor_parallel_size
+    replicas_per_pod = per_pod // placement.devices_per_host
     assert cpus >= args.replica_num_cpus * replicas_per_pod, "the pod's CPUs hold its replicas' reservations"
 
 

@@ -105,6 +105,27 @@ def test_mixed_adapter_batch_matches_peft(checkpoint, adapters, peft_greedy, bac
         engine.shutdown()
 
 
+def test_a_mesh_wider_than_the_kv_heads_serves_like_peft(tmp_path_factory):
+    """tensor_parallel_size 4 over a checkpoint of 2 kv heads (each held by two devices): the
+    base model, a LoRA and a DoRA adapter of every projection k and v included, mixed in one
+    batch, give PEFT's greedy tokens."""
+    root = tmp_path_factory.mktemp("kv_copies")
+    checkpoint = save_tiny_llama(root / "base", num_kv_heads=2)
+    adapters = {"lora": make_peft_adapter(checkpoint, root / "lora", r=8, alpha=16, target_modules=ALL, seed=5),
+                "dora": make_peft_adapter(checkpoint, root / "dora", r=4, alpha=8, target_modules=ALL, seed=6,
+                                          use_dora=True)}
+    want = _peft_greedy(checkpoint, adapters, PROMPTS[:2])
+    engine = _engine(checkpoint, adapters, lora_backend="xla", tensor_parallel_size=4)
+    try:
+        assert engine.model_config.kv_head_copies == 2
+        jobs = [(n, p) for p in PROMPTS[:2] for n in [None, *adapters]]
+        outs = engine.generate_batch([p for _, p in jobs], GREEDY, [n for n, _ in jobs])
+        for (name, prompt), out in zip(jobs, outs):
+            assert out.token_ids == want[name, prompt], (name, prompt)
+    finally:
+        engine.shutdown()
+
+
 # The reference backend over classes is checked against PEFT in tests/lora/test_peft_parity.py.
 @pytest.mark.parametrize("backend", ["xla"])
 def test_rank_classes_serve_mixed_ranks_like_peft(checkpoint, adapters, peft_greedy, backend):

@@ -191,10 +191,29 @@ def test_corrupt_safetensors_header(copy):
         load_model(str(copy), make_mesh(1))
 
 
-def test_tp_degree_must_divide_kv_heads(llama):
+def test_a_mesh_wider_than_the_kv_heads_holds_each_kv_head_on_as_many_devices(llama):
+    """2 kv heads over 4 devices: each device holds one copy of one head (head h on devices
+    2h and 2h + 1), with the same logits as one device."""
+    hf_model, path = llama
+    config, model = load_model(str(path), make_mesh(4))
+    assert (config.num_kv_heads, config.kv_head_copies, config.checkpoint_kv_heads) == (4, 2, 2)
+    d = config.head_dim
+    ref = hf_model.state_dict()["model.layers.1.self_attn.k_proj.weight"].numpy().T  # [in, 2 * d]
+    held = np.asarray(model.layers.self_attn.k_proj.kernel[...])[1]  # [in, 4 * d]
+    for copy_head, head in enumerate((0, 0, 1, 1)):
+        np.testing.assert_array_equal(held[:, copy_head * d:(copy_head + 1) * d], ref[:, head * d:(head + 1) * d])
+    kernel = model.layers.self_attn.v_proj.kernel[...]
+    assert {s.data.shape[-1] for s in kernel.addressable_shards} == {d}  # one head's columns per device
+    _, single = load_model(str(path), make_mesh(1))
+    tokens = [1, 5, 9, 3, 7, 2]
+    np.testing.assert_allclose(prefill_logits(config, model, make_mesh(4), tokens),
+                               prefill_logits(single.config, single, make_mesh(1), tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mesh_that_neither_divides_nor_copies_the_kv_heads_is_refused(llama):
     _, path = llama
-    with pytest.raises(ValueError, match="num_kv_heads=2 not divisible by tp=4"):
-        load_model(str(path), make_mesh(4))
+    with pytest.raises(CheckpointError, match="tensor_parallel_size=3 neither divides num_key_value_heads=2"):
+        load_model(str(path), make_mesh(3))
 
 
 def test_tensor_parallel_slices(hf_checkpoints):
