@@ -316,6 +316,24 @@ async def connect_admin(name: str, registry_url: str) -> "ray.actor.ActorHandle"
     return handle
 
 
+def check_registry_owner(name: str, registry_url: str, timeout_s: float = 60.0) -> None:
+    """Refuses (ValueError, naming both) a deployment whose admin actor ``name`` already owns
+    another registry than ``registry_url``; nothing when no such actor runs yet. Called when
+    an application is built, so a redeploy naming another registry fails before any running
+    replica is replaced."""
+    try:
+        handle = ray.get_actor(name, namespace=ADMIN_NAMESPACE)
+    except ValueError:  # no such actor: the deployment creates it
+        return
+    theirs = ray.get(handle.registry_url.remote(), timeout=timeout_s)
+    if theirs != registry_url:
+        raise ValueError(
+            f"registry_url={registry_url!r}, but admin actor {name!r} owns the registry at {theirs!r}: give "
+            "deployments over different registries different admin_actor_name values (the running application "
+            "is left as it was)"
+        )
+
+
 def unwrap_error(e: BaseException) -> BaseException:
     """The exception an actor or replica raised, without Ray's task-error wrapper."""
     cause = getattr(e, "cause", None)

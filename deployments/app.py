@@ -7,6 +7,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from cluster.admin import check_registry_owner
 from cluster.serve_router import AdapterAffinityRouter, MultiplexMetricsRouter
 from deployments.config import AppArgs
 from deployments.ingress import OpenAIIngress
@@ -59,6 +60,8 @@ def build_app(args: dict | AppArgs) -> Application:
     a = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     resources, nodes = _cluster()
     check_registry_reach(a.registry_url, nodes)
+    if nodes:  # on a cluster: the registry's owner must be this registry's
+        check_registry_owner(a.admin_actor_name, a.resolved_registry_url)
     placement = a.placement(resources)
     plain = a.model_dump()
     plain["accelerator"] = placement.accelerator  # resolved: the replica checks its devices against it

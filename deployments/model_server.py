@@ -50,6 +50,9 @@ class LoRAModelServer:
 
         self._args = AppArgs(**args)
         a = self._args
+        # The registry's owner first: a deployment naming another registry for it is refused
+        # before anything is built.
+        self._admin = await connect_admin(a.admin_actor_name, a.resolved_registry_url)
         self._hosts = None
         if a.hosts_per_replica > 1:  # the other hosts join this process's JAX runtime before it starts
             self._hosts = await ReplicaHosts.start(a)
@@ -65,7 +68,6 @@ class LoRAModelServer:
         self._engine.start()
         # The registry may hold other base models' adapters: this replica sees only its own.
         self._fingerprint = (await asyncio.to_thread(a.adapter_validator().base)).fingerprint
-        self._admin = await connect_admin(a.admin_actor_name, a.resolved_registry_url)
         self._registry = await RegistryView(self._admin, self._fingerprint, self._on_registry_change).start()
         # Multiplexing is wired per instance so its capacity follows max_cpu_loras; Serve
         # then reports the adapters this replica holds to the router.

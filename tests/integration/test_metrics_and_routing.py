@@ -1,10 +1,14 @@
 """Two replicas behind the adapter-affinity router, scraped by a real Prometheus server:
-each adapter's requests land on one replica, and the counts reach Prometheus."""
+each adapter's requests land on one replica, and the counts reach Prometheus. The replicas
+autoscale (two to three): under load a third starts, adapter homes follow the replica set
+as it grows and shrinks, and without load it goes back to two."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import threading
 import time
 
 import httpx
@@ -13,11 +17,12 @@ import yaml
 
 from cluster.admin import ADMIN_NAMESPACE
 from cluster.routing import rendezvous_order
-from tests.integration.conftest import REPO, free_port, kill_actor
+from tests.integration.conftest import ADMIN_TOKEN, REPO, free_port, kill_actor
 
 pytestmark = pytest.mark.integration
 
 APP = "multilora"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 ADMIN_ACTOR = "lora_admin_metrics"  # its own registry, apart from the other integration tests
 ADAPTERS = ("reverse", "upper")
 REQUESTS_PER_ADAPTER = 4
@@ -25,6 +30,10 @@ REQUESTS_PER_ADAPTER = 4
 # step program compiles, and two replicas warming up on two cores is this file's setup time; the
 # per-class series of several classes are checked in tests/cluster/test_metrics.py).
 RANK_CLASSES = [64]
+# Two replicas at rest (the tests before the last send one request at a time); quick to react,
+# so that the last test sees the set grow under load and shrink after it.
+AUTOSCALING = dict(min_replicas=2, max_replicas=3, target_ongoing_requests=1, upscale_delay_s=1.0,
+                   downscale_delay_s=10.0, look_back_period_s=2.0, metrics_interval_s=0.5)
 
 
 def _class_slots(args: dict) -> dict[int, int]:
@@ -45,7 +54,7 @@ def two_replicas(cluster, tmp_path_factory):
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": cluster.http_port}
     args = config["applications"][0]["args"]
-    args.update(num_replicas=2, registry_url=str(root / "registry.json"), admin_actor_name=ADMIN_ACTOR,
+    args.update(autoscaling=AUTOSCALING, registry_url=str(root / "registry.json"), admin_actor_name=ADMIN_ACTOR,
                 drain_timeout_s=1.0, lora_rank_classes=RANK_CLASSES)
     cluster.class_slots = _class_slots(args)
     path = root / "serve_config.yaml"
@@ -231,3 +240,99 @@ def test_made_up_model_names_become_no_series(two_replicas, prometheus):
     assert labels <= registered | {"base", "other", "unknown"}, labels - registered
     text = httpx.get(f"{base}/metrics", timeout=10).text
     assert not any(f'adapter="{name}"' in text for name in names)
+
+
+def _live_replicas(base: str) -> set[str]:
+    """The replicas running now, as the ingress's /metrics lists them (it keeps no others)."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return set(re.findall(r'^multilora_adapter_slots\{[^}]*replica="([^"]+)"', text, re.M))
+
+
+def _served_by(base: str, adapter: str) -> dict[str, float]:
+    """Per running replica, the requests for `adapter` it finished."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    pattern = r'^multilora_requests_total\{(?=[^}]*adapter="%s")(?=[^}]*status="ok")[^}]*replica="([^"]+)"[^}]*\} (\S+)'
+    return {r: float(v) for r, v in re.findall(pattern % re.escape(adapter), text, re.M)}
+
+
+def _wait_replicas(base: str, want: int, timeout: float) -> set[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = _live_replicas(base)
+        if len(live) == want:
+            return live
+        time.sleep(1.0)
+    raise AssertionError(f"{want} replicas not running after {timeout:g} s: {sorted(_live_replicas(base))}")
+
+
+def _home_of(base: str, name: str, replicas: set[str], requests: int = 3) -> str:
+    """Sends `requests` requests for `name` one at a time; the one replica that served them."""
+    before = _served_by(base, name)
+    for i in range(requests):
+        r = httpx.post(f"{base}/v1/completions", timeout=120,
+                       json={"model": name, "prompt": f"home{i}=", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30  # replicas publish their counters once a second
+    while True:
+        after = _served_by(base, name)
+        served = {rid: n - before.get(rid, 0.0) for rid, n in after.items() if n - before.get(rid, 0.0) > 0}
+        if sum(served.values()) >= requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(served) == 1 and set(served) <= replicas, served
+    return next(iter(served))
+
+
+def _other_weights(source: str, out_dir) -> object:
+    """A copy of the adapter at `source` with its B matrices scaled: other content, same shapes."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(Path(source) / "adapter_model.safetensors"))
+    save_file({k: v * 1.5 if "lora_B" in k else v for k, v in tensors.items()},
+              str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(json.loads((Path(source) / "adapter_config.json")
+                                                                      .read_text())))
+    return out_dir
+
+
+def test_replicas_scale_with_load_and_adapter_homes_follow_them(two_replicas, tmp_path):
+    """Load grows the set to three replicas; a new adapter name whose rendezvous home among
+    them is the new replica is served there; without load the set goes back to two, and the
+    name's requests go to its home among those two (or the replica holding it)."""
+    from cluster.admin import demo_adapter_sources
+
+    base = two_replicas.base_url
+    before = _wait_replicas(base, 2, timeout=60)
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                httpx.post(f"{base}/v1/completions", timeout=120,
+                           json={"model": "reverse", "prompt": "scaling=", "max_tokens": 40, "temperature": 1.0})
+            except httpx.HTTPError:  # e.g. while a replica starts on the same cores: the load goes on
+                pass
+
+    workers = [threading.Thread(target=load) for _ in range(10)]
+    for w in workers:
+        w.start()
+    try:
+        grown = _wait_replicas(base, 3, timeout=240)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=180)
+    [new] = grown - before
+    # A name homed on the new replica, registered now with weights of its own (a name for
+    # weights some replica holds is held there already), so routing sends it home.
+    name = next(f"home-{i}" for i in range(200) if rendezvous_order(f"home-{i}", sorted(grown))[0] == new)
+    r = httpx.post(f"{base}/v1/adapters", headers=ADMIN, timeout=120,
+                   json={"name": name, "source": str(_other_weights(demo_adapter_sources()["upper"], tmp_path))})
+    assert r.status_code == 201, r.text
+    assert _home_of(base, name, grown) == new
+    shrunk = _wait_replicas(base, 2, timeout=180)
+    assert shrunk < grown
+    assert _home_of(base, name, shrunk) == rendezvous_order(name, sorted(shrunk))[0]

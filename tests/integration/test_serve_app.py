@@ -38,6 +38,7 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 N_ADAPTERS = 8
 KEYS_REFRESH_S = 1.0
 TIGHT_ONGOING, TIGHT_QUEUED = 2, 2  # the keyed deployment's replica and queue limits
+KEYED_MAX_LORA_RANK = 16  # the keyed deployment's rank limit (64 before): a changed validation limit
 LOAD_TIMEOUT_S = 4.0  # adapter_load_timeout_s: how long a request waits on its adapter's storage
 MAX_ADAPTER_BYTES = 8 << 20
 DEPLOYED: dict = {}  # what the app runs with now: {"keys": the keys file or None}
@@ -55,7 +56,9 @@ def files(tmp_path_factory):
     demo = {name: Path(path) for name, path in demo_adapter_sources().items()}
     # Fetched from storage by the fault tests only: content no replica has seen.
     outage = save_peft_adapter(base, root / "outage", seed=77, rank=8)
-    return {"root": root, "base": base, "adapters": adapters, "wrong": wrong, "demo": demo, "outage": outage}
+    wide = save_peft_adapter(base, root / "wide", seed=78, rank=32)  # past the keyed deployment's rank limit
+    return {"root": root, "base": base, "adapters": adapters, "wrong": wrong, "demo": demo, "outage": outage,
+            "wide": wide}
 
 
 def _write_config(cluster, files, keys: Path | None = None) -> Path:
@@ -75,6 +78,7 @@ def _write_config(cluster, files, keys: Path | None = None) -> Path:
         # and a small request queue, for the overload test
         args["max_ongoing_requests"] = TIGHT_ONGOING
         args["max_queued_requests"] = TIGHT_QUEUED
+        args["max_lora_rank"] = KEYED_MAX_LORA_RANK
     path = files["root"] / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -1151,10 +1155,41 @@ SCHEMA_EXAMPLES = 12
 test_every_operation_answers_as_its_openapi_schema_says = _conformance_test()
 
 
+def test_a_redeploy_naming_another_registry_is_refused_and_the_app_serves_on(app, files, reference):
+    """The admin actor of this deployment owns its registry: a redeploy giving it another
+    registry_url fails when the app is built, naming both, and the running app is untouched."""
+    path = _write_config(app, files, keys=DEPLOYED.get("keys"))
+    config = yaml.safe_load(path.read_text())
+    config["applications"][0]["args"]["registry_url"] = str(files["root"] / "elsewhere" / "registry.json")
+    other = files["root"] / "other_registry.yaml"
+    other.write_text(yaml.safe_dump(config))
+    app.cli("serve", "deploy", str(other), "-a", app.dashboard_url)
+    deadline = time.monotonic() + 120
+    while True:
+        status = yaml.safe_load(app.cli("serve", "status", "-a", app.dashboard_url).stdout)["applications"][APP]
+        if status["status"] == "DEPLOY_FAILED":
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(1.0)
+    assert "owns the registry at" in status["message"] and "admin_actor_name" in status["message"], status
+    assert "elsewhere" in status["message"]
+    got = httpx.post(f"{app.base_url}/v1/completions", timeout=120, headers=_keyed_headers(),
+                     json={"model": BASE, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == reference(PROMPTS[0], None), got.text
+    _deploy(app, files, keys=DEPLOYED.get("keys"))  # the same config as before: RUNNING again
+
+
+def _keyed_headers() -> dict:
+    """A key that reaches the base model, when the running deployment has API keys on."""
+    return {} if DEPLOYED.get("keys") is None else {"Authorization": f"Bearer {TENANT_A}"}
+
+
 def test_registry_survives_admin_restart_and_redeploy(app, files, reference):
     names = {"keep-a", "keep-b"}
     assert _register(app, "keep-a", str(files["adapters"]["ad0"])).status_code == 201
     assert _register(app, "keep-b", str(files["adapters"]["ad4"]), pinned=True).status_code == 201
+    # Rank 32: within this deployment's limit (64), past the redeployed one's (tenant a's to use).
+    assert _register(app, "ta-wide", str(files["wide"])).status_code == 201
     listed = lambda: {a["name"] for a in httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()["data"]}  # noqa: E731
     assert names <= listed()
     kill_actor(app, "lora_admin", "multilora", no_restart=False)
@@ -1177,6 +1212,14 @@ def test_registry_survives_admin_restart_and_redeploy(app, files, reference):
     got = _client(app, TENANT_A).completions.create(model="keep-a", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                                     temperature=0)
     assert got.choices[0].text == reference(PROMPTS[0], "ad0")
+    # The redeploy's validation limits are in force: the rank limit fell from 64 to 16.
+    r = _register(app, "wide-again", str(files["wide"]))
+    assert r.status_code == 400 and f"max_lora_rank={KEYED_MAX_LORA_RANK}" in r.json()["error"]["message"], r.text
+    # The adapter registered under the old limit is listed still, and refused naming the new one.
+    r = httpx.post(f"{app.base_url}/v1/completions", headers={"Authorization": f"Bearer {TENANT_A}"}, timeout=120,
+                   json={"model": "ta-wide", "prompt": PROMPTS[0], "max_tokens": 2})
+    assert r.status_code == 503 and f"max_lora_rank={KEYED_MAX_LORA_RANK}" in r.json()["error"]["message"], r.text
+    assert httpx.delete(f"{app.base_url}/v1/adapters/ta-wide", headers=AUTH, timeout=60).status_code in (200, 204)
 
 
 # --- scoped API keys: two tenants, each with its own adapters ----------------------------
