@@ -71,6 +71,8 @@ def short(fingerprint: str) -> str:
 def config_fingerprint(config: Any) -> str:
     """The fingerprint of a ``ModelConfig`` (see the module docstring for what it covers)."""
     fields = {name: _canonical(getattr(config, name)) for name in FINGERPRINT_FIELDS}
+    # The checkpoint's kv heads, whatever copies a wide mesh holds (ModelConfig.for_tensor_parallel).
+    fields["num_kv_heads"] = config.checkpoint_kv_heads
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 

@@ -28,6 +28,11 @@ def _config(**changes) -> ModelConfig:
     return ModelConfig.from_hf_dict({**LLAMA, **changes})
 
 
+def test_fingerprint_is_the_checkpoints_whatever_mesh_serves_it():
+    config = ModelConfig.from_hf_dict(LLAMA)
+    assert config_fingerprint(config.for_tensor_parallel(4 * config.num_kv_heads)) == config_fingerprint(config)
+
+
 def test_fingerprint_is_a_sha256_that_ignores_dtype_and_special_tokens():
     fp = config_fingerprint(_config())
     assert fp.startswith("sha256:") and len(fp) == len("sha256:") + 64
@@ -59,7 +64,7 @@ def test_fingerprint_changes_with_what_fixes_shapes_and_meaning(changes):
 
 def test_every_model_config_field_is_either_fingerprinted_or_deliberately_left_out():
     # A new ModelConfig field must be classified here: does it change which adapters fit?
-    left_out = {"dtype", "bos_token_id", "eos_token_ids"}
+    left_out = {"dtype", "bos_token_id", "eos_token_ids", "kv_head_copies"}  # a copy count: how it is served
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     assert set(FINGERPRINT_FIELDS) | left_out == fields, fields ^ (set(FINGERPRINT_FIELDS) | left_out)
     assert not set(FINGERPRINT_FIELDS) & left_out
