@@ -204,6 +204,8 @@ class ModelConfig:
         heads, else with each kv head copied tp / kv_heads times (one per device, as vLLM
         does), which computes the same attention."""
         kv = self.checkpoint_kv_heads
+        if self.num_heads % tp:
+            raise CheckpointError(f"tensor_parallel_size={tp} does not divide num_attention_heads={self.num_heads}")
         if kv % tp == 0:
             return dataclasses.replace(self, num_kv_heads=kv, kv_head_copies=1)
         if tp % kv:
