@@ -210,10 +210,15 @@ def test_a_mesh_wider_than_the_kv_heads_holds_each_kv_head_on_as_many_devices(ll
                                prefill_logits(single.config, single, make_mesh(1), tokens), rtol=1e-5, atol=1e-5)
 
 
-def test_a_mesh_that_neither_divides_nor_copies_the_kv_heads_is_refused(llama):
+def test_a_mesh_that_neither_divides_nor_copies_the_heads_is_refused(llama):
+    import dataclasses
+
     _, path = llama
-    with pytest.raises(CheckpointError, match="tensor_parallel_size=3 neither divides num_key_value_heads=2"):
+    with pytest.raises(CheckpointError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         load_model(str(path), make_mesh(3))
+    config = dataclasses.replace(load_model(str(path), make_mesh(1))[0], num_heads=24, num_kv_heads=8)
+    with pytest.raises(CheckpointError, match="tensor_parallel_size=6 neither divides num_key_value_heads=8"):
+        config.for_tensor_parallel(6)
 
 
 def test_tensor_parallel_slices(hf_checkpoints):
