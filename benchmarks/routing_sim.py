@@ -1,6 +1,7 @@
 """Routing simulation (no Ray): slot-miss rate and load imbalance of four routing policies.
 
-N replicas, each with an LRU pool of S device slots and an LRU host cache of H adapters,
+N replicas, each with a pool of S device slots (evicting as the engine does, the least used
+lately: lora_runtime/lora/eviction.py; or LRU) and an LRU host cache of H adapters,
 serve a Zipf-distributed adapter workload. A slot miss that also misses the host cache is
 a fetch from storage, the expensive case that rendezvous homes exist to avoid: with each
 adapter homed on one replica, the host caches hold disjoint sets and add up. Requests arrive one per tick and each lasts ``service_ticks`` ticks, so load is
@@ -29,6 +30,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from cluster.routing import HotAdapterTracker, ReplicaView, ResidencyEstimate, route
+from lora_runtime.lora.eviction import HALF_LIFE_PER_SLOT, UseScores
 
 
 class LRUPool:
@@ -55,6 +57,29 @@ class LRUPool:
         return frozenset(self._held)
 
 
+class LeastUsedPool(LRUPool):
+    """A replica's device slots as the engine evicts them: the adapter least used lately
+    leaves first (decayed use counts, UseScores), then the least recently used."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self._uses = UseScores(HALF_LIFE_PER_SLOT * slots)
+
+    def use(self, adapter: str) -> bool:
+        self._uses.use(adapter)
+        if adapter in self._held:
+            self._held.move_to_end(adapter)
+            return False
+        if len(self._held) >= self.slots:
+            order = {a: i for i, a in enumerate(self._held)}  # least recently used first
+            del self._held[min(self._held, key=lambda a: (self._uses.score(a), order[a]))]
+        self._held[adapter] = None
+        return True
+
+
+POOLS = {"least-used": LeastUsedPool, "lru": LRUPool}
+
+
 @dataclass
 class Result:
     policy: str
@@ -70,10 +95,11 @@ def zipf_workload(num_adapters: int, alpha: float, n: int, rng: random.Random) -
 
 
 def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, host_slots: int, service_ticks: int,
-             max_ongoing: int, eps: float, seed: int, report_ticks: int, report_delay: int) -> Result:
+             max_ongoing: int, eps: float, seed: int, report_ticks: int, report_delay: int,
+             eviction: str = "least-used") -> Result:
     rng = random.Random(seed)
     ids = [f"replica-{i}" for i in range(replicas)]
-    pools = {r: LRUPool(slots) for r in ids}
+    pools = {r: POOLS[eviction](slots) for r in ids}
     hosts = {r: LRUPool(host_slots) for r in ids}
     loads = dict.fromkeys(ids, 0)
     finishing: deque[tuple[int, str]] = deque()
@@ -139,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--report-ticks", type=int, default=20, help="affinity policy: ticks between replica reports")
     p.add_argument("--report-delay", type=int, default=2, help="affinity policy: ticks a report takes to arrive")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eviction", choices=sorted(POOLS), default="least-used",
+                   help="device slots evict the least used lately (as the engine does) or the least recently used")
     a = p.parse_args(argv)
     for name in ("replicas", "slots", "host_slots", "adapters", "requests", "service_ticks", "max_ongoing",
                  "report_ticks"):
@@ -151,10 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         policy: simulate(policy, workload, replicas=a.replicas, slots=a.slots, host_slots=a.host_slots,
                          service_ticks=a.service_ticks,
                          max_ongoing=a.max_ongoing, eps=a.eps, seed=a.seed, report_ticks=a.report_ticks,
-                         report_delay=a.report_delay)
+                         report_delay=a.report_delay, eviction=a.eviction)
         for policy in ("random", "least_loaded", "multiplex", "affinity")
     }
-    print(f"{a.replicas} replicas x {a.slots} slots + {a.host_slots} host, {a.adapters} adapters, Zipf alpha={a.alpha}, "
+    print(f"{a.replicas} replicas x {a.slots} slots ({a.eviction}) + {a.host_slots} host, {a.adapters} adapters, "
+          f"Zipf alpha={a.alpha}, "
           f"{a.requests} requests, {a.service_ticks} ticks each; affinity sees reports every {a.report_ticks} ticks, "
           f"{a.report_delay} late")
     print(f"{'policy':<14}{'slot miss':>11}{'fetch':>9}{'max/mean load':>15}{'p99 max load':>14}")

@@ -14,8 +14,8 @@ for the same weights share one host copy and one slot, re-registering the same w
 reloads nothing, and new weights under an old name get a slot of their own.
 
 An adapter with modules_to_save copies (embed_tokens, lm_head) also takes a saved-module
-slot per copy; those are few, so making room for one may evict the least recently used idle
-adapter holding one, whatever its rank class.
+slot per copy; those are few, so making room for one may evict the least used idle adapter
+holding one, whatever its rank class.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from lora_runtime.lora.batch_info import (SAVED_COLUMNS, SLOT_DORA, SLOT_EMBED, 
                                           build_batch_info)
 from lora_runtime.lora.base_weights import BaseWeights, same_weights
 from lora_runtime.lora.dora import dora_terms, warm_up_scales
+from lora_runtime.lora.eviction import HALF_LIFE_PER_SLOT, UseScores
 from lora_runtime.lora.host_cache import HostAdapterCache
 from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, saved_modules_within, write_saved, write_slot
 from lora_runtime.lora.sources import SourcePolicy, load_adapter
@@ -163,6 +164,8 @@ class LoRAManager:
         self._followed: collections.OrderedDict[Key, concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.RLock()
         self._tick = 0
+        # Idle slots leave least used first (eviction.py), counted per content.
+        self._uses = UseScores(HALF_LIFE_PER_SLOT * self._pool.num_slots)
         self._stats = LoRAStats()
         self._executor = concurrent.futures.ThreadPoolExecutor(fetch_workers, thread_name_prefix="adapter-fetch")
 
@@ -536,7 +539,14 @@ class LoRAManager:
         s = self._slots[slot]
         s.holders[name] += 1
         s.last_used = self._tick
+        self._uses.use(s.content)
         return slot
+
+    def _eviction_order(self, slot: int) -> tuple:
+        """Sort key of an idle slot among eviction candidates: content no name has any more
+        first, then the least used lately (eviction.py), then the least recently used."""
+        s = self._slots[slot]
+        return (not s.stale, self._uses.score(s.content), s.last_used)
 
     def _pinned_contents(self) -> set[bytes]:
         return {c for e in self._registry.values() if e.pinned
@@ -544,8 +554,8 @@ class LoRAManager:
 
     def _free_slot(self, rank: int) -> int | None:
         """A slot for an adapter of `rank`: an empty one of the narrowest class it fits, else
-        of a wider class, else the least recently used unpinned slot nobody holds of the
-        narrowest class that has one (eviction stays within a class)."""
+        of a wider class, else the least used unpinned slot nobody holds (_eviction_order) of
+        the narrowest class that has one (eviction stays within a class)."""
         fitting = [rc for rc in self._pool.classes if rc.rank >= rank]
         for rc in fitting:
             for i in range(rc.first_slot, rc.first_slot + rc.num_slots):
@@ -556,7 +566,7 @@ class LoRAManager:
             candidates = [i for i in range(rc.first_slot, rc.first_slot + rc.num_slots)
                           if (s := self._slots[i]).refcount == 0 and (s.stale or s.content not in pinned)]
             if candidates:
-                return min(candidates, key=lambda i: self._slots[i].last_used)
+                return min(candidates, key=self._eviction_order)
         return None
 
     def _saved_plan(self, modules: Sequence[str], slot: int) -> dict[str, tuple[int, int | None]] | None:
@@ -578,7 +588,7 @@ class LoRAManager:
                     if (s := self._slots[i]).refcount == 0 and (s.stale or s.content not in pinned)]
             if not idle:
                 return None
-            victim = min(idle, key=lambda i: self._slots[i].last_used)
+            victim = min(idle, key=self._eviction_order)
             evicted.add(victim)
             # The victim's other saved-module slots are free for this adapter's other copies.
             plan.update({m: (j, victim) for m, j in self._slots[victim].saved.items() if m in modules and m not in plan})

@@ -64,19 +64,39 @@ def use(manager, name):
     return slot
 
 
-def test_lru_eviction_order(manager, adapter_dirs, model_config):
+def test_the_least_used_idle_adapter_leaves_first(manager, adapter_dirs, model_config):
+    """Two slots: an adapter used often stays through one-off uses of others (an LRU would
+    evict it for each of them); among equally used ones the least recently used leaves."""
     manager.sync(entries(adapter_dirs))
-    s_a, s_b = use(manager, "r4"), use(manager, "r8_rslora")
-    assert {s_a, s_b} == {0, 1}
-    use(manager, "r4")  # r4 is now the most recently used
+    s_hot = use(manager, "r4")
+    use(manager, "r4")
+    use(manager, "r4")
+    s_b = use(manager, "r8_rslora")  # the most recently used now, but used once
+    assert {s_hot, s_b} == {0, 1}
     s_c = use(manager, "r16_pattern")
     assert s_c == s_b and manager.is_resident("r4") and not manager.is_resident("r8_rslora")
-    s_d = use(manager, "r8_layer1")
-    assert s_d == s_a and not manager.is_resident("r4")
+    s_d = use(manager, "r8_layer1")  # r16_pattern (one use) leaves, not r4
+    assert s_d == s_b and manager.slot_of("r4") == s_hot and not manager.is_resident("r16_pattern")
+    for name in ("r8_rslora", "r16_pattern", "r8_layer1", "r8_rslora"):  # a burst of one-off uses
+        assert use(manager, name) == s_b
+    assert manager.slot_of("r4") == s_hot
     stats = manager.stats()
-    assert stats.loads == 4 and stats.evictions == 2
-    assert_slot_holds(manager, s_c, adapter_dirs["r16_pattern"], model_config)
-    assert_slot_holds(manager, s_d, adapter_dirs["r8_layer1"], model_config)
+    assert stats.loads == 8 and stats.evictions == 6
+    assert_slot_holds(manager, s_hot, adapter_dirs["r4"], model_config)
+    assert_slot_holds(manager, s_b, adapter_dirs["r8_rslora"], model_config)
+
+
+def test_use_scores_decay_so_yesterdays_favourite_leaves():
+    from lora_runtime.lora.eviction import UseScores
+
+    scores = UseScores(half_life=4)
+    for _ in range(8):
+        scores.use("old")
+    assert scores.score("old") > 4
+    for _ in range(16):  # four half-lives of other traffic
+        scores.use("new")
+    assert scores.score("old") < 0.5 < 3 < scores.score("new")
+    assert scores.score("never") == 0.0
 
 
 def test_pinning_keeps_an_adapter_resident(manager, adapter_dirs):
