@@ -12,7 +12,9 @@ device count (XLA_FLAGS) before JAX starts.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
 
 ENGINE = dict(max_batch=8, max_seq_len=64, max_loras_per_batch=2, max_lora_rank=16, lora_backend="xla",
               lora_modules_to_save_max_bytes=1 << 20)
@@ -51,12 +53,11 @@ def run_requests(engine, adapters: dict[str, str]) -> list[dict]:
 
 
 def main(spec: dict) -> None:
-    import os
-
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['local_devices']}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     from lora_runtime.engine import spmd
     from lora_runtime.engine.engine import Engine
+    from lora_runtime.errors import HostLostError
 
     spmd.join_runtime(f"127.0.0.1:{spec['coordinator_port']}", spec["processes"], spec["process_id"], 120)
     tp = spec["processes"] * spec["local_devices"]
@@ -80,29 +81,42 @@ def main(spec: dict) -> None:
     engine = Engine.from_pretrained(spec["checkpoint"], engine_config(tp))
     spmd.attach(engine, mirror)
     engine.start()
-    try:
-        outputs = run_requests(engine, spec["adapters"])
-        result = {"outputs": outputs, "ops_sent": mirror.ops_sent, "lost": mirror.lost,
+    # The requests run on a thread of their own: a step whose collective waits for a host
+    # that died waits until the runtime ends the process, so the answer is read from here.
+    done, box = threading.Event(), {}
+
+    def serve() -> None:
+        try:
+            box["outputs"] = run_requests(engine, spec["adapters"])
+        except Exception as err:
+            box["error"] = f"{type(err).__name__}: {err}"
+        finally:
+            done.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    while not done.wait(0.2) and mirror.lost is None:
+        pass
+    if mirror.lost is None:
+        result = {**box, "ops_sent": mirror.ops_sent, "lost": None,
                   "compiles_after_warmup": engine.compiles_after_warmup}
-    except Exception as err:
-        result = {"error": f"{type(err).__name__}: {err}", "status": getattr(err, "status_code", None),
-                  "lost": mirror.lost}
-    finally:
         engine.shutdown()
         mirror.close()
+    else:
+        try:
+            mirror.check()
+            status = None
+        except HostLostError as err:  # what a replica answers every request from here on
+            status = err.status_code
+        result = {"lost": mirror.lost, "status": status}
     with open(spec["out"], "w") as f:
         json.dump(result, f)
-    if mirror.lost is not None:  # the runtime's shutdown would wait for the lost host
-        import os
-
+    if mirror.lost is not None:  # the runtime's end would wait for the lost host
         os._exit(0)
 
 
 def _die_after(runner, samples: int) -> None:
     """Ends this process abruptly at its `samples`-th sample op of a request (warm-up's
     sample no row)."""
-    import os
-
     real, seen = runner.op_sample, [0]
 
     def op_sample(sampling, seq_rows, mask):
