@@ -50,6 +50,7 @@ ENGINE_GAUGES = {
     "kv_capacity_tokens": "Tokens the KV cache holds",
     "memory_weights_bytes": "Memory plan: model weights per device",
     "memory_adapter_pool_bytes": "Memory plan: adapter pool per device",
+    "memory_adapter_staging_bytes": "Memory plan: adapters staged for their slot writes, per device",
     "memory_workspace_bytes": "Memory plan: largest step's workspace per device",
     "memory_kv_cache_bytes": "Memory plan: KV cache per device",
 }

@@ -1,9 +1,10 @@
-"""The device-memory plan of a replica: weights + adapter pool + step workspace, the rest KV blocks.
+"""The device-memory plan of a replica: weights + adapter pool + staged adapters + step workspace,
+the rest KV blocks.
 
 Computed from shapes alone, before anything is allocated, per device (each part divided as
 the mesh shards it). On GPU and TPU the budget is `kv_cache_memory_fraction` of the
 smallest device's memory limit (JAX's allocator limit, `memory_stats()["bytes_limit"]`);
-what weights, pool and workspace leave of it becomes KV blocks. On CPU, which reports no
+what weights, pool, staged adapters and workspace leave of it becomes KV blocks. On CPU, which reports no
 limit, `kv_cache_bytes` sizes the cache (default: what one row per sequence of
 `max_seq_len` tokens would hold). `kv_cache_bytes` overrides the fraction anywhere. A plan
 whose cache cannot hold one `max_seq_len` sequence is refused, naming the parts.
@@ -49,6 +50,7 @@ class MemoryPlan:
     budget_bytes: int | None  # the fraction of it the replica may use
     weights_bytes: int
     adapter_pool_bytes: int
+    staging_bytes: int  # adapters staged on the devices for their slot writes
     workspace_bytes: int
     kv_cache_bytes: int  # num_blocks * block bytes
     block_size: int
@@ -64,13 +66,15 @@ class MemoryPlan:
         """One log line: bytes per part, blocks, tokens that fit."""
         budget = "" if self.budget_bytes is None else f" of {_gib(self.budget_bytes)} budget"
         return (f"memory plan per device ({self.devices} x {self.platform}{budget}): weights "
-                f"{_gib(self.weights_bytes)}, adapter pool {_gib(self.adapter_pool_bytes)}, workspace "
+                f"{_gib(self.weights_bytes)}, adapter pool {_gib(self.adapter_pool_bytes)}, staged adapters "
+                f"{_gib(self.staging_bytes)}, workspace "
                 f"{_gib(self.workspace_bytes)}, KV cache {_gib(self.kv_cache_bytes)} = {self.num_blocks - 1} "
                 f"blocks of {self.block_size} tokens ({self.kv_tokens} tokens)")
 
     def stats(self) -> dict[str, int]:
         """The plan as engine stats (and so as metrics)."""
         return {"memory_weights_bytes": self.weights_bytes, "memory_adapter_pool_bytes": self.adapter_pool_bytes,
+                "memory_adapter_staging_bytes": self.staging_bytes,
                 "memory_workspace_bytes": self.workspace_bytes, "memory_kv_cache_bytes": self.kv_cache_bytes,
                 "kv_capacity_tokens": self.kv_tokens}
 
@@ -153,6 +157,18 @@ def pool_classes(model_config: ModelConfig, config: EngineConfig, tp: int) -> tu
     return tuple(out)
 
 
+def staging_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
+    """Bytes on one device of the adapters staged for their slot writes: the manager's
+    MAX_STAGED waiting and one being written, each a slot of the widest rank (0 with LoRA off)."""
+    from lora_runtime.lora.manager import MAX_STAGED
+
+    if not config.max_loras_per_batch:
+        return 0
+    slots = min(config.max_loras_per_batch, MAX_STAGED) + 1
+    return adapter_pool_bytes(model_config, tp, slots, config.max_lora_rank, outer=config.lora_embedding_modules,
+                              dora=config.lora_dora)
+
+
 def workspace_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
     """An upper estimate of the temporary bytes of the largest step on one device: packed
     prefill at the full budget, a chunk over the cache, decode, or prompt log-probabilities."""
@@ -198,6 +214,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
                               outer=config.lora_embedding_modules, dora=config.lora_dora,
                               classes=pool_classes(model_config, config, tp))
     pool += saved_module_bytes(model_config, config, tp)
+    staging = staging_bytes(model_config, config, tp)
     workspace = workspace_bytes(model_config, config, tp)
     per_block = block_bytes(model_config, block_size) // tp
     blocks_per_seq = math.ceil(config.max_seq_len / block_size)
@@ -206,21 +223,23 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
         kv = config.kv_cache_bytes
     elif device_bytes is not None:
         budget = int(config.kv_cache_memory_fraction * device_bytes)
-        kv = budget - weights - pool - workspace
+        kv = budget - weights - pool - staging - workspace
     else:  # CPU: as much as one max_seq_len row per sequence would take
         kv = config.max_batch * blocks_per_seq * per_block + per_block
     if device_bytes is not None and config.kv_cache_bytes is not None:
         budget = int(config.kv_cache_memory_fraction * device_bytes)
-        over = weights + pool + workspace + kv - budget
+        over = weights + pool + staging + workspace + kv - budget
         if over > 0:
             raise MemoryPlanError(
-                f"kv_cache_bytes={kv} with weights {_gib(weights)}, adapter pool {_gib(pool)} and workspace "
+                f"kv_cache_bytes={kv} with weights {_gib(weights)}, adapter pool {_gib(pool)}, staged adapters "
+                f"{_gib(staging)} and workspace "
                 f"{_gib(workspace)} exceeds {config.kv_cache_memory_fraction} x {_gib(device_bytes)} per device "
                 f"by {_gib(over)}")
     num_blocks = max(kv // per_block, 0)
     needed = (blocks_per_seq + 1) * per_block
     if num_blocks < blocks_per_seq + 1:
         parts = {"weights": weights, "adapter pool (max_loras_per_batch x max_lora_rank)": pool,
+                 "staged adapters (max_lora_rank)": staging,
                  "step workspace (max_prefill_tokens, max_batch)": workspace}
         largest = max(parts, key=parts.get)
         if config.kv_cache_bytes is not None or budget is None:
@@ -229,11 +248,12 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
                 f"{config.max_seq_len} sequence needs {blocks_per_seq} plus the null block ({needed} bytes)")
         raise MemoryPlanError(
             f"the KV cache gets {_gib(max(kv, 0))} per device ({config.kv_cache_memory_fraction} x "
-            f"{_gib(device_bytes)} minus weights {_gib(weights)}, adapter pool {_gib(pool)} and workspace "
+            f"{_gib(device_bytes)} minus weights {_gib(weights)}, adapter pool {_gib(pool)}, staged adapters "
+            f"{_gib(staging)} and workspace "
             f"{_gib(workspace)}), short by {_gib(needed - kv)} of one max_seq_len={config.max_seq_len} "
             f"sequence; the largest part is the {largest} ({_gib(parts[largest])})")
     return MemoryPlan(
         platform=platform, devices=mesh.size, device_bytes=device_bytes, budget_bytes=budget,
-        weights_bytes=weights, adapter_pool_bytes=pool, workspace_bytes=workspace,
+        weights_bytes=weights, adapter_pool_bytes=pool, staging_bytes=staging, workspace_bytes=workspace,
         kv_cache_bytes=num_blocks * per_block, block_size=block_size, block_bytes=per_block, num_blocks=num_blocks,
     )

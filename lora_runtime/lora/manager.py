@@ -40,15 +40,22 @@ from lora_runtime.lora.base_weights import BaseWeights, same_weights
 from lora_runtime.lora.dora import dora_terms, warm_up_scales
 from lora_runtime.lora.eviction import HALF_LIFE_PER_SLOT, UseScores
 from lora_runtime.lora.host_cache import HostAdapterCache
-from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, saved_modules_within, write_saved, write_slot
+from lora_runtime.lora.memory_pool import (
+    DoraTerms, LoRAMemoryPool, StagedSlot, saved_modules_within, stage_slot, write_saved, write_slot,
+)
 from lora_runtime.lora.sources import SourcePolicy, load_adapter
 
 Key = tuple[str, int]  # (adapter name, version)
-# (group -> (A [L, n*R, in], (B_i [L, R, out_i], ...)) in the pool's dtype (LoRAAdapter.pool_weights),
-#  the DoRA terms for a pool that holds them, else None,
+# (the slot layout already on the devices with its DoRA terms (StagedSlot), or, on a replica
+#  over several hosts, group -> (A [L, n*R, in], (B_i [L, R, out_i], ...)) on the host in the
+#  pool's dtype (LoRAAdapter.pool_weights),
+#  None, or those hosts' DoRA terms once computed with the write,
 #  the modules_to_save copies in the pool's dtype: module -> [vocab, hidden])
-Weights = tuple[dict, DoraTerms | None, dict[str, np.ndarray]]
+Weights = tuple[StagedSlot | dict, DoraTerms | None, dict[str, np.ndarray]]
 STAGED_TTL_S = 5.0  # a staged adapter nobody took for this long may make room for another
+# Adapters staged on the devices at once, waiting for their slot writes (the memory plan
+# keeps room for them and one more being written: lora_runtime/engine/memory_plan.py).
+MAX_STAGED = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +157,7 @@ class LoRAManager:
         # Adapters padded for a slot write ahead of admission (a few at a time: they are large).
         self._staged: collections.OrderedDict[Key, _Staged] = collections.OrderedDict()
         self._staging: set[Key] = set()
-        self.max_staged = max(1, min(self._pool.num_slots, 4))
+        self.max_staged = max(1, min(self._pool.num_slots, MAX_STAGED))
         self._fetch_failed: dict[Key, Exception] = {}  # background fetches that failed, told once
         self._fetching_since: dict[Key, float] = {}  # fetches from storage under way, since when
         self.load_timeout_s = load_timeout_s
@@ -646,9 +653,10 @@ class LoRAManager:
         rank = pool.classes[pool.class_for_rank(adapter.rank)].rank  # the narrowest class it fits
         weights = adapter.pool_weights(self.model_config, rank, pool.dtype, pool.holds(EMBED))
         saved = {m: np.asarray(t, pool.dtype) for m, t in adapter.saved_modules.items()}
-        # Across hosts DoRA's terms are computed with the slot write (_write_local).
-        terms = None if self._spans_hosts else dora_terms(pool, self.base_weights, adapter)
-        return weights, terms, saved
+        if self._spans_hosts:  # DoRA's terms and the transfer go with the slot write (_write_local)
+            return weights, None, saved
+        # On the devices now, so the slot write on the engine thread moves no bytes.
+        return stage_slot(pool, weights, dora_terms(pool, self.base_weights, adapter)), None, saved
 
     def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """Refuses what this pool cannot hold (naming the option) and the base weights PEFT

@@ -482,23 +482,53 @@ def _with_part(pool: LoRAMemoryPool, c: int, part) -> LoRAMemoryPool:
                                shift=put(pool.shift, sh) if pool.dora else ())
 
 
+@dataclasses.dataclass(frozen=True)
+class StagedSlot:
+    """One adapter's slot layout already on the devices, sharded like the pool: what a slot
+    write copies in place. Staging moves the bytes; the write (on the device owner's
+    thread) then only launches the donated update."""
+
+    rank: int  # the rank the layout was padded to
+    arrays: tuple  # put_slot_weights's (groups, scales, shifts)
+    nbytes: int  # bytes on the devices, all of them together
+
+
+def stage_slot(pool: LoRAMemoryPool, weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]],
+               terms: DoraTerms | None = None) -> StagedSlot:
+    """Checks `weights` (LoRAAdapter.pool_weights) against the pool, moves them and the DoRA
+    `terms` to the devices, and waits until they are there: call it off the device owner's
+    thread, so that a step never waits on an adapter's transfer."""
+    rank = slot_rank(pool, weights)
+    pool.class_for_rank(rank)  # refuses a rank wider than every class
+    arrays = jax.block_until_ready(put_slot_weights(pool, weights, terms))
+    return StagedSlot(rank, arrays, sum(x.nbytes for x in jax.tree.leaves(arrays)))
+
+
 def write_slot(pool: LoRAMemoryPool, slot: int,
-               weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]],
+               weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]] | StagedSlot,
                terms: DoraTerms | None = None) -> LoRAMemoryPool:
     """A pool with `slot` holding `weights` (LoRAAdapter.pool_weights at any rank up to the
-    slot's class) and, for a pool with DoRA room, the adapter's DoRA `terms` (None: a plain
-    adapter); the slot's class buffers are donated.
+    slot's class, or those staged on the devices by stage_slot) and, for a pool with DoRA
+    room, the adapter's DoRA `terms` (None: a plain adapter; staged weights carry theirs);
+    the slot's class buffers are donated.
 
     The slot index is traced, so every slot of a class shares one compiled update, and the
     donated buffers are updated in place: the write moves one adapter's bytes.
     """
     c = pool.class_of(slot)
     rc = pool.classes[c]
-    rank = slot_rank(pool, weights)
+    if isinstance(weights, StagedSlot):
+        if terms is not None:
+            raise ValueError("staged slot weights carry their DoRA terms; pass none beside them")
+        rank, arrays = weights.rank, weights.arrays
+    else:
+        rank, arrays = slot_rank(pool, weights), None
     if rank > rc.rank:
         raise ValueError(f"slot weights of rank {rank} do not fit {slot=}, whose rank class holds rank {rc.rank}")
+    if arrays is None:
+        arrays = put_slot_weights(pool, weights, terms)
     fn = updater("write", rc.rank, _part_shardings(pool, c))
-    part = fn(_part(pool, c), jnp.int32(slot - rc.first_slot), *put_slot_weights(pool, weights, terms))
+    part = fn(_part(pool, c), jnp.int32(slot - rc.first_slot), *arrays)
     return _with_part(pool, c, part)
 
 

@@ -152,7 +152,10 @@ def test_the_cache_takes_what_the_budget_leaves():
                           kv_cache_memory_fraction=0.5)
     mesh = make_mesh(2)
     plan = plan_memory(MODEL, config, mesh, platform="gpu", block_size=16, device_bytes=GIB)
-    parts = plan.weights_bytes + plan.adapter_pool_bytes + plan.workspace_bytes
+    parts = plan.weights_bytes + plan.adapter_pool_bytes + plan.staging_bytes + plan.workspace_bytes
+    # room for the adapters staged for their writes: MAX_STAGED waiting and one being written
+    assert plan.staging_bytes == adapter_pool_bytes(MODEL, 2, 4 + 1, 16, outer=config.lora_embedding_modules,
+                                                    dora=config.lora_dora) > 0
     per_block = block_bytes(MODEL, 16) // 2
     assert plan.block_bytes == per_block and plan.budget_bytes == GIB // 2
     assert plan.num_blocks == (GIB // 2 - parts) // per_block

@@ -394,23 +394,30 @@ def test_slot_writes_run_on_the_device_owner(manager, adapter_dirs):
 
 
 def test_is_ready_prepares_an_adapter_off_the_calling_thread(manager, adapter_dirs, monkeypatch):
-    """is_ready starts the fetch and padding in the background; acquire_slot then only
-    writes the slot. A failed background fetch is told to the next is_ready, once."""
+    """is_ready starts the fetch, the padding and the transfer to the devices in the
+    background; acquire_slot then only launches the slot write, moving no bytes. A failed
+    background fetch is told to the next is_ready, once."""
     manager.sync(entries(adapter_dirs) + [RegistryEntry("gone", str(adapter_dirs["r4"].parent / "absent"), 1)])
-    padded_on = []
-    pool_weights = LoRAAdapter.pool_weights
+    padded_on, put_on = [], []
+    pool_weights, device_put = LoRAAdapter.pool_weights, jax.device_put
 
     def spy(self, *args):
         padded_on.append(threading.get_ident())
         return pool_weights(self, *args)
 
+    def put_spy(*args, **kw):
+        put_on.append(threading.get_ident())
+        return device_put(*args, **kw)
+
     monkeypatch.setattr(LoRAAdapter, "pool_weights", spy)
+    monkeypatch.setattr(jax, "device_put", put_spy)
     assert not manager.is_ready("r4")
     wait_for(lambda: manager.is_ready("r4"))
     assert padded_on and threading.get_ident() not in padded_on
-    before = len(padded_on)
+    assert put_on and threading.get_ident() not in put_on
+    before, puts = len(padded_on), len(put_on)
     slot = manager.acquire_slot("r4")
-    assert len(padded_on) == before and manager.stats().loads == 1
+    assert len(padded_on) == before and len(put_on) == puts and manager.stats().loads == 1
     manager.release_slot("r4", slot)
     assert manager.is_ready("r4")  # resident
     assert not manager.is_ready("gone")
