@@ -1,4 +1,4 @@
-"""Routing simulation (no Ray): slot-miss rate and load imbalance of four routing policies.
+"""Routing simulation (no Ray): slot-miss rate and load imbalance of five routing policies.
 
 N replicas, each with a pool of S device slots (evicting as the engine does, the least used
 lately: lora_runtime/lora/eviction.py; or LRU) and an LRU host cache of H adapters,
@@ -11,11 +11,14 @@ the number of requests in flight on a replica. Policies:
 - least_loaded: the replica with the fewest requests in flight.
 - multiplex: Serve's multiplex routing, roughly: a replica that holds the adapter if one
   is under its max ongoing requests, else the least loaded (which then loads it).
+- multiplex_bounded: the same within affinity's load bound (cluster/routing.py load_cap):
+  the least loaded holder under it, else the least loaded replica, seeing live state.
 - affinity: cluster/routing.py, device holders then rendezvous order within a load bound.
   It sees what the Serve router sees: each replica's report of the adapters it holds
-  (device slots, host cache, and how many of each it has room for), taken every
-  ``report_ticks`` and delivered ``report_delay`` ticks later, corrected by its own routing
-  history (ResidencyEstimate). The other policies see the replicas' state as it is.
+  (device slots in eviction order with their use counts, host cache least recently used
+  first, and how many of each it has room for), taken every ``report_ticks`` and delivered
+  ``report_delay`` ticks later, replayed forward through its own routes since
+  (ResidencyEstimate). The other policies see the replicas' state as it is.
 
 A tick is about 50 ms of a real cluster (the rate half-life of 200 ticks stands for the
 router's 10 s), so the default report period of 20 ticks is Serve's 1 s stats period.
@@ -29,7 +32,7 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from cluster.routing import HotAdapterTracker, ReplicaView, ResidencyEstimate, route
+from cluster.routing import HeldReport, HotAdapterTracker, ReplicaView, ResidencyEstimate, load_cap, route
 from lora_runtime.lora.eviction import HALF_LIFE_PER_SLOT, UseScores
 
 
@@ -56,6 +59,10 @@ class LRUPool:
     def names(self) -> frozenset[str]:
         return frozenset(self._held)
 
+    def report(self, as_of: float) -> HeldReport:
+        """What the replica reports of these slots: least recently used first."""
+        return HeldReport(tuple(self._held), self.slots, as_of)
+
 
 class LeastUsedPool(LRUPool):
     """A replica's device slots as the engine evicts them: the adapter least used lately
@@ -76,8 +83,16 @@ class LeastUsedPool(LRUPool):
         self._held[adapter] = None
         return True
 
+    def report(self, as_of: float) -> HeldReport:
+        """What the replica reports of these slots: in eviction order, with their use counts."""
+        order = {a: i for i, a in enumerate(self._held)}
+        names = sorted(self._held, key=lambda a: (self._uses.score(a), order[a]))
+        return HeldReport(tuple(names), self.slots, as_of, tuple(self._uses.score(a) for a in names),
+                          self._uses.half_life)
+
 
 POOLS = {"least-used": LeastUsedPool, "lru": LRUPool}
+POLICIES = ("random", "least_loaded", "multiplex", "multiplex_bounded", "affinity")
 
 
 @dataclass
@@ -108,10 +123,10 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
     hot = HotAdapterTracker(hot_rate=0.3, max_homes=max(1, replicas // 2), half_life_s=200.0,
                             clock=lambda: float(tick[0]))
     # The affinity router's view: reports in flight (delivery tick, snapshot), the last one
-    # delivered, and its own history since; a report as old as two periods has seen a route.
-    residency = ResidencyEstimate(horizon_s=2.0 * report_ticks, clock=lambda: float(tick[0]))
-    reports: deque[tuple[int, dict[str, tuple[frozenset[str], frozenset[str]]]]] = deque()
-    reported = dict.fromkeys(ids, (frozenset(), frozenset()))
+    # delivered, and its own routes since (a report is taken before the tick's route).
+    residency = ResidencyEstimate(horizon_s=2.0 * report_ticks, skew_s=0.0, clock=lambda: float(tick[0]))
+    reports: deque[tuple[int, dict[str, tuple[HeldReport, HeldReport]]]] = deque()
+    reported = {r: (HeldReport((), slots, 0.0), HeldReport((), host_slots, 0.0)) for r in ids}
     misses = 0
     fetches = 0
     ratios: list[float] = []
@@ -128,18 +143,23 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
             holders = [r for r in ids if adapter in pools[r] and loads[r] < max_ongoing]
             pick_from = holders or ids
             chosen = min(pick_from, key=lambda r: (loads[r], rng.random()))
+        elif policy == "multiplex_bounded":
+            cap = load_cap(list(loads.values()), eps)
+            under = [r for r in ids if loads[r] < cap] or ids
+            pick_from = [r for r in under if adapter in pools[r]] or under
+            chosen = min(pick_from, key=lambda r: (loads[r], rng.random()))
         elif policy == "affinity":
             if t % report_ticks == 0:
-                reports.append((t + report_delay, {r: (pools[r].names(), hosts[r].names()) for r in ids}))
+                reports.append((t + report_delay, {r: (pools[r].report(t), hosts[r].report(t)) for r in ids}))
             while reports and reports[0][0] <= t:
                 reported = reports.popleft()[1]
-            views = [ReplicaView(r, loads[r], residency.held(r, reported[r][0], slots),
-                                 residency.held(r, reported[r][1], host_slots)) for r in ids]
+            views = [ReplicaView(r, loads[r], residency.held(r, reported[r][0], "slots"),
+                                 residency.held(r, reported[r][1], "host")) for r in ids]
             chosen = route(adapter, views, homes=hot.homes(adapter, replicas), eps=eps)[0]
             hot.record(adapter)
             residency.record(chosen, adapter)
         else:
-            raise ValueError(f"{policy=} is not one of random, least_loaded, multiplex, affinity")
+            raise ValueError(f"{policy=} is not one of {', '.join(POLICIES)}")
         misses += pools[chosen].use(adapter)
         fetches += hosts[chosen].use(adapter)
         loads[chosen] += 1
@@ -161,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--service-ticks", type=int, default=16, help="ticks a request stays in flight")
     p.add_argument("--max-ongoing", type=int, default=16, help="multiplex policy: a holder's cap")
-    p.add_argument("--eps", type=float, default=0.25, help="affinity policy: load bound slack")
+    p.add_argument("--eps", type=float, default=0.25, help="affinity and multiplex_bounded: load bound slack")
     p.add_argument("--report-ticks", type=int, default=20, help="affinity policy: ticks between replica reports")
     p.add_argument("--report-delay", type=int, default=2, help="affinity policy: ticks a report takes to arrive")
     p.add_argument("--seed", type=int, default=0)
@@ -180,15 +200,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                          service_ticks=a.service_ticks,
                          max_ongoing=a.max_ongoing, eps=a.eps, seed=a.seed, report_ticks=a.report_ticks,
                          report_delay=a.report_delay, eviction=a.eviction)
-        for policy in ("random", "least_loaded", "multiplex", "affinity")
+        for policy in POLICIES
     }
     print(f"{a.replicas} replicas x {a.slots} slots ({a.eviction}) + {a.host_slots} host, {a.adapters} adapters, "
           f"Zipf alpha={a.alpha}, "
           f"{a.requests} requests, {a.service_ticks} ticks each; affinity sees reports every {a.report_ticks} ticks, "
           f"{a.report_delay} late")
-    print(f"{'policy':<14}{'slot miss':>11}{'fetch':>9}{'max/mean load':>15}{'p99 max load':>14}")
+    print(f"{'policy':<19}{'slot miss':>11}{'fetch':>9}{'max/mean load':>15}{'p99 max load':>14}")
     for r in results.values():
-        print(f"{r.policy:<14}{r.miss_rate:>11.4f}{r.fetch_rate:>9.4f}{r.max_load_ratio:>15.3f}{r.p99_load:>14d}")
+        print(f"{r.policy:<19}{r.miss_rate:>11.4f}{r.fetch_rate:>9.4f}{r.max_load_ratio:>15.3f}{r.p99_load:>14d}")
     out = {
         "miss_rate_affinity": results["affinity"].miss_rate,
         "miss_rate_multiplex": results["multiplex"].miss_rate,
@@ -197,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "fetch_rate_affinity": results["affinity"].fetch_rate,
         "fetch_rate_multiplex": results["multiplex"].fetch_rate,
         "fetch_rate_random": results["random"].fetch_rate,
+        "miss_rate_multiplex_bounded": results["multiplex_bounded"].miss_rate,
+        "fetch_rate_multiplex_bounded": results["multiplex_bounded"].fetch_rate,
         "max_load_ratio": results["affinity"].max_load_ratio,
         "max_load_ratio_least_loaded": results["least_loaded"].max_load_ratio,
     }

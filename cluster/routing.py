@@ -4,8 +4,8 @@ Pure logic (no Ray): the Serve plugin in cluster/serve_router.py feeds it replic
 Each adapter gets a preference order over replicas from highest-random-weight hashing, so
 it has stable homes and host caches across replicas add up instead of all holding the
 same popular adapters. A replica leaving moves only the adapters homed on it. What a
-replica holds comes from its periodic report, corrected by the router's own routing
-history (ResidencyEstimate), since a report is up to a stats period old.
+replica holds comes from its periodic report, replayed forward through the requests the
+router has sent it since (ResidencyEstimate), since a report is up to a stats period old.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import math
 import time
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -174,53 +174,132 @@ class HotAdapterTracker:
                 del self._rates[name]
 
 
-class ResidencyEstimate:
-    """What one router believes each replica holds: the replica's last report, corrected by
-    where this router has sent requests since.
+@dataclass(frozen=True)
+class HeldReport:
+    """What a replica last said it holds of one kind (its device slots, or its host cache)."""
 
-    Reports come once a stats period, so one can miss an adapter this router sent there a
-    moment ago. An adapter sent to a replica within ``horizon_s`` (about two stats periods:
-    a report as old as that has seen it) counts as held there. When that makes more than
-    the replica's ``capacity``, those this router sent there least recently drop out first,
-    as the replica's LRU would evict them; reported adapters it never sent there go first.
+    names: tuple[str, ...]  # in eviction order: the first leaves first
+    capacity: int | None = None  # how many it has room for (None: not known)
+    as_of: float | None = None  # when the replica took it (time.time()); None: not known
+    # Least-used eviction (lora_runtime/lora/eviction.py): each name's decayed use count, and
+    # the half-life of a count in uses of the whole pool. None: least recently used leaves first.
+    scores: tuple[float, ...] | None = None
+    half_life: float | None = None
+
+    def __post_init__(self):
+        if self.capacity is not None and self.capacity < 0:
+            raise ValueError(f"capacity={self.capacity} must be >= 0")
+        if self.scores is not None and (len(self.scores) != len(self.names) or not self.half_life
+                                        or self.half_life <= 0):
+            raise ValueError(f"{len(self.names)} names need as many scores (got "
+                             f"{len(self.scores)}) and a half_life > 0 (got {self.half_life})")
+
+
+class _Shadow:
+    """A replica's slots or host cache as this router models them: the report, then each
+    request this router sent there since, evicting as the replica does."""
+
+    def __init__(self, report: HeldReport):
+        self.capacity = report.capacity
+        self._rate = math.log(2.0) / report.half_life if report.scores is not None else 0.0
+        self.step = 0
+        # name -> (decayed uses as of `at`, at, last use); reported names used "before" any send
+        self.held: dict[str, tuple[float, int, int]] = {
+            name: (report.scores[i] if report.scores is not None else 0.0, 0, i - len(report.names))
+            for i, name in enumerate(report.names)}
+        while self.capacity is not None and len(self.held) > self.capacity:
+            self._evict()
+
+    def _score(self, name: str) -> float:
+        value, at, _ = self.held[name]
+        return value * math.exp(-self._rate * (self.step - at))
+
+    def _evict(self) -> None:
+        del self.held[min(self.held, key=lambda n: (self._score(n), self.held[n][2]))]
+
+    def use(self, name: str) -> None:
+        self.step += 1
+        if name in self.held:
+            score = self._score(name)
+        else:
+            if self.capacity is not None and len(self.held) >= self.capacity:
+                if self.capacity == 0:
+                    return
+                self._evict()
+            score = 0.0
+        self.held[name] = (score + 1.0, self.step, self.step)
+
+
+class ResidencyEstimate:
+    """What one router believes each replica holds: the replica's last report, replayed
+    forward through the requests this router has sent it since.
+
+    Reports come once a stats period and arrive later still, so one can miss an adapter
+    this router sent there a moment ago, and still show one that sending others there has
+    evicted since. Each request this router sends is logged with its time; a report says
+    when it was taken (``as_of``), so the sends after it are applied to it with the
+    replica's own eviction: least used lately for device slots (the report carries the use
+    counts), least recently used for the host cache. Sends within ``skew_s`` before a
+    report count as after it (still in flight when it was taken, or clocks apart). A report
+    without a time is taken as ``horizon_s`` old. Only this router's sends are known: other
+    routers' traffic shows with the next report.
     """
 
-    def __init__(self, *, horizon_s: float, clock: Callable[[], float] = time.monotonic, per_replica: int = 1024):
+    def __init__(self, *, horizon_s: float, skew_s: float = 0.1, clock: Callable[[], float] = time.time,
+                 per_replica: int = 1024):
         if horizon_s < 0:
             raise ValueError(f"{horizon_s=} must be >= 0")
+        if skew_s < 0:
+            raise ValueError(f"{skew_s=} must be >= 0")
         if per_replica < 1:
             raise ValueError(f"{per_replica=} must be >= 1")
         self.horizon_s = horizon_s
+        self.skew_s = skew_s
         self._clock = clock
         self._per_replica = per_replica
-        self._sent: dict[str, OrderedDict[str, float]] = {}  # replica -> adapter -> last sent (oldest first)
+        self._sent: dict[str, deque[tuple[int, float, str]]] = {}  # replica -> (number, time, adapter)
+        self._count = 0
+        # (replica, kind) -> (the report it was built from, its shadow, next send number to apply)
+        self._shadows: dict[tuple[str, str], tuple[HeldReport, _Shadow, int]] = {}
 
     def record(self, replica_id: str, adapter: str) -> None:
         """This router sent a request for ``adapter`` to ``replica_id`` now."""
-        sent = self._sent.setdefault(replica_id, OrderedDict())
-        sent.pop(adapter, None)
-        sent[adapter] = self._clock()
-        if len(sent) > self._per_replica:
-            sent.popitem(last=False)
+        sent = self._sent.setdefault(replica_id, deque(maxlen=self._per_replica))
+        sent.append((self._count, self._clock(), adapter))
+        self._count += 1
 
-    def held(self, replica_id: str, reported: Iterable[str], capacity: int | None = None) -> frozenset[str]:
-        """The adapters ``replica_id`` likely holds, given its last report (at most ``capacity``;
-        None: no bound known)."""
-        if capacity is not None and capacity < 0:
-            raise ValueError(f"{capacity=} must be >= 0")
-        sent = self._sent.get(replica_id, {})
-        since = self._clock() - self.horizon_s
-        names = set(reported) | {a for a, t in sent.items() if t >= since}
-        if capacity is None or len(names) <= capacity:
-            return frozenset(names)
-        newest_first = sorted(names, key=lambda a: (-sent.get(a, -math.inf), a))
-        return frozenset(newest_first[:capacity])
+    def held(self, replica_id: str, report: HeldReport, kind: str = "slots") -> frozenset[str]:
+        """The adapters ``replica_id`` likely holds of ``kind`` (its slots, its host cache),
+        given its last ``report`` of them."""
+        sent = self._sent.get(replica_id, ())
+        key = (replica_id, kind)
+        cached = self._shadows.get(key)
+        if report.as_of is None:  # its age unknown: as old as the horizon, rebuilt each time
+            since = self._clock() - self.horizon_s
+            shadow, start = _Shadow(report), None
+        elif cached is not None and cached[0] == report:
+            since, (_, shadow, start) = None, cached
+        else:
+            since = report.as_of - self.skew_s
+            shadow, start = _Shadow(report), None
+        new = []  # the sends to apply, newest first: the log's tail
+        for number, t, adapter in reversed(sent):
+            if (number < start) if start is not None else (t < since):
+                break
+            new.append(adapter)
+        for adapter in reversed(new):
+            shadow.use(adapter)
+        if report.as_of is not None:
+            self._shadows[key] = (report, shadow, self._count)
+        return frozenset(shadow.held)
 
     def forget_others(self, replica_ids: Iterable[str]) -> None:
         """Drops the history of replicas not in ``replica_ids`` (they left)."""
         keep = set(replica_ids)
         for rid in [r for r in self._sent if r not in keep]:
             del self._sent[rid]
+        for key in [k for k in self._shadows if k[0] not in keep]:
+            del self._shadows[key]
 
 
 def prompt_text(payload: dict, adapter: str = "") -> str:
@@ -283,6 +362,7 @@ class PrefixAffinity:
 
 
 __all__ = [
+    "HeldReport",
     "HotAdapterTracker",
     "PrefixAffinity",
     "PLACEMENT_CHOICES",

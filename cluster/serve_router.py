@@ -17,7 +17,9 @@ from ray.serve._private.request_router.pow_2_router import (
 )
 from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.routing import HotAdapterTracker, PrefixAffinity, ReplicaView, ResidencyEstimate, prompt_text, route
+from cluster.routing import (
+    HeldReport, HotAdapterTracker, PrefixAffinity, ReplicaView, ResidencyEstimate, prompt_text, route,
+)
 
 # (app, deployment) -> replica id -> the metrics snapshot that replica last published. The
 # router lives in the caller's process (the ingress), so /metrics there reads it directly.
@@ -36,17 +38,17 @@ def replica_metrics(app: str, deployment: str) -> dict[str, dict]:
     return dict(_store().get((app, deployment), {}))
 
 
-def routing_stats(adapters: list[dict], metrics: dict, *, slots: int, host_slots: int) -> dict:
+def routing_stats(adapters: list[dict], metrics: dict, *, slots: int, host_slots: int,
+                  residency: dict | None = None, as_of: float | None = None) -> dict:
     """The stats a replica publishes: adapters it holds (``LoRAManager.list_adapters()``
-    rows), how many it has device slots and host-cache entries for, and its
+    rows; in eviction order with their use counts where ``residency``, its
+    ``LoRAManager.residency()``, is given), how many it has device slots and host-cache
+    entries for, when it took them (``as_of``, time.time(); None: not known) and its
     ``ReplicaMetrics.snapshot()``."""
-    return {
-        "resident": sorted(a["name"] for a in adapters if a["slot"] is not None),
-        "host_cached": sorted(a["name"] for a in adapters if a["host_cached"]),
-        "slots": slots,
-        "host_slots": host_slots,
-        "metrics": metrics,
-    }
+    if residency is None:
+        residency = {"resident": sorted(a["name"] for a in adapters if a["slot"] is not None),
+                     "host_cached": sorted(a["name"] for a in adapters if a["host_cached"])}
+    return {**residency, "slots": slots, "host_slots": host_slots, "as_of": as_of, "metrics": metrics}
 
 
 class ReplicaMetricsMixin:
@@ -63,16 +65,25 @@ class ReplicaMetricsMixin:
 
 def replica_view(replica: RunningReplica, load: int, residency: ResidencyEstimate) -> ReplicaView:
     """What routing needs of a Serve replica: its id, load and the adapters it likely holds
-    (its last report, corrected by ``residency``, this router's history)."""
+    (its last report, replayed forward by ``residency``, this router's sends since)."""
     rid = replica.replica_id.unique_id
     stats = replica.routing_stats or {}
-    # Serve's multiplexed ids are adapters this replica has served lately: at least host-warm.
-    host = set(stats.get("host_cached", ())) | set(replica.multiplexed_model_ids)
+    as_of = stats.get("as_of")
+    resident = tuple(stats.get("resident", ()))
+    scores = stats.get("resident_scores")
+    slots = HeldReport(resident, stats.get("slots"), as_of,
+                       tuple(scores) if scores is not None and len(scores) == len(resident) else None,
+                       stats.get("half_life") if scores is not None and len(scores) == len(resident) else None)
+    # Serve's multiplexed ids are adapters this replica has served lately: at least host-warm
+    # (where the report leaves them out, they count as the oldest entries).
+    host_names = tuple(stats.get("host_cached", ()))
+    seen = set(host_names)
+    host_names = tuple(sorted(m for m in replica.multiplexed_model_ids if m not in seen)) + host_names
     return ReplicaView(
         replica_id=rid,
         load=load,
-        resident=residency.held(rid, stats.get("resident", ()), stats.get("slots")),
-        host_cached=residency.held(rid, host, stats.get("host_slots")),
+        resident=residency.held(rid, slots, "slots"),
+        host_cached=residency.held(rid, HeldReport(host_names, stats.get("host_slots"), as_of), "host"),
     )
 
 

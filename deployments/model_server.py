@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from ray import serve
 
@@ -293,7 +294,8 @@ class LoRAModelServer:
             class_slots=manager.slot_classes() if manager is not None else None,
         )
         return routing_stats(rows, snapshot, slots=manager.num_slots if manager is not None else 0,
-                             host_slots=self._args.max_cpu_loras)
+                             host_slots=self._args.max_cpu_loras,
+                             residency=manager.residency() if manager is not None else None, as_of=time.time())
 
     async def check_health(self) -> None:
         """Serve's periodic probe: a failure restarts this replica."""

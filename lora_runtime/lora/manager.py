@@ -290,6 +290,27 @@ class LoRAManager:
                             "content_id": None if content is None else content.hex()})
             return out
 
+    def residency(self) -> dict:
+        """What this replica holds, as a router models it (cluster/routing.py HeldReport):
+        the resident adapters in eviction order (the first leaves first) with their decayed
+        use counts and the counts' half-life in uses of the pool, and the host-cached ones
+        least recently used first. Names sharing one content stand together."""
+        with self._lock:
+            names_of: dict[bytes, list[str]] = collections.defaultdict(list)
+            for name, e in sorted(self._registry.items()):
+                content = self._content_of.get((name, e.version))
+                if content is not None:
+                    names_of[content].append(name)
+            resident, scores = [], []
+            for slot in sorted((i for i, s in enumerate(self._slots) if s.content is not None),
+                               key=self._eviction_order):
+                content = self._slots[slot].content
+                resident += names_of.get(content, ())
+                scores += [self._uses.score(content)] * len(names_of.get(content, ()))
+            host = [name for content in self._host.keys() for name in names_of.get(content, ())]
+            return {"resident": resident, "resident_scores": scores, "half_life": self._uses.half_life,
+                    "host_cached": host}
+
     def slot_classes(self) -> dict[int, tuple[int, int]]:
         """Per rank class of the pool: slot rank -> (slots holding an adapter, slots)."""
         with self._lock:

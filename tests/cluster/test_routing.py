@@ -14,6 +14,7 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.test_utils import FakeRunningReplica
 
 from cluster.routing import (
+    HeldReport,
     HotAdapterTracker,
     PrefixAffinity,
     ReplicaView,
@@ -23,7 +24,7 @@ from cluster.routing import (
     rendezvous_order,
     route,
 )
-from cluster.serve_router import AdapterAffinityRouter, replica_metrics, routing_stats as _routing_stats
+from cluster.serve_router import AdapterAffinityRouter, replica_metrics, replica_view, routing_stats as _routing_stats
 
 IDS = [f"replica-{i}" for i in range(5)]
 
@@ -242,33 +243,42 @@ def test_hot_tracker_rejects_bad_config():
         HotAdapterTracker(hot_rate=1.0, max_homes=0)
 
 
-def test_residency_estimate_adds_what_the_router_sent_since_the_report():
+def test_residency_estimate_replays_the_sends_after_the_report():
     clock = FakeClock()
-    est = ResidencyEstimate(horizon_s=2.0, clock=clock)
+    est = ResidencyEstimate(horizon_s=2.0, skew_s=0.1, clock=clock)
     est.record("r0", "new")
     clock.t = 1.0
-    # The report predates the route: "new" counts as held, the reported ones too.
-    assert est.held("r0", ["old"], capacity=4) == {"new", "old"}
-    assert est.held("r1", ["old"], capacity=4) == {"old"}  # sent elsewhere
+    # A report taken before the send has not seen it: replayed onto it.
+    assert est.held("r0", HeldReport(("old",), 4, as_of=-1.0)) == {"new", "old"}
+    assert est.held("r0", HeldReport(("old",), 4, as_of=0.05)) == {"new", "old"}  # within the skew
+    # One taken after it has: the adapter left since (evicted by other routers' traffic).
+    assert est.held("r0", HeldReport(("old",), 4, as_of=0.5)) == {"old"}
+    assert est.held("r1", HeldReport(("old",), 4, as_of=-1.0)) == {"old"}  # sent elsewhere
+    # A report without its time counts as horizon_s old.
+    assert est.held("r0", HeldReport(("old",), 4)) == {"new", "old"}
     clock.t = 2.5
-    # Past the horizon a report has seen the route: not in it, so evicted since.
-    assert est.held("r0", ["old"], capacity=4) == {"old"}
+    assert est.held("r0", HeldReport(("old",), 4)) == {"old"}
 
 
-def test_residency_estimate_drops_the_least_recently_sent_beyond_capacity():
+def test_residency_estimate_evicts_as_the_replica_does():
     clock = FakeClock()
-    est = ResidencyEstimate(horizon_s=10.0, clock=clock)
-    for t, name in enumerate(["a", "b", "c"]):
-        clock.t = float(t)
+    est = ResidencyEstimate(horizon_s=10.0, skew_s=0.0, clock=clock)
+    least_used = HeldReport(("cold", "hot"), 2, as_of=0.0, scores=(0.5, 5.0), half_life=8.0)
+    lru = HeldReport(("cold", "hot"), 2, as_of=0.0)
+    for t, name in ((1.0, "new"), (2.0, "other")):
+        clock.t = t
         est.record("r0", name)
-    # Two slots: the replica's LRU has evicted "a" and whatever it reported without this
-    # router's traffic ("x"), so the two sent last are held.
-    assert est.held("r0", ["x", "a"], capacity=2) == {"b", "c"}
-    assert est.held("r0", ["x"], capacity=4) == {"x", "a", "b", "c"}
-    assert est.held("r0", ["x"], capacity=None) == {"x", "a", "b", "c"}
-    assert est.held("r0", ["x"], capacity=0) == frozenset()
-    est.record("r0", "a")  # used again: now the most recent
-    assert est.held("r0", [], capacity=2) == {"a", "c"}
+    # Least used lately: "hot" stays through two one-off adapters, the first of which leaves.
+    assert est.held("r0", least_used, "slots") == {"hot", "other"}
+    # Least recently used (the host cache): both reported ones leave.
+    assert est.held("r0", lru, "host") == {"new", "other"}
+    assert est.held("r0", HeldReport(("x",), None, as_of=0.0)) == {"x", "new", "other"}
+    assert est.held("r0", HeldReport(("x",), 0, as_of=0.0)) == frozenset()
+    # Sends after a report already replayed are applied on top of it.
+    est.record("r0", "new")
+    est.record("r0", "third")
+    assert est.held("r0", least_used, "slots") == {"hot", "third"}
+    assert est.held("r0", lru, "host") == {"new", "third"}
 
 
 def test_residency_estimate_forgets_replicas_that_left_and_bounds_its_memory():
@@ -276,15 +286,17 @@ def test_residency_estimate_forgets_replicas_that_left_and_bounds_its_memory():
     est = ResidencyEstimate(horizon_s=10.0, clock=clock, per_replica=2)
     for name in ("a", "b", "c"):
         est.record("r0", name)
-    assert est.held("r0", []) == {"b", "c"}  # "a" aged out of the bounded history
+    assert est.held("r0", HeldReport((), as_of=-1.0)) == {"b", "c"}  # "a" aged out of the bounded history
     est.record("r1", "a")
     est.forget_others(["r1"])
-    assert est.held("r0", []) == frozenset()
-    assert est.held("r1", []) == {"a"}
+    assert est.held("r0", HeldReport((), as_of=-1.0)) == frozenset()
+    assert est.held("r1", HeldReport((), as_of=-1.0)) == {"a"}
     with pytest.raises(ValueError, match="horizon_s=-1"):
         ResidencyEstimate(horizon_s=-1)
     with pytest.raises(ValueError, match="capacity=-1"):
-        est.held("r1", [], capacity=-1)
+        HeldReport((), capacity=-1)
+    with pytest.raises(ValueError, match="2 names need as many scores"):
+        HeldReport(("a", "b"), scores=(1.0,), half_life=8.0)
 
 
 # --- the Serve RequestRouter plugin, with Serve's in-memory replica stand-in -----------
@@ -372,7 +384,33 @@ def test_serve_router_skips_a_full_holder():
 def test_routing_stats_from_manager_rows():
     stats = routing_stats(_rows(slot_names=["b", "a"], host_names=["a", "c"]), {"x": 1})
     assert stats == {"resident": ["a", "b"], "host_cached": ["a", "c"], "slots": 4, "host_slots": 16,
-                     "metrics": {"x": 1}}
+                     "as_of": None, "metrics": {"x": 1}}
+    # With the manager's residency: its order and counts, and when it was taken.
+    held = {"resident": ["b", "a"], "resident_scores": [0.5, 3.0], "half_life": 32, "host_cached": ["c", "a"]}
+    stats = _routing_stats([], {}, slots=4, host_slots=16, residency=held, as_of=12.5)
+    assert stats == {**held, "slots": 4, "host_slots": 16, "as_of": 12.5, "metrics": {}}
+
+
+def test_serve_router_replays_its_sends_onto_a_timed_report():
+    """A replica's report says when it was taken and in what order its slots leave: the
+    router applies the requests it sent after that with the replica's own eviction."""
+    async def run():
+        router = _router()
+        clock = FakeClock()
+        router._residency = ResidencyEstimate(horizon_s=2.0, skew_s=0.0, clock=clock)
+        held = {"resident": ["cold", "hot"], "resident_scores": [0.2, 6.0], "half_life": 16,
+                "host_cached": ["cold", "hot"]}
+        replica = StatsReplica("r0", _routing_stats([], {}, slots=2, host_slots=2, residency=held, as_of=1.0))
+        router.update_replicas([replica])
+        clock.t = 0.5  # before the report: it has seen this one
+        router.on_request_routed(_pending("early"), replica.replica_id, None)
+        clock.t = 1.5
+        router.on_request_routed(_pending("new"), replica.replica_id, None)
+        view = replica_view(replica, 0, router._residency)
+        assert view.resident == {"hot", "new"}  # the least used left, not the least recent
+        assert view.host_cached == {"hot", "new"}
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize("affinity, router", [(True, "AdapterAffinityRouter"), (False, "MultiplexMetricsRouter")])
@@ -475,6 +513,6 @@ def test_serve_router_counts_its_own_routes_until_a_report_shows_them():
         assert ranks[0][0].replica_id.unique_id == home
         # A replica that left is forgotten.
         router.update_replicas([r for r in replicas if r is not other])
-        assert router._residency.held(other.replica_id.unique_id, []) == frozenset()
+        assert router._residency.held(other.replica_id.unique_id, HeldReport(())) == frozenset()
 
     asyncio.run(run())

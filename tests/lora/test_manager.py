@@ -82,6 +82,14 @@ def test_the_least_used_idle_adapter_leaves_first(manager, adapter_dirs, model_c
     assert manager.slot_of("r4") == s_hot
     stats = manager.stats()
     assert stats.loads == 8 and stats.evictions == 6
+    # What the replica reports to routers: the next to leave first, with the counts that say so,
+    # and the host cache least recently used first.
+    # (r4's three uses have decayed below r8_rslora's three later ones: r4 would leave next.)
+    held = manager.residency()
+    assert held["resident"] == ["r4", "r8_rslora"] and held["half_life"] == 8 * 2
+    assert held["resident_scores"][0] < held["resident_scores"][1]
+    assert held["host_cached"][-1] == "r8_rslora" and set(held["host_cached"]) == {
+        "r4", "r8_rslora", "r16_pattern", "r8_layer1"}
     assert_slot_holds(manager, s_hot, adapter_dirs["r4"], model_config)
     assert_slot_holds(manager, s_b, adapter_dirs["r8_rslora"], model_config)
 
