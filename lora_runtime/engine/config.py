@@ -97,8 +97,9 @@ class EngineConfig(BaseModel):
         "compiled steps instead of compiling them: a directory, 'auto' (JAX_COMPILATION_CACHE_DIR if set, "
         "else multilora/jax-compile under the user's cache directory) or None/'' for none.")
     compilation_cache_min_compile_s: float | None = Field(
-        None, ge=0.0, description="Only executables that took this long to compile are cached; None "
-        "keeps JAX's setting (1 s unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise).")
+        None, ge=0.0, description="Only executables that took this long to compile are cached; None: "
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS where set, else every one (so a restart compiles "
+        "nothing the warm-up compiled).")
     max_wait_steps: int = Field(
         32,
         ge=1,

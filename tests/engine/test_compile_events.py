@@ -11,6 +11,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
@@ -71,8 +72,7 @@ _RUN = textwrap.dedent("""
     from lora_runtime.engine.config import EngineConfig
     from lora_runtime.engine.engine import Engine
     from lora_runtime.engine.sampling import SamplingParams
-    config = EngineConfig(max_batch=2, max_seq_len=32, max_loras_per_batch=0,
-                          compilation_cache_dir=sys.argv[2], compilation_cache_min_compile_s=0)
+    config = EngineConfig(max_batch=2, max_seq_len=32, max_loras_per_batch=0, compilation_cache_dir=sys.argv[2])
     start = time.perf_counter()
     engine = Engine.from_pretrained(sys.argv[1], config).start()
     ready = time.perf_counter() - start
@@ -87,7 +87,8 @@ _RUN = textwrap.dedent("""
 def test_a_restarted_engine_reads_its_steps_from_the_persistent_cache(tmp_path):
     checkpoint = save_tiny_llama(tmp_path / "ckpt")
     cache = tmp_path / "compile-cache"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
 
     def run() -> dict:
@@ -104,6 +105,27 @@ def test_a_restarted_engine_reads_its_steps_from_the_persistent_cache(tmp_path):
     # Every step program is read back; at most a few tiny eager ops are compiled.
     assert warm["hits"] >= cold["compiled"] - 3 and warm["compiled"] <= 3, (cold, warm)
     assert warm["after"] == 0
+
+
+_MIN_TIME = textwrap.dedent("""
+    import sys, jax
+    from lora_runtime.engine import compile_events
+    compile_events.enable_persistent_cache(sys.argv[1])
+    print(jax.config.jax_persistent_cache_min_compile_time_secs)
+""")
+
+
+@pytest.mark.parametrize("env_value, kept", [(None, 0.0), ("5", 5.0)])
+def test_every_program_is_cached_unless_the_environment_sets_a_least_compile_time(tmp_path, env_value, kept):
+    """JAX's own default (1 s) would leave the quick half of a warm-up to compile again."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    if env_value is not None:
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = env_value
+    proc = subprocess.run([sys.executable, "-c", _MIN_TIME, str(tmp_path / "cache")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert float(proc.stdout.split()[-1]) == kept
 
 
 def test_a_cache_url_goes_to_jax_as_it_is(tmp_path):
