@@ -254,6 +254,30 @@ def print_results(results: Sequence[Result]) -> None:
                  "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "SLO", "slot loads", "host misses", "fetches"], rows)
 
 
+def wider_demo(out_dir: str, hidden: int, layers: int) -> str:
+    """The demo model's tokenizer and config at `hidden` and `layers` (heads of 64, a quarter as
+    many kv heads, MLP 8/3 as wide), random weights; returns its directory."""
+    import json
+    import pathlib
+    import shutil
+
+    from benchmarks.common import write_random_checkpoint
+    from lora_runtime.demo import demo_model_dir
+
+    demo = pathlib.Path(demo_model_dir())
+    config = json.loads((demo / "config.json").read_text())
+    heads = hidden // 64
+    shape = dict(hidden=hidden, layers=layers, heads=heads, kv_heads=max(1, heads // 4),
+                 intermediate=64 * math.ceil(8 * hidden / 3 / 64), vocab=config["vocab_size"])
+    out = write_random_checkpoint(out_dir, **shape)
+    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=shape["kv_heads"], head_dim=64, intermediate_size=shape["intermediate"])
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(demo / name, out / name)
+    return str(out)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -270,6 +294,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("LO", "HI"), help="output tokens")
     parser.add_argument("--replicas", type=int, default=None, help="model-server replicas per deployment")
     parser.add_argument("--model", default="demo", help="base model (app arg `model`), for us and for PEFT")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="serve the demo model's tokenizer and config at this width (random weights; "
+                        "heads of 64, a quarter as many kv heads, MLP 8/3 as wide), for us and for PEFT")
+    parser.add_argument("--layers", type=int, default=None, help="with --hidden: decoder layers (default 8)")
     parser.add_argument("--max-seq-len", type=int, default=64, help="app arg max_seq_len of every deployment")
     parser.add_argument("--peft-batch-sizes", type=int, nargs="+", default=None)
     parser.add_argument("--slo-ttft-s", type=float, default=2.0)
@@ -290,6 +318,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(a, key) is None:
             setattr(a, key, value)
     a.input_len, a.output_len = tuple(a.input_len), tuple(a.output_len)
+    if a.layers is not None and a.hidden is None:
+        parser.error("--layers goes with --hidden")
+    if a.hidden is not None and (a.hidden < 64 or a.hidden % 64 or a.model != "demo" or a.url):
+        parser.error(f"--hidden={a.hidden} must be a multiple of 64, with the demo model and no --url")
     if a.input_len[1] + a.output_len[1] > a.max_seq_len:
         parser.error(f"input_len={a.input_len} and output_len={a.output_len} may exceed max_seq_len={a.max_seq_len}")
     return a
@@ -302,6 +334,9 @@ def main(argv: list[str] | None = None) -> None:
     from deployments.config import AppArgs
 
     started = time.monotonic()
+    workdir = tempfile.TemporaryDirectory()
+    if a.hidden is not None:
+        a.model = wider_demo(f"{workdir.name}/demo-{a.hidden}x{a.layers or 8}", a.hidden, a.layers or 8)
     base_name = AppArgs(model=a.model).served_model_name
     model_dir = resolve_model_path(a.model)
     specs = [WorkloadSpec(n, alpha, rate, a.requests, a.duration, a.input_len, a.output_len, a.seed)
@@ -309,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result] = []
     failures: list[str] = []
     notes: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with workdir as tmp:
         adapters_dir = f"{tmp}/adapters"
         sources = write_random_peft_adapters(model_dir, adapters_dir, adapter_names(max(a.adapters)),
                                              r=ADAPTER_RANK, alpha=2 * ADAPTER_RANK, seed=a.seed)

@@ -5,6 +5,7 @@ peer's per-row streaming."""
 import collections
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -215,18 +216,43 @@ def test_peft_peer_serves_mixed_adapter_batches_as_each_adapter_alone(tmp_path):
         assert client.post("/v1/completions", json=dict(body, temperature=0.7)).status_code == 422
 
 
+def test_the_wider_demo_is_the_demo_vocabulary_at_another_shape(tmp_path):
+    """--hidden serves the demo tokenizer on a random Llama of that width, loadable by
+    transformers (the PEFT peer) and by our loader alike."""
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from benchmarks.serving import parse_args, wider_demo
+    from lora_runtime.model.config import ModelConfig
+
+    out = wider_demo(str(tmp_path / "wide"), 256, 3)
+    hf = AutoConfig.from_pretrained(out)
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads) == (256, 3, 4, 1)
+    demo = json.loads((Path(demo_model_dir()) / "config.json").read_text())
+    assert hf.vocab_size == demo["vocab_size"] and hf.eos_token_id == demo["eos_token_id"]
+    assert AutoTokenizer.from_pretrained(out)("hello").input_ids == AutoTokenizer.from_pretrained(
+        demo_model_dir())("hello").input_ids
+    ours = ModelConfig.from_pretrained(out)
+    assert (ours.hidden_size, ours.num_layers, ours.intermediate_size) == (256, 3, 704)
+    with pytest.raises(SystemExit):
+        parse_args(["--hidden", "100"])  # not a multiple of 64
+    with pytest.raises(SystemExit):
+        parse_args(["--layers", "4"])  # without --hidden
+
+
 @pytest.mark.slow
 def test_benchmark_runs_end_to_end_at_a_tiny_setting():
     """`python -m benchmarks.serving` at a tiny setting (1 replica, 8 adapters, one rate, Serve's
-    routing skipped): a deployment and the PEFT peer, the table and the last line."""
+    routing skipped, the demo vocabulary on a random 2-layer model): a deployment and the PEFT
+    peer, the table and the last line."""
     import re
     import subprocess
     import sys
-    from pathlib import Path
 
     cmd = [sys.executable, "-m", "benchmarks.serving", "--adapters", "8", "--rates", "4", "--requests", "6",
            "--duration", "3", "--drain", "60", "--input-len", "6", "8", "--output-len", "4", "6", "--replicas", "1",
-           "--peft-batch-sizes", "1", "4", "--skip", "serve-default"]
+           "--peft-batch-sizes", "1", "4", "--skip", "serve-default", "--hidden", "128", "--layers", "2"]
     done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
