@@ -263,14 +263,17 @@ def wider_demo(out_dir: str, hidden: int, layers: int) -> str:
 
     from benchmarks.common import write_random_checkpoint
     from lora_runtime.demo import demo_model_dir
+    from lora_runtime.model.tokenizer import Tokenizer
 
     demo = pathlib.Path(demo_model_dir())
     config = json.loads((demo / "config.json").read_text())
     heads = hidden // 64
+    # The tokenizer's ids only: the trained demo never samples its padded rows, random weights would.
+    vocab = Tokenizer.from_pretrained(str(demo)).vocab_size
     shape = dict(hidden=hidden, layers=layers, heads=heads, kv_heads=max(1, heads // 4),
-                 intermediate=64 * math.ceil(8 * hidden / 3 / 64), vocab=config["vocab_size"])
+                 intermediate=64 * math.ceil(8 * hidden / 3 / 64), vocab=vocab)
     out = write_random_checkpoint(out_dir, **shape)
-    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, vocab_size=vocab,
                   num_key_value_heads=shape["kv_heads"], head_dim=64, intermediate_size=shape["intermediate"])
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
