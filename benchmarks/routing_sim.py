@@ -9,10 +9,14 @@ the number of requests in flight on a replica. Policies:
 
 - random: any replica.
 - least_loaded: the replica with the fewest requests in flight.
-- multiplex: Serve's multiplex routing, roughly: a replica that holds the adapter if one
-  is under its max ongoing requests, else the least loaded (which then loads it).
-- multiplex_bounded: the same within affinity's load bound (cluster/routing.py load_cap):
-  the least loaded holder under it, else the least loaded replica, seeing live state.
+- multiplex: Serve's multiplexed routing as the app configures it (Ray 2.60's
+  power-of-two-choices router): each replica's model ids are the last ``host_slots``
+  adapters it served (``max_num_models_per_replica`` is ``max_cpu_loras``), so they are its
+  host cache; the less loaded of two random replicas holding the adapter under their max
+  ongoing requests, else of two random replicas under it. It sees live state. Nothing
+  bounds a replica's load below ``max_ongoing`` (64 a replica in the app).
+- multiplex_bounded: the same within affinity's load bound (cluster/routing.py load_cap)
+  in place of max ongoing requests.
 - affinity: cluster/routing.py, device holders then rendezvous order within a load bound.
   It sees what the Serve router sees: each replica's report of the adapters it holds
   (device slots in eviction order with their use counts, host cache least recently used
@@ -139,15 +143,11 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
             chosen = rng.choice(ids)
         elif policy == "least_loaded":
             chosen = min(ids, key=lambda r: (loads[r], rng.random()))
-        elif policy == "multiplex":
-            holders = [r for r in ids if adapter in pools[r] and loads[r] < max_ongoing]
-            pick_from = holders or ids
-            chosen = min(pick_from, key=lambda r: (loads[r], rng.random()))
-        elif policy == "multiplex_bounded":
-            cap = load_cap(list(loads.values()), eps)
+        elif policy in ("multiplex", "multiplex_bounded"):
+            cap = max_ongoing if policy == "multiplex" else load_cap(list(loads.values()), eps)
             under = [r for r in ids if loads[r] < cap] or ids
-            pick_from = [r for r in under if adapter in pools[r]] or under
-            chosen = min(pick_from, key=lambda r: (loads[r], rng.random()))
+            pick_from = [r for r in under if adapter in hosts[r]] or under
+            chosen = min(rng.sample(pick_from, min(2, len(pick_from))), key=lambda r: (loads[r], rng.random()))
         elif policy == "affinity":
             if t % report_ticks == 0:
                 reports.append((t + report_delay, {r: (pools[r].report(t), hosts[r].report(t)) for r in ids}))
@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--service-ticks", type=int, default=16, help="ticks a request stays in flight")
-    p.add_argument("--max-ongoing", type=int, default=16, help="multiplex policy: a holder's cap")
+    p.add_argument("--max-ongoing", type=int, default=16,
+                   help="multiplex policy: a replica's max ongoing requests (16, every request in flight: no bound)")
     p.add_argument("--eps", type=float, default=0.25, help="affinity and multiplex_bounded: load bound slack")
     p.add_argument("--report-ticks", type=int, default=20, help="affinity policy: ticks between replica reports")
     p.add_argument("--report-delay", type=int, default=2, help="affinity policy: ticks a report takes to arrive")
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "fetch_rate_multiplex_bounded": results["multiplex_bounded"].fetch_rate,
         "max_load_ratio": results["affinity"].max_load_ratio,
         "max_load_ratio_least_loaded": results["least_loaded"].max_load_ratio,
+        "max_load_ratio_multiplex": results["multiplex"].max_load_ratio,
     }
     print(" ".join(f"{k}={v:.4f}" for k, v in out.items()))
     return out

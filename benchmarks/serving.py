@@ -82,7 +82,7 @@ def _progress(message: str) -> None:
 def app_args(a: argparse.Namespace, registry_url: str, *, affinity: bool) -> dict:
     """The app args of every local deployment, differing only in routing (and registry file)."""
     return dict(model=a.model, num_replicas=a.replicas, max_batch=16, max_seq_len=a.max_seq_len,
-                max_loras_per_batch=8, max_lora_rank=16, max_cpu_loras=64, registry_url=registry_url,
+                max_loras_per_batch=a.slots, max_lora_rank=16, max_cpu_loras=a.host_cache, registry_url=registry_url,
                 adapter_affinity_routing=affinity)
 
 
@@ -148,7 +148,8 @@ def run_deployment(a, specs, sources: dict[str, str], base_name: str, tmp: str, 
     args = app_args(a, f"{tmp}/registry-{label}.json", affinity=affinity)
     _progress(f"deploying {a.replicas} model-server replicas ({label} routing)")
     started = time.monotonic()
-    with served_app(args) as app:
+    # Ray's CPU count is bookkeeping: room for every replica (one CPU each), the ingress and the admin.
+    with served_app(args, num_cpus=max(4, a.replicas + 2)) as app:
         _progress(f"  up in {time.monotonic() - started:.0f} s")
         return _on_app(a, app, specs, sources, models, systems)
 
@@ -296,6 +297,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, nargs=2, default=None, metavar=("LO", "HI"), help="prompt tokens")
     parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("LO", "HI"), help="output tokens")
     parser.add_argument("--replicas", type=int, default=None, help="model-server replicas per deployment")
+    parser.add_argument("--slots", type=int, default=8, help="device adapter slots per replica (max_loras_per_batch)")
+    parser.add_argument("--host-cache", type=int, default=64,
+                        help="adapters each replica's host cache holds (max_cpu_loras); below --adapters, "
+                        "storage fetches show what routing saves")
     parser.add_argument("--model", default="demo", help="base model (app arg `model`), for us and for PEFT")
     parser.add_argument("--hidden", type=int, default=None,
                         help="serve the demo model's tokenizer and config at this width (random weights; "
@@ -367,7 +372,8 @@ def main(argv: list[str] | None = None) -> None:
                 failures.append(f"{label} failed: {type(e).__name__}: {e}")
                 _progress(failures[-1])
     line, headline_notes = headline(results, a.slo_ttft_s)
-    print(f"serving over HTTP: {a.replicas} model-server replicas, rank-{ADAPTER_RANK} adapters, input "
+    print(f"serving over HTTP: {a.replicas} model-server replicas ({a.slots} device slots and {a.host_cache} "
+          f"host-cached adapters each), rank-{ADAPTER_RANK} adapters, input "
           f"{a.input_len[0]}-{a.input_len[1]} and output {a.output_len[0]}-{a.output_len[1]} tokens, "
           f"{a.requests} requests or {a.duration:.0f} s a run, SLO TTFT <= {a.slo_ttft_s} s and "
           f"TPOT <= {1e3 * a.slo_tpot_s:.0f} ms; {time.monotonic() - started:.0f} s in all")
