@@ -60,9 +60,6 @@ class LRUPool:
         self._held[adapter] = None
         return True
 
-    def names(self) -> frozenset[str]:
-        return frozenset(self._held)
-
     def report(self, as_of: float) -> HeldReport:
         """What the replica reports of these slots: least recently used first."""
         return HeldReport(tuple(self._held), self.slots, as_of)

@@ -321,10 +321,10 @@ def check_registry_owner(name: str, registry_url: str, timeout_s: float = 60.0) 
     another registry than ``registry_url``; nothing when no such actor runs yet. Called when
     an application is built, so a redeploy naming another registry fails before any running
     replica is replaced."""
-    try:
-        handle = ray.get_actor(name, namespace=ADMIN_NAMESPACE)
-    except ValueError:  # no such actor: the deployment creates it
+    running = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+    if (ADMIN_NAMESPACE, name) not in running:  # the deployment creates it
         return
+    handle = ray.get_actor(name, namespace=ADMIN_NAMESPACE)
     theirs = ray.get(handle.registry_url.remote(), timeout=timeout_s)
     if theirs != registry_url:
         raise ValueError(

@@ -71,9 +71,10 @@ def replica_view(replica: RunningReplica, load: int, residency: ResidencyEstimat
     as_of = stats.get("as_of")
     resident = tuple(stats.get("resident", ()))
     scores = stats.get("resident_scores")
-    slots = HeldReport(resident, stats.get("slots"), as_of,
-                       tuple(scores) if scores is not None and len(scores) == len(resident) else None,
-                       stats.get("half_life") if scores is not None and len(scores) == len(resident) else None)
+    if scores is None or len(scores) != len(resident):  # no counts: least recently used first
+        slots = HeldReport(resident, stats.get("slots"), as_of)
+    else:
+        slots = HeldReport(resident, stats.get("slots"), as_of, tuple(scores), stats.get("half_life"))
     # Serve's multiplexed ids are adapters this replica has served lately: at least host-warm
     # (where the report leaves them out, they count as the oldest entries).
     host_names = tuple(stats.get("host_cached", ()))

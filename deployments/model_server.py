@@ -284,6 +284,7 @@ class LoRAModelServer:
 
     def record_routing_stats(self) -> dict:
         """Serve polls this: the adapters this replica holds, and its metrics for /metrics."""
+        as_of = time.time()  # before reading: a route made meanwhile is replayed, not lost
         manager = self._engine.lora_manager
         rows = manager.list_adapters() if manager is not None else []
         snapshot = self._metrics.snapshot(
@@ -295,7 +296,7 @@ class LoRAModelServer:
         )
         return routing_stats(rows, snapshot, slots=manager.num_slots if manager is not None else 0,
                              host_slots=self._args.max_cpu_loras,
-                             residency=manager.residency() if manager is not None else None, as_of=time.time())
+                             residency=manager.residency() if manager is not None else None, as_of=as_of)
 
     async def check_health(self) -> None:
         """Serve's periodic probe: a failure restarts this replica."""
