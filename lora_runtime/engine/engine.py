@@ -39,6 +39,7 @@ from lora_runtime.engine.scheduler import Admission, Scheduler
 from lora_runtime.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 from lora_runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from lora_runtime.native_thread import name_native_thread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -209,7 +210,8 @@ class Engine:
         jobs += [functools.partial(runner.compile_sample, rows, masked=masked)
                  for rows in self._sample_rows() for masked in (False, True)]
         workers = max(1, min(len(jobs), os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile") as compilers:
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile",
+                                                   initializer=name_native_thread) as compilers:
             return sum(compilers.map(_builds_of, jobs))
 
     @property
@@ -460,6 +462,7 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------
 
     def _loop(self) -> None:
+        name_native_thread()
         self._loop_builds = compile_events.counts().builds  # thread ids are reused: count from here
         while not self._stopping:
             try:

@@ -24,6 +24,7 @@ import threading
 import numpy as np
 
 from lora_runtime.errors import InvalidRequestError
+from lora_runtime.native_thread import name_native_thread
 
 # Most characters of a schema, regex or grammar a request may send.
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -187,7 +188,8 @@ class GrammarCompiler:
         self.hits = 0
         # The tokenizer's token trie takes about a second to build at a 128k vocabulary: it is
         # built on the compiler's thread from the start, and the first compile waits for it.
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile",
+                                                            initializer=name_native_thread)
         self._tokenizer = self._executor.submit(
             lambda: llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self._eos or None))
         self._mask_executor = llguidance.LLExecutor(num_threads=mask_threads)

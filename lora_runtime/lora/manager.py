@@ -44,6 +44,7 @@ from lora_runtime.lora.memory_pool import (
     DoraTerms, LoRAMemoryPool, StagedSlot, saved_modules_within, stage_slot, write_saved, write_slot,
 )
 from lora_runtime.lora.sources import SourcePolicy, load_adapter
+from lora_runtime.native_thread import name_native_thread
 
 Key = tuple[str, int]  # (adapter name, version)
 # (the slot layout already on the devices with its DoRA terms (StagedSlot), or, on a replica
@@ -174,7 +175,8 @@ class LoRAManager:
         # Idle slots leave least used first (eviction.py), counted per content.
         self._uses = UseScores(HALF_LIFE_PER_SLOT * self._pool.num_slots)
         self._stats = LoRAStats()
-        self._executor = concurrent.futures.ThreadPoolExecutor(fetch_workers, thread_name_prefix="adapter-fetch")
+        self._executor = concurrent.futures.ThreadPoolExecutor(fetch_workers, thread_name_prefix="adapter-fetch",
+                                                             initializer=name_native_thread)
 
     # ---- views -------------------------------------------------------------------------
 
