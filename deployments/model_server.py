@@ -308,15 +308,20 @@ class LoRAModelServer:
             await self._hosts.check()  # a lost host: Serve replaces the whole replica
 
     async def __del__(self) -> None:
-        # Graceful drain: running sequences finish, new ones are refused.
+        # Graceful drain: running sequences finish, new ones are refused. A replica whose
+        # __init__ failed part way (Serve stopped it while it started) stops what it had started.
         self._draining = True
-        self._registry.stop()
+        registry, engine, hosts = (getattr(self, name, None) for name in ("_registry", "_engine", "_hosts"))
+        if registry is not None:
+            registry.stop()
         try:
-            await self._engine.drain(self._args.drain_timeout_s)
+            if engine is not None:
+                await engine.drain(self._args.drain_timeout_s)
         finally:
-            self._engine.shutdown()
-            if self._hosts is not None:
-                self._hosts.close()
+            if engine is not None:
+                engine.shutdown()
+            if hosts is not None:
+                hosts.close()
 
 
 __all__ = ["LoRAModelServer", "error_item"]
