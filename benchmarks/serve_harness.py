@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import socket
 import time
@@ -22,9 +23,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def served_app(args: dict, *, num_cpus: int = 4) -> Iterator["ServedApp"]:
+def served_app(args: dict, *, num_cpus: int = 4, env: dict[str, str] | None = None) -> Iterator["ServedApp"]:
     """Deploys the app with `args` (AppArgs fields) on a fresh local Ray cluster; yields it
-    once every replica is running, and stops the cluster after."""
+    once every replica is running, and stops the cluster after. `env`: environment variables
+    of every process of the cluster (Ray Serve's own settings, such as
+    RAY_SERVE_THROUGHPUT_OPTIMIZED, which its controller, proxy and replicas read at start)."""
     import ray
     from ray import serve
 
@@ -33,8 +36,18 @@ def served_app(args: dict, *, num_cpus: int = 4) -> Iterator["ServedApp"]:
     token = secrets.token_hex(16)
     env_name = args.get("admin_token_env", "LORA_ADMIN_TOKEN")
     # address="local": a cluster of its own, never one `ray start` left running on this host.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {env_name: token, "JAX_PLATFORMS": "cpu"}})
+    # Its processes inherit this one's environment as ray.init finds it.
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {env_name: token, "JAX_PLATFORMS": "cpu"}})
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -24,6 +24,12 @@ the first send to the last token), TTFT and TPOT p50/p99, errors, SLO attainment
 `--slo-ttft-s` and TPOT <= `--slo-tpot-s`), and from the deployment's `GET /metrics` the adapter
 loads into device slots (slot misses), host-cache misses and storage fetches of the run.
 
+After the table, where this host's CPU time went during each system's run at the last line's
+setting and rate, by process and thread (benchmarks/cpu_shares.py): without an accelerator, the
+client, the HTTP proxy, the ingress and the replicas' serving threads share the cores that
+compute the model. `--serve-throughput-optimized` starts the local deployments with Ray Serve's
+`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`.
+
 Last line, for n=64, alpha=1.0 (else the last setting swept), at the highest rate whose `ours`
 p99 TTFT is under `--slo-ttft-s` (else the lowest rate): `lora_over_base_throughput=<f>
 ttft_p99_ms=<f> tpot_p99_ms=<f> routing_gain_vs_serve_default=<f> speedup_vs_peft=<f>`
@@ -45,6 +51,7 @@ from collections.abc import Callable, Sequence
 import httpx
 
 from benchmarks.common import print_table
+from benchmarks.cpu_shares import CpuShares, delta, snapshot
 from benchmarks.serve_harness import ServedApp, free_port, served_app
 from benchmarks.serving_client import run_workload
 from benchmarks.serving_workload import (
@@ -63,6 +70,7 @@ ADAPTER_RANK = 8
 # /metrics shows what replicas published, every second (deployments/app.py); wait past two periods.
 _METRICS_SETTLE_S = 2.5
 _PEFT_START_TIMEOUT_S = 600.0
+_SYSTEM_ORDER = {"base": 0, "serve-default": 1, "peft": 2, "ours": 3}  # in tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +81,7 @@ class Result:
     spec: WorkloadSpec
     summary: RunSummary
     counters: dict[str, float] | None  # adapter counters the run added (None: not our deployment)
+    cpu: CpuShares | None = None  # where this host's CPU time went during the run
 
 
 def _progress(message: str) -> None:
@@ -118,7 +127,9 @@ def run_system(system: str, url: str, specs: Sequence[WorkloadSpec], model_of: C
         before = _scrape(url)
     for spec in specs:
         started = time.monotonic()
+        threads = snapshot()
         records = run_workload(url, make_workload(spec), model_of, a.drain)
+        cpu = delta(threads, snapshot(), time.monotonic() - started)
         counters = None
         if metrics:
             time.sleep(_METRICS_SETTLE_S)
@@ -128,7 +139,7 @@ def run_system(system: str, url: str, specs: Sequence[WorkloadSpec], model_of: C
         _progress(f"  {system} n={spec.num_adapters} alpha={spec.alpha} rate={spec.rate}: "
                   f"{summary.requests} requests, {summary.errors} errors, {summary.requests_per_s:.2f} req/s, "
                   f"TTFT p99 {summary.ttft_p99_ms:.0f} ms ({time.monotonic() - started:.0f} s)")
-        results.append(Result(system, spec, summary, counters))
+        results.append(Result(system, spec, summary, counters, cpu))
     return results
 
 
@@ -149,7 +160,8 @@ def run_deployment(a, specs, sources: dict[str, str], base_name: str, tmp: str, 
     _progress(f"deploying {a.replicas} model-server replicas ({label} routing)")
     started = time.monotonic()
     # Ray's CPU count is bookkeeping: room for every replica (one CPU each), the ingress and the admin.
-    with served_app(args, num_cpus=max(4, a.replicas + 2)) as app:
+    env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"} if a.serve_throughput_optimized else None
+    with served_app(args, num_cpus=max(4, a.replicas + 2), env=env) as app:
         _progress(f"  up in {time.monotonic() - started:.0f} s")
         return _on_app(a, app, specs, sources, models, systems)
 
@@ -207,22 +219,31 @@ def _wait_healthy(url: str, proc: subprocess.Popen) -> dict:
     raise RuntimeError(f"the PEFT server was not up after {_PEFT_START_TIMEOUT_S:.0f} s")
 
 
-def headline(results: Sequence[Result], slo_ttft_s: float) -> tuple[str, list[str]]:
-    """The last line (see the module docstring) and notes on how its rate was chosen."""
+def headline_run(results: Sequence[Result], slo_ttft_s: float) -> tuple[int, float, float, list[str]] | None:
+    """(adapters, alpha, rate, notes) of the last line's runs (see the module docstring), or
+    None when no run of ours finished."""
     settings = sorted({(r.spec.num_adapters, r.spec.alpha) for r in results if r.system == "ours"})
     if not settings:
+        return None
+    n, alpha = HEADLINE if HEADLINE in settings else settings[-1]
+    rates = sorted(r.spec.rate for r in results if r.system == "ours" and (r.spec.num_adapters, r.spec.alpha) == (n, alpha))
+    ttft = {r.spec.rate: r.summary.ttft_p99_ms for r in results
+            if r.system == "ours" and (r.spec.num_adapters, r.spec.alpha) == (n, alpha)}
+    within = [rate for rate in rates if ttft[rate] < 1e3 * slo_ttft_s]
+    notes = [f"last line: n={n}, alpha={alpha}, rate={within[-1] if within else rates[0]} req/s"]
+    if not within:
+        notes.append(f"no swept rate kept our p99 TTFT under {slo_ttft_s} s; the last line is at the lowest rate")
+    return n, alpha, within[-1] if within else rates[0], notes
+
+
+def headline(results: Sequence[Result], slo_ttft_s: float) -> tuple[str, list[str]]:
+    """The last line (see the module docstring) and notes on how its rate was chosen."""
+    chosen = headline_run(results, slo_ttft_s)
+    if chosen is None:
         return ("lora_over_base_throughput=nan ttft_p99_ms=nan tpot_p99_ms=nan "
                 "routing_gain_vs_serve_default=nan speedup_vs_peft=nan"), ["no run of ours finished"]
-    n, alpha = HEADLINE if HEADLINE in settings else settings[-1]
+    n, alpha, rate, notes = chosen
     at = {(r.system, r.spec.rate): r.summary for r in results if (r.spec.num_adapters, r.spec.alpha) == (n, alpha)}
-    rates = sorted(rate for system, rate in at if system == "ours")
-    notes = []
-    within = [rate for rate in rates if at[("ours", rate)].ttft_p99_ms < 1e3 * slo_ttft_s]
-    if within:
-        rate = within[-1]
-    else:
-        rate = rates[0]
-        notes.append(f"no swept rate kept our p99 TTFT under {slo_ttft_s} s; the last line is at the lowest rate")
     ours = at[("ours", rate)]
 
     def ratio(value: float, system: str, field: str) -> float:
@@ -233,7 +254,6 @@ def headline(results: Sequence[Result], slo_ttft_s: float) -> tuple[str, list[st
         denominator = getattr(other, field)
         return value / denominator if denominator > 0 else math.nan
 
-    notes.insert(0, f"last line: n={n}, alpha={alpha}, rate={rate} req/s")
     line = (f"lora_over_base_throughput={ratio(ours.requests_per_s, 'base', 'requests_per_s'):.4f} "
             f"ttft_p99_ms={ours.ttft_p99_ms:.2f} tpot_p99_ms={ours.tpot_p99_ms:.2f} "
             f"routing_gain_vs_serve_default={ratio(ours.requests_per_s, 'serve-default', 'requests_per_s'):.4f} "
@@ -241,11 +261,23 @@ def headline(results: Sequence[Result], slo_ttft_s: float) -> tuple[str, list[st
     return line, notes
 
 
+def print_cpu_shares(results: Sequence[Result], slo_ttft_s: float) -> None:
+    """Where the host's CPU time went in each system's run at the last line's setting and rate."""
+    chosen = headline_run(results, slo_ttft_s)
+    if chosen is None:
+        return
+    n, alpha, rate, _ = chosen
+    for r in sorted(results, key=lambda r: _SYSTEM_ORDER[r.system]):
+        if (r.spec.num_adapters, r.spec.alpha, r.spec.rate) == (n, alpha, rate) and r.cpu is not None:
+            print(f"CPU time of the {r.system} run (n={n}, alpha={alpha}, rate={rate} req/s): "
+                  f"{r.cpu.wall_s:.1f} s on {r.cpu.cores} cores")
+            print_table(["process", "thread", "CPU s", "of the machine"], r.cpu.rows())
+
+
 def print_results(results: Sequence[Result]) -> None:
     """The table of every run, grouped by setting and rate."""
-    order = {"base": 0, "serve-default": 1, "peft": 2, "ours": 3}
     rows = []
-    for r in sorted(results, key=lambda r: (r.spec.num_adapters, r.spec.alpha, r.spec.rate, order[r.system])):
+    for r in sorted(results, key=lambda r: (r.spec.num_adapters, r.spec.alpha, r.spec.rate, _SYSTEM_ORDER[r.system])):
         s, c = r.summary, r.counters
         rows.append([r.system, r.spec.num_adapters, r.spec.alpha, r.spec.rate, s.requests, s.errors,
                      s.requests_per_s, s.output_tokens_per_s, s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms,
@@ -311,6 +343,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slo-ttft-s", type=float, default=2.0)
     parser.add_argument("--slo-tpot-s", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-throughput-optimized", action="store_true",
+                        help="run the local deployments with Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (gRPC "
+                        "between deployments, user code on the replica's own event loop, buffered request logs)")
     parser.add_argument("--url", default=None, help="a running deployment on this host to measure as ours")
     parser.add_argument("--admin-token-env", default="LORA_ADMIN_TOKEN",
                         help="with --url: the env var holding its admin token")
@@ -330,6 +365,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--layers goes with --hidden")
     if a.hidden is not None and (a.hidden < 64 or a.hidden % 64 or a.model != "demo" or a.url):
         parser.error(f"--hidden={a.hidden} must be a multiple of 64, with the demo model and no --url")
+    if a.serve_throughput_optimized and a.url:
+        parser.error("--serve-throughput-optimized starts local deployments; a --url deployment has its own settings")
     if a.input_len[1] + a.output_len[1] > a.max_seq_len:
         parser.error(f"input_len={a.input_len} and output_len={a.output_len} may exceed max_seq_len={a.max_seq_len}")
     return a
@@ -376,8 +413,11 @@ def main(argv: list[str] | None = None) -> None:
           f"host-cached adapters each), rank-{ADAPTER_RANK} adapters, input "
           f"{a.input_len[0]}-{a.input_len[1]} and output {a.output_len[0]}-{a.output_len[1]} tokens, "
           f"{a.requests} requests or {a.duration:.0f} s a run, SLO TTFT <= {a.slo_ttft_s} s and "
-          f"TPOT <= {1e3 * a.slo_tpot_s:.0f} ms; {time.monotonic() - started:.0f} s in all")
+          f"TPOT <= {1e3 * a.slo_tpot_s:.0f} ms; "
+          f"{'RAY_SERVE_THROUGHPUT_OPTIMIZED=1; ' if a.serve_throughput_optimized else ''}"
+          f"{time.monotonic() - started:.0f} s in all")
     print_results(results)
+    print_cpu_shares(results, a.slo_ttft_s)
     for note in [*failures, *notes, *headline_notes]:
         print(note)
     print(line)

@@ -243,6 +243,13 @@ def test_the_wider_demo_is_the_demo_vocabulary_at_another_shape(tmp_path):
         parse_args(["--layers", "4"])  # without --hidden
 
 
+def test_throughput_optimized_serve_is_for_local_deployments_only():
+    assert serving.parse_args(["--quick", "--serve-throughput-optimized"]).serve_throughput_optimized
+    assert not serving.parse_args(["--quick"]).serve_throughput_optimized
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--quick", "--serve-throughput-optimized", "--url", "http://127.0.0.1:8000"])
+
+
 @pytest.mark.slow
 def test_benchmark_runs_end_to_end_at_a_tiny_setting():
     """`python -m benchmarks.serving` at a tiny setting (1 replica, 8 adapters, one rate, Serve's
@@ -264,3 +271,10 @@ def test_benchmark_runs_end_to_end_at_a_tiny_setting():
     assert set(rows) == {"base", "ours", "peft"}
     assert all(row[5] == "0" for row in rows.values()), rows  # no errors
     assert not [line for line in lines if re.match(r"(ours|serve-default|peft) failed: ", line)], done.stdout
+    # Where the CPU went in each system's run: the replicas and the client for ours, the PEFT
+    # server and the client for PEFT (threads under 1 % of the machine are left out).
+    tables = done.stdout.split("CPU time of the ")[1:]
+    assert [t.split()[0] for t in tables] == ["base", "peft", "ours"], done.stdout
+    ours, peft = tables[2], tables[1]
+    assert "model server" in ours and "ingress" in ours and "client" in ours, ours
+    assert "PEFT server" in peft and "model server" not in peft, peft

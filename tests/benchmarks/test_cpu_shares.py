@@ -1,0 +1,70 @@
+"""The serving benchmark's CPU accounting: threads' CPU time from /proc, by process role and
+thread name."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.cpu_shares import CpuShares, delta, role_of, snapshot, thread_kind
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+_BUSY = """
+import threading, time
+from lora_runtime.native_thread import name_native_thread
+def spin():
+    name_native_thread("busy-worker")
+    while time.time() < float('{until}'):
+        pass
+t = threading.Thread(target=spin); t.start(); t.join()
+"""
+
+
+def test_processes_are_named_by_role():
+    assert role_of("ray::ServeReplica:bench:LoRAModelServer", 10, 1) == "model server"
+    assert role_of("ray::ServeReplica:default:OpenAIIngress", 10, 1) == "ingress"
+    assert role_of("ray::ProxyActor", 10, 1) == "HTTP proxy"
+    assert role_of("/usr/bin/raylet --node_id=x", 10, 1) == "Ray (other)"
+    assert role_of("python -m benchmarks.peft_server --port 1", 10, 1) == "PEFT server"
+    assert role_of("python -m pytest", 1, 1) == "client"
+    assert role_of("sshd: root", 10, 1) == "other"
+    assert role_of("", 10, 1) == "kernel"
+
+
+def test_a_pool_threads_count_as_one_kind():
+    assert thread_kind("adapter-fetch_3") == "adapter-fetch"
+    assert thread_kind("engine-compile_12") == "engine-compile"
+    assert thread_kind("engine-loop") == "engine-loop"
+    assert thread_kind("42") == "42"
+
+
+def test_a_busy_thread_in_another_process_is_charged_its_cpu_time():
+    until = time.time() + 1.5
+    child = subprocess.Popen([sys.executable, "-c", _BUSY.format(until=until)])
+    try:
+        time.sleep(0.5)
+        before, started = snapshot(), time.monotonic()
+        time.sleep(0.8)
+        shares = delta(before, snapshot(), time.monotonic() - started)
+    finally:
+        assert child.wait(timeout=30) == 0
+    busy = shares.seconds.get(("other", "busy-worker"), 0.0)
+    # One thread spinning for 0.8 s of wall time: some of a core (the cores may be shared with
+    # other tests), never more than one.
+    assert 0.1 < busy <= 0.8 * 1.1, shares.seconds
+    rows = shares.rows()
+    assert ("", "busy-worker") in {(r[0], r[1]) for r in rows}
+    assert rows[-1][0] == "idle"
+
+
+def test_shares_by_role_and_of_the_machine():
+    s = CpuShares({("model server", "engine-loop"): 3.0, ("model server", "XLA"): 1.0, ("ingress", "main"): 2.0},
+                  wall_s=5.0, cores=2)
+    assert s.by_role() == {"model server": 4.0, "ingress": 2.0}
+    assert s.share(4.0) == pytest.approx(0.4)
+    rows = s.rows()
+    assert rows[0] == ("model server", "(all)", 4.0, "40.0%")
+    assert rows[1] == ("", "engine-loop", 3.0, "30.0%")
+    assert rows[-1] == ("idle", "", 4.0, "40.0%")
