@@ -226,14 +226,14 @@ def headline_run(results: Sequence[Result], slo_ttft_s: float) -> tuple[int, flo
     if not settings:
         return None
     n, alpha = HEADLINE if HEADLINE in settings else settings[-1]
-    rates = sorted(r.spec.rate for r in results if r.system == "ours" and (r.spec.num_adapters, r.spec.alpha) == (n, alpha))
     ttft = {r.spec.rate: r.summary.ttft_p99_ms for r in results
             if r.system == "ours" and (r.spec.num_adapters, r.spec.alpha) == (n, alpha)}
-    within = [rate for rate in rates if ttft[rate] < 1e3 * slo_ttft_s]
-    notes = [f"last line: n={n}, alpha={alpha}, rate={within[-1] if within else rates[0]} req/s"]
+    within = [rate for rate, ms in ttft.items() if ms < 1e3 * slo_ttft_s]
+    rate = max(within) if within else min(ttft)
+    notes = [f"last line: n={n}, alpha={alpha}, rate={rate} req/s"]
     if not within:
         notes.append(f"no swept rate kept our p99 TTFT under {slo_ttft_s} s; the last line is at the lowest rate")
-    return n, alpha, within[-1] if within else rates[0], notes
+    return n, alpha, rate, notes
 
 
 def headline(results: Sequence[Result], slo_ttft_s: float) -> tuple[str, list[str]]:
