@@ -71,24 +71,24 @@ def _cpu_seconds(stat: str) -> float:
     return (int(rest[11]) + int(rest[12])) / _TICKS
 
 
-def snapshot(client_pid: int | None = None, proc: str = "/proc") -> dict[ThreadKey, float]:
+def snapshot(client_pid: int | None = None) -> dict[ThreadKey, float]:
     """CPU seconds (user + system) of every thread on the host, by thread."""
     client_pid = os.getpid() if client_pid is None else client_pid
     out: dict[ThreadKey, float] = {}
-    for entry in os.listdir(proc):
+    for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         pid = int(entry)
-        cmdline = _read(f"{proc}/{pid}/cmdline")
+        cmdline = _read(f"/proc/{pid}/cmdline")
         if cmdline is None:
             continue
         role = role_of(cmdline.replace("\0", " "), pid, client_pid)
         try:
-            tids = os.listdir(f"{proc}/{pid}/task")
+            tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
         for tid in tids:
-            stat, comm = _read(f"{proc}/{pid}/task/{tid}/stat"), _read(f"{proc}/{pid}/task/{tid}/comm")
+            stat, comm = _read(f"/proc/{pid}/task/{tid}/stat"), _read(f"/proc/{pid}/task/{tid}/comm")
             if stat is None or comm is None:
                 continue
             out[ThreadKey(pid, int(tid), role, thread_kind(comm))] = _cpu_seconds(stat)
