@@ -164,10 +164,11 @@ def _start_s(layers: int, cache_dir: str, shape: dict = SHAPE, scan_layers: bool
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _http_over_engine(tmp: str, repeats: int) -> tuple[float, float, float, float]:
+def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1) -> tuple[float, float, float, float]:
     """(tokens/s over HTTP, tokens/s of the engine's own steps, tokens/s of the engine in
     process by the wall clock, tokens/s of the served replica's own steps during the HTTP
-    run) for STREAMS streams on STREAMS adapters, best of `repeats`."""
+    run) for STREAMS streams on STREAMS adapters, best of `repeats`; the replica streams
+    `stream_interval` tokens an item after the first."""
     from benchmarks.serve_harness import served_app
     from deployments.config import AppArgs
     from lora_runtime.demo import demo_model_dir
@@ -181,7 +182,7 @@ def _http_over_engine(tmp: str, repeats: int) -> tuple[float, float, float, floa
     sources = {n: str(write_random_adapter(f"{tmp}/{n}", model_config, r=16, alpha=32, seed=100 + i))
                for i, n in enumerate(names)}
     args = dict(model=str(checkpoint), tokenizer=str(demo_model_dir()), model_name="http-base", max_batch=STREAMS,
-                max_seq_len=128, max_loras_per_batch=STREAMS, max_lora_rank=16,
+                max_seq_len=128, max_loras_per_batch=STREAMS, max_lora_rank=16, stream_interval=stream_interval,
                 registry_url=f"{tmp}/registry.json", compilation_cache_dir=f"{tmp}/jit-cache")
     params = SamplingParams(max_tokens=HTTP_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     engine = Engine.from_pretrained(str(checkpoint), AppArgs(**args).engine_config(),
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=SLOTS, help="device adapter slots")
     parser.add_argument("--http-only", action="store_true", help="only the HTTP comparison")
     parser.add_argument("--depth-only", action="store_true", help="only the 4- and 32-layer warm-ups")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the served replica's stream_interval in the HTTP comparison (default 1)")
     args = parser.parse_args(argv)
     if args.depth_only:
         depth = _depth_warmups(unrolled=True)
@@ -237,8 +240,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.http_only:
         with tempfile.TemporaryDirectory() as tmp:
-            http = _http_over_engine(tmp, repeats=2)
-        _print_http(http)
+            http = _http_over_engine(tmp, repeats=2, stream_interval=args.stream_interval)
+        _print_http(http, args.stream_interval)
         print(f"http_over_engine={http[0] / http[1]:.3f} http_over_served_steps={http[0] / http[3]:.3f}")
         return
     layers = args.layers or (2 if args.quick else 4)
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         cached_start = _start_s(layers, cache)
     depth = _depth_warmups(unrolled=not args.quick)
     with tempfile.TemporaryDirectory() as tmp:
-        http = _http_over_engine(tmp, repeats=2)
+        http = _http_over_engine(tmp, repeats=2, stream_interval=args.stream_interval)
     http_tps, engine_tps = http[0], http[1]
 
     print(f"device={jax.devices()[0].platform} layers={layers} scan_layers={config.scan_layers} {SHAPE} "
@@ -327,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
              cached_start["hits"]),
         ],
     )
-    _print_http(http)
+    _print_http(http, args.stream_interval)
     _print_depth(depth)
     print(f"submit_p99_ms={submit_p99:.3f} cold_load_gap_ratio={cold_gap / warm_gap:.3f} "
           f"base_traffic_over_no_lora={base_s / off_s:.4f} lora_over_base_step={many_s / off_s:.4f} "
@@ -347,12 +350,13 @@ def _depth_warmups(unrolled: bool) -> dict:
     return out
 
 
-def _print_http(http: tuple[float, float, float, float]) -> None:
+def _print_http(http: tuple[float, float, float, float], stream_interval: int) -> None:
     http_tps, engine_tps, wall_tps, served_tps = http
     print_table(
         ["8 streams, hidden 768, 6 layers", "tokens/s"],
         [("engine's own steps", engine_tps), ("engine in process, wall clock", wall_tps),
-         ("over HTTP (Serve, streamed)", http_tps), ("the served replica's steps meanwhile", served_tps)],
+         (f"over HTTP (Serve, streamed, stream_interval={stream_interval})", http_tps),
+         ("the served replica's steps meanwhile", served_tps)],
     )
 
 

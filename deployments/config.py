@@ -89,6 +89,9 @@ class AppArgs(BaseModel):
         "they fail with a 503 (adapter_unavailable) while the fetch goes on for later requests.")
     lora_backend: str = Field("auto", description="LoRA backend: auto, reference, xla or pallas.")
     dtype: str | None = Field(None, description="float32, bfloat16, or None for the checkpoint's.")
+    stream_interval: int = Field(
+        1, ge=1, description="Least new tokens in a streamed chunk after the first (see "
+        "EngineConfig.stream_interval).")
     scan_layers: bool = Field(
         True, description="Run the layers as one loop over stacked weights, so compile time (a replica's "
         "start) does not grow with depth; False unrolls them (see EngineConfig.scan_layers).")
@@ -372,6 +375,7 @@ class AppArgs(BaseModel):
             adapter_load_timeout_s=self.adapter_load_timeout_s,
             compilation_cache_dir=self.compilation_cache_dir,
             scan_layers=self.scan_layers,
+            stream_interval=self.stream_interval,
         )
 
     def adapter_validator(self):

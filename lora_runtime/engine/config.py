@@ -100,6 +100,10 @@ class EngineConfig(BaseModel):
         None, ge=0.0, description="Only executables that took this long to compile are cached; None: "
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS where set, else every one (so a restart compiles "
         "nothing the warm-up compiled).")
+    stream_interval: int = Field(
+        1, ge=1, description="Least new tokens in a stream item after the first (the first token goes "
+        "at once, and an item that finishes the request goes at once): a larger interval sends fewer, "
+        "larger items, which costs the serving path less per token at the cost of a burstier stream.")
     max_wait_steps: int = Field(
         32,
         ge=1,

@@ -367,7 +367,9 @@ class Engine:
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; closing the iterator early aborts the request. An
         item carries everything produced since the previous one: outputs that queued up
-        while the consumer was busy are merged, so a slow consumer gets fewer, larger items."""
+        while the consumer was busy are merged, so a slow consumer gets fewer, larger items.
+        After the first item, one waits for `stream_interval` new tokens unless it finishes
+        the request (or an error follows it)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         def emit(out: RequestOutput) -> None:
@@ -380,6 +382,8 @@ class Engine:
         request_id = self.submit(prompt, params, emit, request_id=request_id, adapter=adapter, grammar=grammar)
         finished = False
         held: RequestOutput | None = None  # an error taken while merging: raised after what came before
+        interval = self.config.stream_interval
+        sent: int | None = None  # completion tokens yielded so far; None before the first item
         try:
             while True:
                 out, held = (held, None) if held is not None else (await outputs.get(), None)
@@ -387,13 +391,19 @@ class Engine:
                     finished = True
                     raise out.error
                 parts = [out]
-                while not parts[-1].finished and not outputs.empty():
-                    more = outputs.get_nowait()
+                while not parts[-1].finished:
+                    if not outputs.empty():
+                        more = outputs.get_nowait()
+                    elif sent is not None and parts[-1].completion_tokens - sent < interval:
+                        more = await outputs.get()
+                    else:
+                        break
                     if more.error is not None:
                         held = more
                         break
                     parts.append(more)
                 out = parts[0] if len(parts) == 1 else _merge(parts)
+                sent = out.completion_tokens
                 yield out
                 if out.finished:
                     finished = True

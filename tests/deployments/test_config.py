@@ -63,6 +63,13 @@ def test_prefill_and_prefix_cache_args_reach_the_engine_config():
     assert not cfg.enable_prefix_caching and cfg.prefix_cache_min_tokens == 24
 
 
+def test_stream_interval_reaches_the_engine_config_and_a_bad_one_is_named():
+    assert AppArgs().engine_config().stream_interval == 1
+    assert AppArgs(stream_interval=8).engine_config().stream_interval == 8
+    with pytest.raises(ValidationError, match="stream_interval"):
+        AppArgs(stream_interval=0)
+
+
 def test_rank_classes_reach_the_engine_config():
     engine = AppArgs(lora_rank_classes=[8, 16, 64]).engine_config()
     assert engine.rank_class_shares() == {8: 1.0, 16: 1.0, 64: 1.0}

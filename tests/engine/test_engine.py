@@ -131,6 +131,40 @@ def test_a_slow_consumer_gets_merged_items(engine):
     assert parts[-1].completion_tokens == long.max_tokens
 
 
+def test_stream_interval_holds_items_until_that_many_tokens(checkpoint, engine):
+    """After the first token, items wait for stream_interval new tokens; the one that finishes
+    the request goes at once. Together they are the whole output."""
+    long = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)
+    cfg = EngineConfig(max_batch=2, max_seq_len=64, max_loras_per_batch=0, stream_interval=5)
+    spaced = Engine.from_pretrained(str(checkpoint), cfg).start()
+
+    async def run(prompt):
+        return [out async for out in spaced.generate(prompt, long)]
+
+    try:
+        parts = asyncio.run(run(PROMPTS[0]))
+        stop_text = spaced.generate_batch([PROMPTS[0]], long)[0].text[3:5]
+        stopped = asyncio.run(_run_stopped(spaced, PROMPTS[0], long, stop_text))
+    finally:
+        spaced.shutdown()
+    counts = [len(p.token_ids) for p in parts]
+    assert counts[0] == 1 and parts[-1].finished
+    assert all(c >= 5 for c in counts[1:-1]) and sum(counts) == long.max_tokens
+    assert len(parts) <= 1 + -(-(long.max_tokens - 1) // 5)
+    full = engine.generate_batch([PROMPTS[0]], long)[0]
+    assert [t for p in parts for t in p.token_ids] == full.token_ids
+    assert "".join(p.text for p in parts) == full.text
+    assert [lp.logprob for p in parts for lp in p.logprobs] == pytest.approx([lp.logprob for lp in full.logprobs])
+    # A stop string finishes the request inside an interval: its item goes then, cut at the stop.
+    assert stopped[-1].finished and stopped[-1].finish_reason == "stop"
+    assert "".join(p.text for p in stopped) == full.text[:full.text.index(stop_text)]
+
+
+async def _run_stopped(engine, prompt, params, stop):
+    stopping = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True, stop=(stop,))
+    return [out async for out in engine.generate(prompt, stopping)]
+
+
 def test_stop_string_cuts_the_text(engine):
     full = engine.generate_batch([PROMPTS[0]], GREEDY)[0]
     text = full.text
