@@ -92,7 +92,7 @@ def app_args(a: argparse.Namespace, registry_url: str, *, affinity: bool) -> dic
     """The app args of every local deployment, differing only in routing (and registry file)."""
     return dict(model=a.model, num_replicas=a.replicas, max_batch=16, max_seq_len=a.max_seq_len,
                 max_loras_per_batch=a.slots, max_lora_rank=16, max_cpu_loras=a.host_cache, registry_url=registry_url,
-                adapter_affinity_routing=affinity)
+                adapter_affinity_routing=affinity, stream_interval=a.stream_interval)
 
 
 def adapter_names(n: int) -> list[str]:
@@ -346,6 +346,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--serve-throughput-optimized", action="store_true",
                         help="run the local deployments with Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (gRPC "
                         "between deployments, user code on the replica's own event loop, buffered request logs)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="app arg stream_interval of the local deployments: tokens a streamed chunk waits for "
+                        "after the first (default 1, every token)")
     parser.add_argument("--url", default=None, help="a running deployment on this host to measure as ours")
     parser.add_argument("--admin-token-env", default="LORA_ADMIN_TOKEN",
                         help="with --url: the env var holding its admin token")
@@ -367,6 +370,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--hidden={a.hidden} must be a multiple of 64, with the demo model and no --url")
     if a.serve_throughput_optimized and a.url:
         parser.error("--serve-throughput-optimized starts local deployments; a --url deployment has its own settings")
+    if a.stream_interval != 1 and a.url:
+        parser.error("--stream-interval sets local deployments; a --url deployment has its own stream_interval")
+    if a.stream_interval < 1:
+        parser.error(f"--stream-interval={a.stream_interval} must be at least 1")
     if a.input_len[1] + a.output_len[1] > a.max_seq_len:
         parser.error(f"input_len={a.input_len} and output_len={a.output_len} may exceed max_seq_len={a.max_seq_len}")
     return a

@@ -250,6 +250,15 @@ def test_throughput_optimized_serve_is_for_local_deployments_only():
         serving.parse_args(["--quick", "--serve-throughput-optimized", "--url", "http://127.0.0.1:8000"])
 
 
+def test_stream_interval_reaches_the_local_deployments_only():
+    a = serving.parse_args(["--quick", "--stream-interval", "8"])
+    assert serving.app_args(a, "registry.json", affinity=True)["stream_interval"] == 8
+    assert serving.app_args(serving.parse_args(["--quick"]), "r.json", affinity=False)["stream_interval"] == 1
+    for bad in (["--stream-interval", "0"], ["--stream-interval", "4", "--url", "http://127.0.0.1:8000"]):
+        with pytest.raises(SystemExit):
+            serving.parse_args(["--quick", *bad])
+
+
 @pytest.mark.slow
 def test_benchmark_runs_end_to_end_at_a_tiny_setting():
     """`python -m benchmarks.serving` at a tiny setting (1 replica, 8 adapters, one rate, Serve's
