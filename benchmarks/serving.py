@@ -22,7 +22,9 @@ same app args; `--url` targets a running deployment on this host instead (then `
 `base` run there and `serve-default` is skipped). Per run: requests/s and output tokens/s (from
 the first send to the last token), TTFT and TPOT p50/p99, errors, SLO attainment (TTFT <=
 `--slo-ttft-s` and TPOT <= `--slo-tpot-s`), and from the deployment's `GET /metrics` the adapter
-loads into device slots (slot misses), host-cache misses and storage fetches of the run.
+loads into device slots (slot misses), host-cache misses and storage fetches of the run, and
+the share of adapter requests the router sent away from a replica holding the adapter (`off
+holder`: the load bound or a hot adapter's extra home moved it; `multilora_routing_decisions_total`).
 
 After the table, where this host's CPU time went during each system's run at the last line's
 setting and rate, by process and thread (benchmarks/cpu_shares.py): without an accelerator, the
@@ -59,6 +61,7 @@ from benchmarks.serving_workload import (
     WorkloadSpec,
     adapter_counters,
     counter_delta,
+    off_holder_share,
     make_workload,
     summarize,
 )
@@ -282,9 +285,15 @@ def print_results(results: Sequence[Result]) -> None:
         rows.append([r.system, r.spec.num_adapters, r.spec.alpha, r.spec.rate, s.requests, s.errors,
                      s.requests_per_s, s.output_tokens_per_s, s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms,
                      s.tpot_p99_ms, f"{100 * s.slo_attainment:.0f}%",
-                     *(("-", "-", "-") if c is None else (int(c["loads"]), int(c["host_misses"]), int(c["fetches"])))])
+                     *(("-", "-", "-", "-") if c is None else (int(c["loads"]), int(c["host_misses"]), int(c["fetches"]),
+                                                          _percent(off_holder_share(c))))])
     print_table(["system", "n", "alpha", "rate", "requests", "errors", "req/s", "out tok/s", "TTFT p50 ms",
-                 "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "SLO", "slot loads", "host misses", "fetches"], rows)
+                 "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "SLO", "slot loads", "host misses", "fetches",
+                 "off holder"], rows)
+
+
+def _percent(share: float) -> str:
+    return "-" if math.isnan(share) else f"{100 * share:.0f}%"
 
 
 def wider_demo(out_dir: str, hidden: int, layers: int) -> str:

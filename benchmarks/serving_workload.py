@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import LORA_COUNTERS, PREFIX
+from cluster.routing import ROUTING_OUTCOMES
 
 # The demo tokenizer reads characters and adds BOS: a prompt of k letters and "=" is k + 2 tokens.
 _PROMPT_OVERHEAD_TOKENS = 2
@@ -181,13 +182,24 @@ def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
 
 def adapter_counters(text: str) -> dict[str, float]:
     """The adapter counters (cluster.metrics.LORA_COUNTERS: loads into device slots, host-cache
-    misses, storage fetches, ...) of /metrics text, summed over replicas."""
+    misses, storage fetches, ...) of /metrics text, summed over replicas, and the routing
+    outcomes (``routed_<outcome>``, cluster.routing.ROUTING_OUTCOMES)."""
     samples = parse_prometheus(text)
     out = {}
     for counter in LORA_COUNTERS:
         name = f"{PREFIX}_adapter_{counter}_total"
         out[counter] = sum(v for (n, _), v in samples.items() if n == name)
+    for outcome in ROUTING_OUTCOMES:
+        key = (f"{PREFIX}_routing_decisions_total", (("outcome", outcome),))
+        out[f"routed_{outcome}"] = samples.get(key, 0.0)
     return out
+
+
+def off_holder_share(counters: Mapping[str, float]) -> float:
+    """Of the adapter requests routed, the share sent to a replica that held the adapter nowhere
+    while another held it (cluster.routing.routing_outcome); nan where none were counted."""
+    adapter = sum(counters.get(f"routed_{o}", 0.0) for o in ROUTING_OUTCOMES if o != "base")
+    return counters.get("routed_off_holder", 0.0) / adapter if adapter else math.nan
 
 
 def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:

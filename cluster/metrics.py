@@ -21,6 +21,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from cluster.routing import ROUTING_OUTCOMES
+
 PREFIX = "multilora"
 BASE_LABEL = "base"  # requests for the base model, no adapter
 OTHER_LABEL = "other"  # adapters past the label budget
@@ -212,10 +214,13 @@ def _bound(b: float) -> str:
 
 
 class ClusterCollector:
-    """A prometheus_client collector over the latest snapshot of every replica."""
+    """A prometheus_client collector over the latest snapshot of every replica, and the
+    routing outcomes of the routers in this process (``routing``: outcome -> requests)."""
 
-    def __init__(self, source: Callable[[], Mapping[str, dict]]):
+    def __init__(self, source: Callable[[], Mapping[str, dict]],
+                 routing: Callable[[], Mapping[str, int]] | None = None):
         self._source = source  # replica id -> ReplicaMetrics.snapshot() dict
+        self._routing = routing
 
     def collect(self):
         snaps = dict(self._source())
@@ -266,12 +271,22 @@ class ClusterCollector:
         yield _histogram("time_to_first_token_seconds", "Time to first token", snaps, "ttft")
         yield _histogram("inter_token_seconds", "Time between output tokens", snaps, "inter_token")
         yield _histogram("request_seconds", "End-to-end request time", snaps, "e2e")
+        if self._routing is not None:
+            counts = self._routing()
+            routed = CounterMetricFamily(
+                f"{PREFIX}_routing_decisions",
+                "Requests routed to a model-server replica, by what the router knew it held: resident (device "
+                "slots), host (host cache only), off_holder (another replica held the adapter), placed (none "
+                "did), base (no adapter)", labels=["outcome"])
+            for outcome in ROUTING_OUTCOMES:
+                routed.add_metric([outcome], counts.get(outcome, 0))
+            yield routed
 
 
-def render(source: Callable[[], Mapping[str, dict]]) -> bytes:
-    """Prometheus text exposition of every replica's snapshot."""
+def render(source: Callable[[], Mapping[str, dict]], routing: Callable[[], Mapping[str, int]] | None = None) -> bytes:
+    """Prometheus text exposition of every replica's snapshot (and of routing outcomes)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ClusterCollector(source))
+    registry.register(ClusterCollector(source, routing))
     return generate_latest(registry)
 
 

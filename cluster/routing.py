@@ -118,6 +118,26 @@ def route(
     return chosen + over
 
 
+# Where a routed request went, by what the router knew of the replicas then (routing_outcome).
+ROUTING_OUTCOMES: tuple[str, ...] = ("resident", "host", "placed", "off_holder", "base")
+
+
+def routing_outcome(adapter: str | None, chosen: ReplicaView, replicas: Sequence[ReplicaView]) -> str:
+    """Where a request went: "resident" (the replica it went to held ``adapter`` in device
+    slots), "host" (in its host cache only), "off_holder" (it held it nowhere while another
+    replica held it, in slots or host cache: the load bound, or a hot adapter's extra home,
+    sent it there), "placed" (no replica held it), "base" (no adapter)."""
+    if adapter is None:
+        return "base"
+    if adapter in chosen.resident:
+        return "resident"
+    if adapter in chosen.host_cached:
+        return "host"
+    if any(adapter in r.resident or adapter in r.host_cached for r in replicas):
+        return "off_holder"
+    return "placed"
+
+
 class HotAdapterTracker:
     """Decayed per-adapter request rates, and how many homes each adapter gets.
 
@@ -277,14 +297,14 @@ class ResidencyEstimate:
         if report.as_of is None:  # its age unknown: as old as the horizon, rebuilt each time
             since = self._clock() - self.horizon_s
             shadow, start = _Shadow(report), None
-        elif cached is not None and cached[0] == report:
-            since, (_, shadow, start) = None, cached
+        elif cached is not None and cached[0] == report:  # sends applied up to `start` already
+            since, (_, shadow, start) = report.as_of - self.skew_s, cached
         else:
             since = report.as_of - self.skew_s
             shadow, start = _Shadow(report), None
-        new = []  # the sends to apply, newest first: the log's tail
+        new = []  # the sends to apply, newest first: the log's tail (none the report has seen)
         for number, t, adapter in reversed(sent):
-            if (number < start) if start is not None else (t < since):
+            if (start is not None and number < start) or t < since:
                 break
             new.append(adapter)
         for adapter in reversed(new):
@@ -366,6 +386,7 @@ __all__ = [
     "HotAdapterTracker",
     "PrefixAffinity",
     "PLACEMENT_CHOICES",
+    "ROUTING_OUTCOMES",
     "ReplicaView",
     "ResidencyEstimate",
     "load_cap",
@@ -373,4 +394,5 @@ __all__ = [
     "rendezvous_order",
     "rendezvous_score",
     "route",
+    "routing_outcome",
 ]

@@ -11,6 +11,7 @@ the metrics for the ingress's ``GET /metrics``.
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 
 from ray.serve._private.request_router.pow_2_router import (
     PowerOfTwoChoicesRequestRouter,
@@ -19,23 +20,41 @@ from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, 
 
 from cluster.routing import (
     HeldReport, HotAdapterTracker, PrefixAffinity, ReplicaView, ResidencyEstimate, prompt_text, route,
+    routing_outcome,
 )
 
 # (app, deployment) -> replica id -> the metrics snapshot that replica last published. The
 # router lives in the caller's process (the ingress), so /metrics there reads it directly.
 _REPLICA_METRICS: dict[tuple[str, str], dict[str, dict]] = {}
+# (app, deployment) -> routing outcome (cluster.routing.ROUTING_OUTCOMES) -> requests, as
+# the routers in this process routed them.
+_ROUTING_OUTCOMES: dict[tuple[str, str], Counter] = {}
+
+
+# The model server's method that generates (the requests whose routing outcomes count).
+_INFERENCE_METHOD = "generate"
+
+
+def _module():
+    # Serve ships the router class inside the deployment config pickled by value, so its
+    # methods see their own copy of this module's globals: reach the imported module.
+    return importlib.import_module("cluster.serve_router")
 
 
 def _store() -> dict[tuple[str, str], dict[str, dict]]:
-    # Serve ships the router class inside the deployment config pickled by value, so its
-    # methods see their own copy of this module's globals: reach the imported module.
-    return importlib.import_module("cluster.serve_router")._REPLICA_METRICS
+    return _module()._REPLICA_METRICS
 
 
 def replica_metrics(app: str, deployment: str) -> dict[str, dict]:
     """The latest metrics snapshot of each running replica of ``deployment`` in ``app``,
     as routers in this process last saw them."""
     return dict(_store().get((app, deployment), {}))
+
+
+def routing_outcomes(app: str, deployment: str) -> dict[str, int]:
+    """Requests the routers in this process sent to ``deployment`` in ``app``, by outcome
+    (cluster.routing.routing_outcome)."""
+    return dict(_module()._ROUTING_OUTCOMES.get((app, deployment), {}))
 
 
 def routing_stats(adapters: list[dict], metrics: dict, *, slots: int, host_slots: int,
@@ -52,15 +71,36 @@ def routing_stats(adapters: list[dict], metrics: dict, *, slots: int, host_slots
 
 
 class ReplicaMetricsMixin:
-    """Keeps each replica's published metrics snapshot where the ingress can read it."""
+    """Keeps each replica's published metrics snapshot where the ingress can read it, and
+    counts where each routed request went (cluster.routing.routing_outcome) by what the
+    router knew: the replicas' reports replayed forward through its sends (``_residency``,
+    which the router's ``initialize_state`` makes)."""
+
+    _residency: ResidencyEstimate
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self._residency.forget_others(r.replica_id.unique_id for r in replicas)
         _store()[self._deployment_id.app_name, self._deployment_id.name] = {
             r.replica_id.unique_id: r.routing_stats["metrics"]
             for r in replicas
             if "metrics" in (r.routing_stats or {})
         }
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        # Counted once per routed request (choose_replicas may run again on a retry).
+        adapter = pending_request.metadata.multiplexed_model_id or None
+        rid = replica_id.unique_id
+        if pending_request.metadata.call_method == _INFERENCE_METHOD:  # not tokenizer or health calls
+            views = [replica_view(r, 0, self._residency) for r in self._replicas.values()]
+            chosen = next((v for v in views if v.replica_id == rid), None)
+            if chosen is not None:  # not one a replica update removed meanwhile
+                key = (self._deployment_id.app_name, self._deployment_id.name)
+                outcomes = _module()._ROUTING_OUTCOMES.setdefault(key, Counter())
+                outcomes[routing_outcome(adapter, chosen, views)] += 1
+        if adapter is not None:
+            self._residency.record(rid, adapter)
+        super().on_request_routed(pending_request, replica_id, result)
 
 
 def replica_view(replica: RunningReplica, load: int, residency: ResidencyEstimate) -> ReplicaView:
@@ -126,10 +166,6 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         self._prefixes = PrefixAffinity()
         self._residency = ResidencyEstimate(horizon_s=residency_horizon_s)
 
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        self._residency.forget_others(r.replica_id.unique_id for r in replicas)
-
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -159,12 +195,17 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         adapter = pending_request.metadata.multiplexed_model_id
         if adapter:
             self._hot.record(adapter)
-            self._residency.record(replica_id.unique_id, adapter)
         self._prefixes.record(_prompt_of(pending_request), replica_id.unique_id)
+        super().on_request_routed(pending_request, replica_id, result)  # outcome, then residency
 
 
 class MultiplexMetricsRouter(ReplicaMetricsMixin, PowerOfTwoChoicesRequestRouter):
-    """Serve's default multiplex-aware router, with replica metrics kept for /metrics."""
+    """Serve's default multiplex-aware router, with replica metrics kept for /metrics and its
+    routing outcomes counted as the affinity router's are."""
+
+    def initialize_state(self, residency_horizon_s: float = 2.0) -> None:
+        super().initialize_state()
+        self._residency = ResidencyEstimate(horizon_s=residency_horizon_s)
 
 
 __all__ = [
@@ -173,5 +214,6 @@ __all__ = [
     "ReplicaMetricsMixin",
     "replica_metrics",
     "replica_view",
+    "routing_outcomes",
     "routing_stats",
 ]

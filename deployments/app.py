@@ -19,21 +19,24 @@ _HEALTH_CHECK_TIMEOUT_S = 60.0
 _INGRESS_MAX_ONGOING = 1000
 # How often replicas publish held adapters and metrics to the router (and so to /metrics).
 _ROUTING_STATS_PERIOD_S = 1.0
+# A report as old as two periods has seen where the router sent a request.
+_RESIDENCY_HORIZON_S = 2 * _ROUTING_STATS_PERIOD_S
 
 
 def router_config(a: AppArgs) -> RequestRouterConfig:
     """The model servers' request router: adapter affinity (with its knobs) or Serve's multiplex."""
     if not a.adapter_affinity_routing:
         return RequestRouterConfig(
-            request_router_class=MultiplexMetricsRouter, request_routing_stats_period_s=_ROUTING_STATS_PERIOD_S
+            request_router_class=MultiplexMetricsRouter,
+            request_router_kwargs=dict(residency_horizon_s=_RESIDENCY_HORIZON_S),
+            request_routing_stats_period_s=_ROUTING_STATS_PERIOD_S,
         )
     return RequestRouterConfig(
         request_router_class=AdapterAffinityRouter,
         request_router_kwargs=dict(
             eps=a.routing_load_slack, hot_rate=a.routing_hot_rate, max_homes=a.routing_max_homes,
             half_life_s=a.routing_rate_half_life_s,
-            # A report as old as two periods has seen where the router sent a request.
-            residency_horizon_s=2 * _ROUTING_STATS_PERIOD_S,
+            residency_horizon_s=_RESIDENCY_HORIZON_S,
         ),
         request_routing_stats_period_s=_ROUTING_STATS_PERIOD_S,
     )

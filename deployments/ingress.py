@@ -32,7 +32,7 @@ from cluster.rate_limit import RateLimited
 from cluster.base_model import census
 from cluster.metrics import render
 from cluster.registry_view import RegistryView
-from cluster.serve_router import replica_metrics
+from cluster.serve_router import replica_metrics, routing_outcomes
 from deployments.config import AppArgs
 from deployments.openapi_docs import (
     ADMIN,
@@ -739,7 +739,8 @@ class OpenAIIngress:
         """Prometheus text: every model-server replica's latest published metrics."""
         # The server handle's router lives in this process and keeps what replicas publish.
         server = self._server
-        body = render(lambda: replica_metrics(server.app_name, server.deployment_name))
+        body = render(lambda: replica_metrics(server.app_name, server.deployment_name),
+                      lambda: routing_outcomes(server.app_name, server.deployment_name))
         return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
     # --- tokenizer (vLLM's) -----------------------------------------------------------

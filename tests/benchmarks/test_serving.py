@@ -17,6 +17,7 @@ from benchmarks.serving_workload import (
     WorkloadSpec,
     adapter_counters,
     counter_delta,
+    off_holder_share,
     make_workload,
     parse_prometheus,
     percentile,
@@ -124,6 +125,14 @@ def test_adapter_counters_are_read_from_metrics_text_over_replicas():
     got = adapter_counters(text)
     assert (got["loads"], got["host_misses"], got["fetches"], got["evictions"]) == (7, 2, 2, 0)
     assert adapter_counters("") == dict.fromkeys(got, 0.0)
+
+
+def test_routing_outcomes_are_read_and_the_off_holder_share_counts_adapter_requests_only():
+    text = render(dict, lambda: {"resident": 5, "host": 1, "off_holder": 2, "base": 9}).decode()
+    got = adapter_counters(text)
+    assert (got["routed_resident"], got["routed_off_holder"], got["routed_placed"], got["routed_base"]) == (5, 2, 0, 9)
+    assert off_holder_share(got) == pytest.approx(2 / 8)
+    assert math.isnan(off_holder_share(adapter_counters(_metrics_text([1]))))  # no router counts (a peer)
 
 
 def test_counter_delta_counts_a_reset_counter_from_zero():

@@ -153,6 +153,15 @@ def test_render_aggregates_replicas_in_prometheus_text():
     assert got[("multilora_time_to_first_token_seconds_bucket", (("le", "+Inf"), ("replica", "r0")))] == 1
 
 
+def test_routing_outcomes_render_as_one_counter_with_every_outcome():
+    got = samples(render(dict, lambda: {"resident": 7, "off_holder": 2}))
+    assert got[("multilora_routing_decisions_total", (("outcome", "resident"),))] == 7
+    assert got[("multilora_routing_decisions_total", (("outcome", "off_holder"),))] == 2
+    for outcome in ("host", "placed", "base"):  # at zero until the first such request
+        assert got[("multilora_routing_decisions_total", (("outcome", outcome),))] == 0
+    assert not any(name.startswith("multilora_routing") for name, _ in samples(render(dict)))
+
+
 def test_render_with_no_replicas_is_valid_text():
     text = render(dict)
     assert samples(text) == {}
@@ -171,7 +180,8 @@ def test_dashboard_queries_only_metrics_that_are_exported():
     used = set(re.findall(r"multilora_[a-z_]+", " ".join(exprs)))
     m = ReplicaMetrics()
     m.start("a").finish("ok", 1, 1)
-    exported = {name for name, _ in samples(render(lambda: {"r": m.snapshot({}, LoRAStats(), 0, 1, {8: (0, 1)})}))}
+    snap = {"r": m.snapshot({}, LoRAStats(), 0, 1, {8: (0, 1)})}
+    exported = {name for name, _ in samples(render(lambda: snap, dict))}
     assert used and used <= exported, used - exported
     hit_rate = next(p for p in dash["panels"] if p["title"].startswith("Prefix cache hit rate"))
     assert all("multilora_prefix_cache_hit_tokens_total" in t["expr"] and

@@ -23,8 +23,16 @@ from cluster.routing import (
     prompt_text,
     rendezvous_order,
     route,
+    routing_outcome,
 )
-from cluster.serve_router import AdapterAffinityRouter, replica_metrics, replica_view, routing_stats as _routing_stats
+from cluster.serve_router import (
+    AdapterAffinityRouter,
+    MultiplexMetricsRouter,
+    replica_metrics,
+    replica_view,
+    routing_outcomes,
+    routing_stats as _routing_stats,
+)
 
 IDS = [f"replica-{i}" for i in range(5)]
 
@@ -135,6 +143,16 @@ def test_base_model_goes_to_least_loaded():
 
 
 SYSTEM = "You are a careful assistant. Answer in one sentence and cite nothing. " * 3  # 213 chars
+
+
+def test_routing_outcome_says_whether_the_replica_or_another_held_the_adapter():
+    vs = views(resident={IDS[0]: ["a"]}, host={IDS[1]: ["a", "b"]})
+    assert routing_outcome("a", vs[0], vs) == "resident"
+    assert routing_outcome("a", vs[1], vs) == "host"  # warm there, though another holds it in slots
+    assert routing_outcome("a", vs[2], vs) == "off_holder"
+    assert routing_outcome("b", vs[0], vs) == "off_holder"  # another's host cache counts as holding
+    assert routing_outcome("c", vs[3], vs) == "placed"
+    assert routing_outcome(None, vs[0], vs) == "base"
 
 
 def test_prefix_affinity_matches_whole_blocks_of_a_prompts_start():
@@ -316,8 +334,9 @@ class StatsReplica(FakeRunningReplica):
         return self._stats
 
 
-def _pending(adapter: str, payload: dict | None = None) -> PendingRequest:
-    meta = RequestMetadata(request_id="r", internal_request_id="i", multiplexed_model_id=adapter)
+def _pending(adapter: str, payload: dict | None = None, method: str = "generate") -> PendingRequest:
+    meta = RequestMetadata(request_id="r", internal_request_id="i", multiplexed_model_id=adapter,
+                           call_method=method)
     return PendingRequest(args=[] if payload is None else [payload], kwargs={}, metadata=meta)
 
 
@@ -379,6 +398,33 @@ def test_serve_router_skips_a_full_holder():
         assert ranks[0][0].replica_id.unique_id != holder
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("router_class", [AdapterAffinityRouter, MultiplexMetricsRouter])
+def test_serve_routers_count_where_each_generate_request_went(router_class):
+    """Both routers count each routed generate call by what they knew the replicas held: their
+    reports, replayed forward through the router's own sends. Other calls are not counted."""
+    app = f"outcomes-{router_class.__name__}"
+
+    async def run():
+        router = router_class(deployment_id=DeploymentID(name="LoRAModelServer", app_name=app),
+                              handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+        router.initialize_state(residency_horizon_s=2.0)
+        r0 = StatsReplica("r0", routing_stats(_rows(slot_names=["a1"]), {}))
+        r1 = StatsReplica("r1", routing_stats(_rows(host_names=["a2"]), {}))
+        router.update_replicas([r0, r1])
+        for adapter, replica in (("a1", r0), ("a2", r1), ("a1", r1), ("zz", r0), ("zz", r0), ("", r1)):
+            router.on_request_routed(_pending(adapter), replica.replica_id, None)
+        router.on_request_routed(_pending("a2", method="tokenize"), r0.replica_id, None)
+
+    asyncio.run(run())
+    assert routing_outcomes(app, "LoRAModelServer") == {
+        # a1 on its holder; a2 warm in r1's host cache; a1 where it was not, but is now
+        "resident": 2, "host": 1, "off_holder": 1,
+        "placed": 1,  # zz the first time; the second follows it (resident)
+        "base": 1,
+    }
+    assert routing_outcomes(app, "OtherDeployment") == {}
 
 
 def test_routing_stats_from_manager_rows():

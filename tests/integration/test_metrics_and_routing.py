@@ -125,8 +125,18 @@ def _wait_for(prom: str, expr: str, want: float, timeout: float = 30.0) -> list[
     raise AssertionError(f"{expr} never summed to {want}; last {result}")
 
 
+def _routed(base: str) -> dict[str, float]:
+    """The ingress's routing outcomes (multilora_routing_decisions_total by outcome)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "multilora_routing_decisions_total"}
+
+
 def test_affinity_routing_and_prometheus_scrape(two_replicas, prometheus):
     base = two_replicas.base_url
+    routed_before = _routed(base)
     for adapter in ADAPTERS:
         for i in range(REQUESTS_PER_ADAPTER):
             r = httpx.post(f"{base}/v1/completions", timeout=120,
@@ -162,6 +172,12 @@ def test_affinity_routing_and_prometheus_scrape(two_replicas, prometheus):
     _wait_for(prometheus, "sum(multilora_time_to_first_token_seconds_count)", n)
     [tokens] = _query(prometheus, "sum(multilora_generation_tokens_total)")
     assert n <= float(tokens["value"][1]) <= 4 * n  # max_tokens=4; a request may stop early
+    # The router counted each: to its holder once it held it, never away from one.
+    routed = {k: v - routed_before.get(k, 0.0) for k, v in _routed(base).items()}
+    assert routed["off_holder"] == 0 and routed["base"] == 0, routed
+    assert routed["resident"] >= n - len(ADAPTERS) and sum(routed.values()) == n, routed
+    _wait_for(prometheus, 'sum(multilora_routing_decisions_total{outcome!="base"})',
+              sum(v for k, v in _routed(base).items() if k != "base"))
 
 
 def test_prefix_cache_counters_reach_prometheus(two_replicas, prometheus):
