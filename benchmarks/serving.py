@@ -61,10 +61,11 @@ from benchmarks.serving_workload import (
     WorkloadSpec,
     adapter_counters,
     counter_delta,
-    off_holder_share,
     make_workload,
+    off_holder_share,
     summarize,
 )
+from cluster.routing import ROUTING_OUTCOMES
 
 ADAPTER_COUNTS = (1, 8, 64, 512)
 ALPHAS = (0.6, 1.0)
@@ -139,6 +140,8 @@ def run_system(system: str, url: str, specs: Sequence[WorkloadSpec], model_of: C
             after = _scrape(url)
             counters, before = counter_delta(before, after), after
         summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
+        if counters is not None:
+            _progress("  routed: " + ", ".join(f"{o} {int(counters[f'routed_{o}'])}" for o in ROUTING_OUTCOMES))
         _progress(f"  {system} n={spec.num_adapters} alpha={spec.alpha} rate={spec.rate}: "
                   f"{summary.requests} requests, {summary.errors} errors, {summary.requests_per_s:.2f} req/s, "
                   f"TTFT p99 {summary.ttft_p99_ms:.0f} ms ({time.monotonic() - started:.0f} s)")
