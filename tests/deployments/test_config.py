@@ -125,7 +125,10 @@ def test_router_knobs_reach_the_router():
     assert router._hot.homes("a", 8) == 1  # no traffic yet: one home
     plain = router_config(AppArgs(adapter_affinity_routing=False))
     assert plain.request_router_class.endswith(MultiplexMetricsRouter.__name__)
-    assert plain.request_router_kwargs == {}
+    assert plain.request_router_kwargs == dict(residency_horizon_s=2.0)  # for its routing outcomes
+    multiplex = MultiplexMetricsRouter.__new__(MultiplexMetricsRouter)
+    multiplex.initialize_state(**plain.request_router_kwargs)
+    assert multiplex._residency.horizon_s == 2.0
 
 
 def test_compilation_cache_dir_reaches_the_engine(tmp_path, monkeypatch):
