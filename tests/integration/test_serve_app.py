@@ -39,6 +39,7 @@ N_ADAPTERS = 8
 KEYS_REFRESH_S = 1.0
 TIGHT_ONGOING, TIGHT_QUEUED = 2, 2  # the keyed deployment's replica and queue limits
 KEYED_MAX_LORA_RANK = 16  # the keyed deployment's rank limit (64 before): a changed validation limit
+KEYED_STREAM_INTERVAL = 3  # the keyed deployment streams 3 tokens a chunk after the first
 LOAD_TIMEOUT_S = 4.0  # adapter_load_timeout_s: how long a request waits on its adapter's storage
 MAX_ADAPTER_BYTES = 8 << 20
 DEPLOYED: dict = {}  # what the app runs with now: {"keys": the keys file or None}
@@ -79,6 +80,7 @@ def _write_config(cluster, files, keys: Path | None = None) -> Path:
         args["max_ongoing_requests"] = TIGHT_ONGOING
         args["max_queued_requests"] = TIGHT_QUEUED
         args["max_lora_rank"] = KEYED_MAX_LORA_RANK
+        args["stream_interval"] = KEYED_STREAM_INTERVAL
     path = files["root"] / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -1379,7 +1381,24 @@ def test_a_key_removed_from_the_file_is_refused_within_the_refresh(tenants, file
         _write_keys(files)
 
 
-def test_overload_is_a_503_with_retry_after_and_loses_nothing(tenants, reference):
+def test_stream_interval_spaces_the_chunks_and_loses_no_token(tenants, reference):
+    """The keyed deployment's stream_interval: the first token comes alone, then chunks of at
+    least KEYED_STREAM_INTERVAL tokens until the last; together the whole greedy output."""
+    stream = _client(tenants, TENANT_A).completions.create(
+        model=BASE, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0, stream=True, logprobs=1,
+        stream_options={"include_usage": True})
+    chunks, usage = [], None
+    for c in stream:
+        if c.choices and c.choices[0].logprobs is not None and c.choices[0].logprobs.tokens:
+            chunks.append((c.choices[0].text, len(c.choices[0].logprobs.tokens)))
+        usage = c.usage or usage
+    assert "".join(text for text, _ in chunks) == reference(PROMPTS[2], None)
+    counts = [n for _, n in chunks]
+    assert counts[0] == 1 and all(n >= KEYED_STREAM_INTERVAL for n in counts[1:-1]), counts
+    assert sum(counts) == usage.completion_tokens and len(counts) < usage.completion_tokens, (counts, usage)
+
+
+
     """More concurrent streams than the replica takes plus the queue holds: each is either
     served in full (its known output) or refused at once with a 503 and Retry-After, in the
     OpenAI format; then the server serves on."""
