@@ -96,7 +96,7 @@ def app_args(a: argparse.Namespace, registry_url: str, *, affinity: bool) -> dic
     """The app args of every local deployment, differing only in routing (and registry file)."""
     return dict(model=a.model, num_replicas=a.replicas, max_batch=16, max_seq_len=a.max_seq_len,
                 max_loras_per_batch=a.slots, max_lora_rank=16, max_cpu_loras=a.host_cache, registry_url=registry_url,
-                adapter_affinity_routing=affinity, stream_interval=a.stream_interval)
+                adapter_affinity_routing=affinity, stream_interval=a.stream_interval, ingress_replicas=a.ingress_replicas)
 
 
 def adapter_names(n: int) -> list[str]:
@@ -361,6 +361,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="app arg stream_interval of the local deployments: tokens a streamed chunk waits for "
                         "after the first (default 1, every token)")
+    parser.add_argument("--ingress-replicas", type=int, default=1,
+                        help="app arg ingress_replicas of the local deployments (default 1)")
     parser.add_argument("--url", default=None, help="a running deployment on this host to measure as ours")
     parser.add_argument("--admin-token-env", default="LORA_ADMIN_TOKEN",
                         help="with --url: the env var holding its admin token")
@@ -386,6 +388,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--stream-interval sets local deployments; a --url deployment has its own stream_interval")
     if a.stream_interval < 1:
         parser.error(f"--stream-interval={a.stream_interval} must be at least 1")
+    if a.ingress_replicas != 1 and a.url:
+        parser.error("--ingress-replicas sets local deployments; a --url deployment has its own ingress_replicas")
+    if a.ingress_replicas < 1:
+        parser.error(f"--ingress-replicas={a.ingress_replicas} must be at least 1")
     if a.input_len[1] + a.output_len[1] > a.max_seq_len:
         parser.error(f"input_len={a.input_len} and output_len={a.output_len} may exceed max_seq_len={a.max_seq_len}")
     return a

@@ -1,25 +1,23 @@
-"""Who may call what: the keys file (cluster/api_keys.py), the admin token and rate limits.
+"""Who may call what: the keys file (cluster/api_keys.py) and the admin token.
 
 With no keys file the inference API is open and the admin API takes the operator's admin
 token, as before keys existed. With one, every inference call needs an inference key, which
 reaches only the models its scope names (others look as if they did not exist), and admin
 calls take the admin token (every adapter) or an admin key (the adapters its scope names).
 The keys file is read again every ``refresh_s``: keys are added, changed and revoked without
-a redeploy; a file that fails to read or parse leaves the keys in force as they were.
+a redeploy; a file that fails to read or parse leaves the keys in force as they were. A
+key's rate limits are applied where the ingress replicas share them (cluster/ingress_ledger.py).
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import fsspec
 
 from cluster.api_keys import ApiKey, KeyRing
 from cluster.auth import AdminAuth, AuthError, bearer
-from cluster.rate_limit import RateLimiter
 
 
 @dataclass(frozen=True)
@@ -46,13 +44,11 @@ class AccessControl:
     """The ingress's gate. Not thread-safe: called on the ingress's event loop, apart from
     ``read`` (file I/O, run in a worker thread) whose result ``install`` takes."""
 
-    def __init__(self, admin: AdminAuth, keys_url: str | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, admin: AdminAuth, keys_url: str | None = None):
         self._admin = admin
         self.keys_url = None if keys_url is None else _url(keys_url)
         self._ring: KeyRing | None = None
         self._text: str | None = None
-        self.limiter = RateLimiter(clock)
 
     @property
     def enabled(self) -> bool:
@@ -69,7 +65,6 @@ class AccessControl:
             return False
         ring = KeyRing.from_json(text, self.keys_url)
         self._ring, self._text = ring, text
-        self.limiter.forget({k.name for k in ring.keys})
         return True
 
     def key_names(self) -> list[str]:
@@ -88,7 +83,6 @@ class AccessControl:
             raise AuthError(401, "the API key is not valid (send 'Authorization: Bearer <key>')")
         if key.role != "inference":
             raise AuthError(403, f"API key {key.name!r} is an {key.role} key; inference needs an inference key")
-        self.limiter.admit(key)
         return Caller(key)
 
     def admin(self, authorization: str | None) -> Caller:
@@ -105,8 +99,3 @@ class AccessControl:
         if key.role != "admin":
             raise AuthError(403, f"API key {key.name!r} is an {key.role} key; the admin API needs an admin key")
         return Caller(key)
-
-    def charge(self, caller: Caller, tokens: int) -> None:
-        """A response's prompt and completion tokens, against its key's token rate."""
-        if caller.key is not None and tokens > 0:
-            self.limiter.charge(caller.key, tokens)

@@ -214,13 +214,16 @@ def _bound(b: float) -> str:
 
 
 class ClusterCollector:
-    """A prometheus_client collector over the latest snapshot of every replica, and the
-    routing outcomes of the routers in this process (``routing``: outcome -> requests)."""
+    """A prometheus_client collector over the latest snapshot of every replica, the routing
+    outcomes of the ingress's routers (``routing``: outcome -> requests) and the requests
+    each ingress replica admitted (``admitted``: ingress replica id -> requests)."""
 
     def __init__(self, source: Callable[[], Mapping[str, dict]],
-                 routing: Callable[[], Mapping[str, int]] | None = None):
+                 routing: Callable[[], Mapping[str, int]] | None = None,
+                 admitted: Callable[[], Mapping[str, int]] | None = None):
         self._source = source  # replica id -> ReplicaMetrics.snapshot() dict
         self._routing = routing
+        self._admitted = admitted
 
     def collect(self):
         snaps = dict(self._source())
@@ -281,12 +284,22 @@ class ClusterCollector:
             for outcome in ROUTING_OUTCOMES:
                 routed.add_metric([outcome], counts.get(outcome, 0))
             yield routed
+        if self._admitted is not None:
+            admitted = CounterMetricFamily(
+                f"{PREFIX}_ingress_requests",
+                "Inference requests an ingress replica admitted (past its API key and rate checks)",
+                labels=["ingress"])
+            for ingress, n in sorted(self._admitted().items()):
+                admitted.add_metric([ingress], n)
+            yield admitted
 
 
-def render(source: Callable[[], Mapping[str, dict]], routing: Callable[[], Mapping[str, int]] | None = None) -> bytes:
-    """Prometheus text exposition of every replica's snapshot (and of routing outcomes)."""
+def render(source: Callable[[], Mapping[str, dict]], routing: Callable[[], Mapping[str, int]] | None = None,
+           admitted: Callable[[], Mapping[str, int]] | None = None) -> bytes:
+    """Prometheus text exposition of every replica's snapshot (and of routing outcomes and
+    the ingress replicas' admitted requests: ClusterCollector)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ClusterCollector(source, routing))
+    registry.register(ClusterCollector(source, routing, admitted))
     return generate_latest(registry)
 
 

@@ -23,8 +23,9 @@ from cluster.routing import (
     routing_outcome,
 )
 
-# (app, deployment) -> replica id -> the metrics snapshot that replica last published. The
-# router lives in the caller's process (the ingress), so /metrics there reads it directly.
+# (app, deployment) -> replica id -> the report that replica last published: {"as_of": its
+# time.time() or None, "metrics": its snapshot}. The router lives in the caller's process
+# (the ingress), so /metrics there reads it directly.
 _REPLICA_METRICS: dict[tuple[str, str], dict[str, dict]] = {}
 # (app, deployment) -> routing outcome (cluster.routing.ROUTING_OUTCOMES) -> requests, as
 # the routers in this process routed them.
@@ -45,10 +46,16 @@ def _store() -> dict[tuple[str, str], dict[str, dict]]:
     return _module()._REPLICA_METRICS
 
 
-def replica_metrics(app: str, deployment: str) -> dict[str, dict]:
-    """The latest metrics snapshot of each running replica of ``deployment`` in ``app``,
-    as routers in this process last saw them."""
+def replica_reports(app: str, deployment: str) -> dict[str, dict]:
+    """The latest report of each running replica of ``deployment`` in ``app``, as routers in
+    this process last saw them: ``{"as_of": when the replica took it (time.time(); None: not
+    known), "metrics": its ReplicaMetrics snapshot}``."""
     return dict(_store().get((app, deployment), {}))
+
+
+def replica_metrics(app: str, deployment: str) -> dict[str, dict]:
+    """The latest metrics snapshot of each running replica of ``deployment`` in ``app``."""
+    return {rid: report["metrics"] for rid, report in replica_reports(app, deployment).items()}
 
 
 def routing_outcomes(app: str, deployment: str) -> dict[str, int]:
@@ -82,7 +89,7 @@ class ReplicaMetricsMixin:
         super().update_replicas(replicas)
         self._residency.forget_others(r.replica_id.unique_id for r in replicas)
         _store()[self._deployment_id.app_name, self._deployment_id.name] = {
-            r.replica_id.unique_id: r.routing_stats["metrics"]
+            r.replica_id.unique_id: {"as_of": r.routing_stats.get("as_of"), "metrics": r.routing_stats["metrics"]}
             for r in replicas
             if "metrics" in (r.routing_stats or {})
         }
@@ -213,6 +220,7 @@ __all__ = [
     "MultiplexMetricsRouter",
     "ReplicaMetricsMixin",
     "replica_metrics",
+    "replica_reports",
     "replica_view",
     "routing_outcomes",
     "routing_stats",

@@ -8,6 +8,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.admin import check_registry_owner
+from cluster.ingress_ledger import IngressLedger
 from cluster.serve_router import AdapterAffinityRouter, MultiplexMetricsRouter
 from deployments.config import AppArgs
 from deployments.ingress import OpenAIIngress
@@ -17,6 +18,8 @@ from deployments.model_server import LoRAModelServer
 _HEALTH_CHECK_PERIOD_S = 10.0
 _HEALTH_CHECK_TIMEOUT_S = 60.0
 _INGRESS_MAX_ONGOING = 1000
+# Every request of a rate-limited key asks the ledger once; each call takes microseconds.
+_LEDGER_MAX_ONGOING = 10_000
 # How often replicas publish held adapters and metrics to the router (and so to /metrics).
 _ROUTING_STATS_PERIOD_S = 1.0
 # A report as old as two periods has seen where the router sent a request.
@@ -34,7 +37,8 @@ def router_config(a: AppArgs) -> RequestRouterConfig:
     return RequestRouterConfig(
         request_router_class=AdapterAffinityRouter,
         request_router_kwargs=dict(
-            eps=a.routing_load_slack, hot_rate=a.routing_hot_rate, max_homes=a.routing_max_homes,
+            # Each ingress replica's router sees its share of the requests.
+            eps=a.routing_load_slack, hot_rate=a.routing_hot_rate / a.ingress_replicas, max_homes=a.routing_max_homes,
             half_life_s=a.routing_rate_half_life_s,
             residency_horizon_s=_RESIDENCY_HORIZON_S,
         ),
@@ -84,8 +88,17 @@ def build_app(args: dict | AppArgs) -> Application:
     ingress = serve.deployment(
         OpenAIIngress,
         name="OpenAIIngress",
-        num_replicas=1,
+        num_replicas=a.ingress_replicas,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0.5},
     )
-    return ingress.bind(server, plain)
+    if a.ingress_replicas == 1:
+        return ingress.bind(server, plain)
+    ledger = serve.deployment(
+        IngressLedger,
+        name="IngressLedger",
+        num_replicas=1,
+        max_ongoing_requests=_LEDGER_MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0},
+    ).bind()
+    return ingress.bind(server, plain, ledger)

@@ -32,6 +32,10 @@ class AppArgs(BaseModel):
         "template) to use instead of the checkpoint's; None uses the checkpoint's.",
     )
     num_replicas: int = Field(1, description="LoRAModelServer replicas, one engine each.")
+    ingress_replicas: int = Field(
+        1, description="OpenAIIngress replicas (HTTP parsing, auth, routing). Serve's proxy spreads requests "
+        "over them; with more than one, an IngressLedger replica keeps what they share: each API key's rate "
+        "limits, and the counts /metrics shows.")
     tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over (over all its hosts).")
     hosts_per_replica: int = Field(
         1, description="Hosts (machines) each replica spans, for a model larger than one host: each holds "
@@ -121,7 +125,7 @@ class AppArgs(BaseModel):
         64, description="Requests Serve sends one model-server replica at a time."
     )
     max_queued_requests: int = Field(
-        256, description="Requests the ingress holds waiting for a model-server replica (all replicas at "
+        256, description="Requests each ingress replica holds waiting for a model-server replica (all replicas at "
         "max_ongoing_requests); past it a request is refused at once with a 503 and Retry-After, so overload "
         "costs no memory.")
     max_request_bytes: int = Field(
@@ -175,7 +179,7 @@ class AppArgs(BaseModel):
     )
 
     @field_validator(
-        "num_replicas", "tensor_parallel_size", "hosts_per_replica", "max_batch", "max_lora_rank",
+        "num_replicas", "ingress_replicas", "tensor_parallel_size", "hosts_per_replica", "max_batch", "max_lora_rank",
         "max_cpu_loras", "max_adapter_bytes", "max_ongoing_requests", "routing_max_homes", "max_request_bytes",
         "max_queued_requests",
         "prefix_cache_min_tokens",

@@ -28,11 +28,11 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from cluster.access import AccessControl, Caller
 from cluster.admin import check_adapter_name, connect_admin, demo_adapter_sources, unwrap_error
 from cluster.auth import AdminAuth, AuthError
-from cluster.rate_limit import RateLimited
 from cluster.base_model import census
+from cluster.ingress_ledger import LedgerClient
 from cluster.metrics import render
 from cluster.registry_view import RegistryView
-from cluster.serve_router import replica_metrics, routing_outcomes
+from cluster.serve_router import replica_reports, routing_outcomes
 from deployments.config import AppArgs
 from deployments.openapi_docs import (
     ADMIN,
@@ -144,6 +144,8 @@ class _BodyLimit:
 app.add_middleware(_BodyLimit)
 
 _HEALTH_TIMEOUT_S = 10.0
+# How often an ingress replica sends its counts to the shared ledger (/metrics).
+_LEDGER_REPORT_S = 2.0
 
 
 # A 503 is temporary (a replica full, draining or restarting): when to try again.
@@ -349,11 +351,16 @@ def _admin_name_check(name: str, base: str) -> str:
 class OpenAIIngress:
     """OpenAI-compatible front door; forwards generation to LoRAModelServer replicas."""
 
-    async def __init__(self, server, args: dict):
+    async def __init__(self, server, args: dict, ledger=None):
+        """``ledger``: the IngressLedger deployment the ingress replicas share (with more than
+        one of them); None: this replica keeps rate limits and /metrics counts itself."""
         self._server = server
         self._args = AppArgs(**args)
         a = self._args
         _BodyLimit.max_bytes = a.max_request_bytes
+        self._ledger = LedgerClient(ledger)
+        self._id = serve.get_replica_context().replica_id.unique_id
+        self._admitted = 0  # inference requests this replica admitted (/metrics)
         self._access = AccessControl(AdminAuth.from_env(a.admin_token_env), a.api_keys_url)
         await self._start_keys()
         self._validator = a.adapter_validator()
@@ -368,6 +375,21 @@ class OpenAIIngress:
         # replicas publish: /metrics shows every replica's series from here on, not from the
         # first client request.
         await self._base_name()
+        if self._ledger.shared:
+            self._report_task = asyncio.get_running_loop().create_task(self._report_counts())
+
+    async def _report_counts(self) -> None:
+        """Sends this replica's counts to the shared ledger now and then, so /metrics read
+        through any ingress replica includes them (one that is never scraped too)."""
+        while True:
+            await asyncio.sleep(_LEDGER_REPORT_S)
+            await self._counts()
+
+    async def _counts(self) -> dict:
+        """What /metrics shows (IngressLedger.report), with this replica's counts in it."""
+        server = self._server
+        return await self._ledger.report(self._id, routing_outcomes(server.app_name, server.deployment_name),
+                                         self._admitted, replica_reports(server.app_name, server.deployment_name))
 
     async def _start_registry(self) -> None:
         """Adopts the registry's entries that record no base model and fit this one, registers
@@ -393,6 +415,7 @@ class OpenAIIngress:
         if not access.enabled:
             return
         access.install(await asyncio.to_thread(access.read))
+        self._ledger.forget(access.key_names())
         logger.info("API keys from %s in force: %s", access.keys_url, ", ".join(access.key_names()) or "none")
 
         async def refresh() -> None:
@@ -400,6 +423,7 @@ class OpenAIIngress:
                 await asyncio.sleep(self._args.api_keys_refresh_s)
                 try:
                     if access.install(await asyncio.to_thread(access.read)):
+                        self._ledger.forget(access.key_names())
                         logger.info("API keys re-read from %s: %s", access.keys_url, ", ".join(access.key_names()))
                 except Exception as e:  # a broken or unreachable file: the keys in force stay
                     logger.error("API keys file %s not re-read, the keys in force stay: %r", access.keys_url, e)
@@ -451,16 +475,26 @@ class OpenAIIngress:
             raise
 
     def _caller(self, authorization: str | None, *, admin: bool = False) -> Caller:
-        """Whom the request acts for (cluster/access.py), or its 401/403/429."""
+        """Whom the request acts for (cluster/access.py), or its 401/403."""
         try:
             return self._access.admin(authorization) if admin else self._access.inference(authorization)
         except AuthError as e:
             code = "invalid_api_key" if e.status_code == 401 else None
             raise OpenAIError(e.message, status_code=e.status_code, error_type=ERROR_TYPES_BY_STATUS[e.status_code],
                               code=code) from None
-        except RateLimited as e:
-            raise OpenAIError(str(e), status_code=429, error_type=ERROR_TYPES_BY_STATUS[429],
-                              code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after_s)}) from None
+
+    async def _inference_caller(self, authorization: str | None) -> Caller:
+        """The caller of an inference call, admitted against its key's rates (the ledger the
+        ingress replicas share), or its 401/403/429."""
+        caller = self._caller(authorization)
+        if caller.key is not None:
+            refusal = await self._ledger.admit(caller.key)
+            if refusal is not None:
+                why, retry_after_s = refusal
+                raise OpenAIError(why, status_code=429, error_type=ERROR_TYPES_BY_STATUS[429],
+                                  code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
+        self._admitted += 1
+        return caller
 
     def _admin_caller(self, authorization: str | None, name: str | None = None) -> Caller:
         """An admin call's caller; with ``name``, a 403 unless its scope covers that adapter
@@ -526,7 +560,7 @@ class OpenAIIngress:
 
     @app.post("/v1/completions", responses={**STREAMABLE, **INFERENCE})
     async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
-        caller = self._caller(authorization)
+        caller = await self._inference_caller(authorization)
         # Choice index = prompt number * n + sample number, as in OpenAI's API.
         rid = new_id("cmpl")
         samplings = body.choice_samplings(default_max_tokens=16)
@@ -544,7 +578,7 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions", responses={**STREAMABLE, **INFERENCE})
     async def chat_completions(self, body: ChatCompletionRequest, authorization: str | None = Header(None)):
-        caller = self._caller(authorization)
+        caller = await self._inference_caller(authorization)
         rid = new_id("chatcmpl")
         samplings = body.choice_samplings(default_max_tokens=None)
         self._check_sampling(samplings[0])
@@ -555,8 +589,8 @@ class OpenAIIngress:
 
     def _charge(self, caller: Caller, last_items: list[dict], prompt_of: list[int]) -> None:
         """The tokens a response computed, against its key's token rate."""
-        if last_items:
-            self._access.charge(caller, _usage(last_items, prompt_of)["total_tokens"])
+        if last_items and caller.key is not None:
+            self._ledger.charge(caller.key, _usage(last_items, prompt_of)["total_tokens"])
 
     async def _respond(self, body, caller: Caller, rid: str, payloads: list[dict], prompt_of: list[int], *,
                        chat: bool):
@@ -713,12 +747,12 @@ class OpenAIIngress:
 
     @app.get("/v1/models", responses=MODELS)
     async def models(self, authorization: str | None = Header(None)):
-        return {"object": "list", "data": await self._model_cards(self._caller(authorization))}
+        return {"object": "list", "data": await self._model_cards(await self._inference_caller(authorization))}
 
     @app.get("/v1/models/{model:path}", responses=MODEL)
     async def retrieve_model(self, model: str, authorization: str | None = Header(None)):
         """OpenAI's retrieve model: the object /v1/models lists under this id."""
-        cards = await self._model_cards(self._caller(authorization))
+        cards = await self._model_cards(await self._inference_caller(authorization))
         card = next((c for c in cards if c["id"] == model), None)
         if card is None:
             raise _model_not_found(model, await self._base_name())
@@ -736,18 +770,18 @@ class OpenAIIngress:
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics(self):
-        """Prometheus text: every model-server replica's latest published metrics."""
+        """Prometheus text: every model-server replica's latest published metrics, the routing
+        outcomes and the requests each ingress replica admitted (the same through any of them)."""
         # The server handle's router lives in this process and keeps what replicas publish.
-        server = self._server
-        body = render(lambda: replica_metrics(server.app_name, server.deployment_name),
-                      lambda: routing_outcomes(server.app_name, server.deployment_name))
+        counts = await self._counts()
+        body = render(lambda: counts["replicas"], lambda: counts["routing"], lambda: counts["admitted"])
         return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
     # --- tokenizer (vLLM's) -----------------------------------------------------------
 
     @app.post("/tokenize", responses=INFERENCE)
     async def tokenize(self, body: TokenizeRequest, authorization: str | None = Header(None)):
-        adapter = await self._adapter(body.model, self._caller(authorization))
+        adapter = await self._adapter(body.model, await self._inference_caller(authorization))
         handle = self._server.options(multiplexed_model_id=adapter)
         if body.messages is not None:
             result = await _replica_call(handle.tokenize_chat.remote(
@@ -763,7 +797,7 @@ class OpenAIIngress:
 
     @app.post("/detokenize", responses=INFERENCE)
     async def detokenize(self, body: DetokenizeRequest, authorization: str | None = Header(None)):
-        adapter = await self._adapter(body.model, self._caller(authorization))
+        adapter = await self._adapter(body.model, await self._inference_caller(authorization))
         handle = self._server.options(multiplexed_model_id=adapter)
         result = await _replica_call(handle.detokenize.remote(tokens=body.tokens))
         if "error" in result:

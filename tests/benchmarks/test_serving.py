@@ -268,6 +268,15 @@ def test_stream_interval_reaches_the_local_deployments_only():
             serving.parse_args(["--quick", *bad])
 
 
+def test_ingress_replicas_reach_the_local_deployments_only():
+    a = serving.parse_args(["--quick", "--ingress-replicas", "2"])
+    assert serving.app_args(a, "registry.json", affinity=False)["ingress_replicas"] == 2
+    assert serving.app_args(serving.parse_args(["--quick"]), "r.json", affinity=True)["ingress_replicas"] == 1
+    for bad in (["--ingress-replicas", "0"], ["--ingress-replicas", "2", "--url", "http://127.0.0.1:8000"]):
+        with pytest.raises(SystemExit):
+            serving.parse_args(["--quick", *bad])
+
+
 @pytest.mark.slow
 def test_benchmark_runs_end_to_end_at_a_tiny_setting():
     """`python -m benchmarks.serving` at a tiny setting (1 replica, 8 adapters, one rate, Serve's

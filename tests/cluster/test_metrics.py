@@ -162,6 +162,13 @@ def test_routing_outcomes_render_as_one_counter_with_every_outcome():
     assert not any(name.startswith("multilora_routing") for name, _ in samples(render(dict)))
 
 
+def test_each_ingress_replicas_admitted_requests_are_one_series():
+    got = samples(render(dict, dict, lambda: {"ingress-b": 3, "ingress-a": 5}))
+    assert got[("multilora_ingress_requests_total", (("ingress", "ingress-a"),))] == 5
+    assert got[("multilora_ingress_requests_total", (("ingress", "ingress-b"),))] == 3
+    assert not any(name.startswith("multilora_ingress") for name, _ in samples(render(dict, dict)))
+
+
 def test_render_with_no_replicas_is_valid_text():
     text = render(dict)
     assert samples(text) == {}
@@ -181,7 +188,7 @@ def test_dashboard_queries_only_metrics_that_are_exported():
     m = ReplicaMetrics()
     m.start("a").finish("ok", 1, 1)
     snap = {"r": m.snapshot({}, LoRAStats(), 0, 1, {8: (0, 1)})}
-    exported = {name for name, _ in samples(render(lambda: snap, dict))}
+    exported = {name for name, _ in samples(render(lambda: snap, dict, lambda: {"ingress-a": 1}))}
     assert used and used <= exported, used - exported
     hit_rate = next(p for p in dash["panels"] if p["title"].startswith("Prefix cache hit rate"))
     assert all("multilora_prefix_cache_hit_tokens_total" in t["expr"] and

@@ -16,6 +16,7 @@ def test_defaults_are_the_demo():
     "field, value, match",
     [
         ("num_replicas", 0, "num_replicas=0"),
+        ("ingress_replicas", 0, "ingress_replicas=0"),
         ("max_seq_len", 4, "max_seq_len=4"),
         ("max_loras_per_batch", -1, "max_loras_per_batch=-1"),
         ("lora_backend", "cuda", "lora_backend='cuda'"),
@@ -129,6 +130,32 @@ def test_router_knobs_reach_the_router():
     multiplex = MultiplexMetricsRouter.__new__(MultiplexMetricsRouter)
     multiplex.initialize_state(**plain.request_router_kwargs)
     assert multiplex._residency.horizon_s == 2.0
+
+
+def test_each_ingress_replicas_router_takes_its_share_of_the_hot_rate():
+    from deployments.app import router_config
+
+    cfg = router_config(AppArgs(routing_hot_rate=30.0, ingress_replicas=3))
+    assert cfg.request_router_kwargs["hot_rate"] == 10.0
+
+
+def test_the_ledger_is_bound_only_for_several_ingress_replicas():
+    from deployments.app import build_app
+
+    def deployments(app) -> dict:
+        """Name -> the Deployment of every deployment bound in ``app``."""
+        found, todo = {}, [app]
+        while todo:
+            node = todo.pop()._bound_deployment
+            found[node.name] = node
+            todo.extend(a for a in node.init_args if hasattr(a, "_bound_deployment"))
+        return found
+
+    one = deployments(build_app({}))
+    assert set(one) == {"OpenAIIngress", "LoRAModelServer"}
+    two = deployments(build_app({"ingress_replicas": 2}))
+    assert set(two) == {"OpenAIIngress", "LoRAModelServer", "IngressLedger"}
+    assert two["OpenAIIngress"].num_replicas == 2 and two["IngressLedger"].num_replicas == 1
 
 
 def test_compilation_cache_dir_reaches_the_engine(tmp_path, monkeypatch):

@@ -40,6 +40,7 @@ KEYS_REFRESH_S = 1.0
 TIGHT_ONGOING, TIGHT_QUEUED = 2, 2  # the keyed deployment's replica and queue limits
 KEYED_MAX_LORA_RANK = 16  # the keyed deployment's rank limit (64 before): a changed validation limit
 KEYED_STREAM_INTERVAL = 3  # the keyed deployment streams 3 tokens a chunk after the first
+KEYED_INGRESS_REPLICAS = 2  # the keyed deployment's ingress replicas (they share rate limits)
 LOAD_TIMEOUT_S = 4.0  # adapter_load_timeout_s: how long a request waits on its adapter's storage
 MAX_ADAPTER_BYTES = 8 << 20
 DEPLOYED: dict = {}  # what the app runs with now: {"keys": the keys file or None}
@@ -81,6 +82,7 @@ def _write_config(cluster, files, keys: Path | None = None) -> Path:
         args["max_queued_requests"] = TIGHT_QUEUED
         args["max_lora_rank"] = KEYED_MAX_LORA_RANK
         args["stream_interval"] = KEYED_STREAM_INTERVAL
+        args["ingress_replicas"] = KEYED_INGRESS_REPLICAS
     path = files["root"] / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -1357,8 +1359,45 @@ def test_a_key_over_its_request_rate_gets_a_429_with_retry_after(tenants):
         client.completions.create(model=BASE, prompt="x", max_tokens=1)
     assert e.value.body["code"] == "rate_limit_exceeded" and "3 requests per minute" in e.value.body["message"]
     assert 1 <= int(e.value.response.headers["Retry-After"]) <= 60 // LIMITED_RPM
+    # The ingress replicas share the key's bucket: more requests are refused whichever replica
+    # they reach (with a bucket per replica, some would pass on the one that took fewer).
+    for _ in range(2 * LIMITED_RPM):
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=BASE, prompt="x", max_tokens=1)
     # Other keys are not affected.
     _client(tenants, TENANT_A).completions.create(model=BASE, prompt="x", max_tokens=1)
+
+
+def _admitted(url: str) -> dict[str, float]:
+    """Inference requests each ingress replica admitted, as /metrics shows them."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {i: float(n) for i, n in re.findall(r'^multilora_ingress_requests_total\{ingress="([^"]+)"\} (\S+)', text,
+                                               re.M)}
+
+
+def test_the_ingress_replicas_share_the_load_and_read_the_same_metrics(tenants):
+    """The keyed deployment's two ingress replicas: Serve's proxy spreads requests over both
+    (each counts what it admitted), and /metrics, read through either, shows both."""
+    url = tenants.base_url
+    before = _admitted(url)
+    client = _client(tenants, TENANT_A)
+    sent = 20
+    for _ in range(sent):
+        client.models.list()
+    deadline = time.monotonic() + 15  # each replica reports its counts every 2 s
+    while True:
+        after = _admitted(url)
+        spread = {i: n - before.get(i, 0.0) for i, n in after.items()}
+        if sum(spread.values()) >= sent or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(spread) == KEYED_INGRESS_REPLICAS and sum(spread.values()) >= sent, spread
+    assert all(n > 0 for n in spread.values()), spread  # 2 in 2**20 that one takes all
+    # Every scrape, whichever replica answers it, lists both, and no count goes back.
+    for _ in range(6):
+        again = _admitted(url)
+        assert set(again) == set(after) and all(again[i] >= after[i] for i in after), (after, again)
+        after = again
 
 
 def test_a_key_removed_from_the_file_is_refused_within_the_refresh(tenants, files):

@@ -1,0 +1,193 @@
+"""IngressLedger: what several ingress replicas share, so that they act as one endpoint.
+
+With one ingress replica its process holds the rate-limit buckets and the counts /metrics
+shows. With more (``ingress_replicas``), Serve's proxy spreads the requests over them, so:
+
+- **Rate limits** are kept here, once per API key: each replica asks before it admits a
+  request and charges a response's tokens here, so a key gets its rate once, not once per
+  replica.
+- **/metrics** answers the same from every replica. Each one reports what it counted (its
+  routers' routing outcomes, the requests it admitted) and the model-server snapshots its
+  routers last received; the ledger keeps each replica's newest snapshot by its time, so a
+  counter read through one ingress and then another never goes back, and sums the routing
+  outcomes over every ingress replica that ever reported (one that is gone keeps its share).
+
+The ingress binds this class as a Serve deployment of one replica (deployments/app.py);
+the class itself imports no Ray and keeps its state in memory: a restarted ledger starts
+every key with a full bucket, and its routing sums from what the ingress replicas report
+next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+
+from cluster.api_keys import ApiKey
+from cluster.rate_limit import RateLimited, RateLimiter
+
+logger = logging.getLogger("ray.serve")
+
+# An ingress replica silent this long is gone: its admitted-requests series ends (its
+# routing outcomes stay in the sums). A model-server replica none reports this long is
+# dropped too.
+FORGET_AFTER_S = 60.0
+
+
+class IngressLedger:
+    """Rate-limit buckets per API key and the merged /metrics counts of the ingress replicas.
+    Thread-safe: Serve runs a deployment's plain methods on a thread pool (each call holds
+    the lock for microseconds)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._limiter = RateLimiter(clock)
+        self._ingress: dict[str, dict] = {}  # ingress id -> {"at", "routing", "admitted"}
+        self._retired = Counter()  # routing outcomes of ingress replicas that are gone
+        self._replicas: dict[str, dict] = {}  # model-server replica id -> {"at", "as_of", "metrics"}
+
+    def admit(self, key: ApiKey) -> tuple[str, int] | None:
+        """Takes one request from ``key``'s budget: None, or (why, retry-after seconds) when
+        it is over a rate (taking nothing). Refusals are returned, not raised, so they cross
+        the process boundary as plain data."""
+        try:
+            with self._lock:
+                self._limiter.admit(key)
+        except RateLimited as e:
+            return str(e), e.retry_after_s
+        return None
+
+    def charge(self, key: ApiKey, tokens: int) -> None:
+        """A finished response's prompt and completion tokens, against its key's token rate."""
+        if tokens > 0:
+            with self._lock:
+                self._limiter.charge(key, tokens)
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Drops the buckets of keys not in ``names`` (the keys file in force)."""
+        with self._lock:
+            self._limiter.forget(set(names))
+
+    def report(self, ingress_id: str, routing: Mapping[str, int], admitted: int,
+               replicas: Mapping[str, dict]) -> dict:
+        """Takes one ingress replica's counts (cumulative: its routers' routing outcomes and
+        the requests it admitted) and the model-server reports it holds (replica id ->
+        ``{"as_of": time.time() of the report or None, "metrics": snapshot}``); returns what
+        /metrics shows: ``{"replicas": id -> the newest snapshot any ingress reported, for
+        the replicas in ``replicas`` (the caller's running set), "routing": outcome -> sum
+        over every ingress replica, "admitted": ingress id -> requests}``."""
+        with self._lock:
+            return self._report(ingress_id, routing, admitted, replicas)
+
+    def _report(self, ingress_id: str, routing: Mapping[str, int], admitted: int,
+                replicas: Mapping[str, dict]) -> dict:
+        now = self._clock()
+        # Counts only grow: two reports of one replica may arrive out of order (its periodic
+        # one and a scrape's), so the larger of each count stands.
+        held = self._ingress.setdefault(ingress_id, {"routing": Counter(), "admitted": 0})
+        held["at"] = now
+        held["admitted"] = max(held["admitted"], int(admitted))
+        for outcome, n in routing.items():
+            held["routing"][outcome] = max(held["routing"][outcome], n)
+        for rid, rep in replicas.items():
+            kept = self._replicas.get(rid)
+            if kept is None or _newer(rep.get("as_of"), kept["as_of"]):
+                kept = self._replicas[rid] = {"as_of": rep.get("as_of"), "metrics": rep["metrics"]}
+            kept["at"] = now
+        self._forget_silent(now)
+        routing_sum = Counter(self._retired)
+        for entry in self._ingress.values():
+            routing_sum.update(entry["routing"])
+        return {
+            "replicas": {rid: self._replicas[rid]["metrics"] for rid in replicas},
+            "routing": dict(routing_sum),
+            "admitted": {iid: entry["admitted"] for iid, entry in sorted(self._ingress.items())},
+        }
+
+    def _forget_silent(self, now: float) -> None:
+        for iid in [i for i, e in self._ingress.items() if now - e["at"] > FORGET_AFTER_S]:
+            self._retired.update(self._ingress.pop(iid)["routing"])
+        for rid in [r for r, e in self._replicas.items() if now - e["at"] > FORGET_AFTER_S]:
+            del self._replicas[rid]
+
+
+def _newer(as_of: float | None, than: float | None) -> bool:
+    """Whether a report taken at ``as_of`` is newer than one taken at ``than`` (a report
+    whose time is not known is older than any that has one, and replaces another such)."""
+    if as_of is None:
+        return than is None
+    return than is None or as_of >= than
+
+
+class LedgerClient:
+    """An ingress replica's side of the ledger: an IngressLedger of its own (the only ingress
+    replica) or the shared one (``shared``: a Serve deployment handle of IngressLedger).
+
+    While the shared ledger cannot be reached (it is restarting), this replica goes on with
+    a ledger of its own, and says so in its log once: requests are admitted against its own
+    buckets (a key gets its rate once per ingress replica meanwhile), and /metrics shows its
+    own counts. Both recover by themselves when the shared ledger answers again."""
+
+    def __init__(self, shared=None, clock: Callable[[], float] = time.monotonic):
+        self._shared = shared
+        self._own = IngressLedger(clock)
+        self._unreachable = False
+        self._pending: set[asyncio.Task] = set()
+
+    @property
+    def shared(self) -> bool:
+        return self._shared is not None
+
+    async def _call(self, method: str, *args):
+        if self._shared is None:
+            return getattr(self._own, method)(*args)
+        try:
+            result = await getattr(self._shared, method).remote(*args)
+        except Exception as e:  # Serve or Ray wrap what went wrong there: go on here, say so once
+            if not self._unreachable:
+                logger.error("the shared ingress ledger failed (%r): rate limits and /metrics counts are this "
+                             "ingress replica's own until it answers again", e)
+            self._unreachable = True
+            return getattr(self._own, method)(*args)
+        if self._unreachable:
+            logger.info("the shared ingress ledger answers again: rate limits and /metrics counts are shared")
+            self._unreachable = False
+        return result
+
+    async def admit(self, key: ApiKey) -> tuple[str, int] | None:
+        """None, or (why, retry-after seconds): IngressLedger.admit."""
+        return await self._call("admit", key)
+
+    def charge(self, key: ApiKey, tokens: int) -> None:
+        """IngressLedger.charge, without waiting for the shared ledger."""
+        self._send("charge", key, tokens)
+
+    def forget(self, names: Iterable[str]) -> None:
+        """IngressLedger.forget, without waiting for the shared ledger."""
+        self._send("forget", sorted(names))
+
+    async def report(self, ingress_id: str, routing: Mapping[str, int], admitted: int,
+                     replicas: Mapping[str, dict]) -> dict:
+        """IngressLedger.report."""
+        return await self._call("report", ingress_id, dict(routing), admitted, dict(replicas))
+
+    def _send(self, method: str, *args) -> None:
+        if self._shared is None:
+            getattr(self._own, method)(*args)
+            return
+        task = asyncio.get_running_loop().create_task(self._call(method, *args))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def drain(self) -> None:
+        """Waits for the charges and forgets sent so far (tests; a replica's shutdown)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending))
+
+
+__all__ = ["FORGET_AFTER_S", "IngressLedger", "LedgerClient"]
