@@ -380,16 +380,19 @@ class OpenAIIngress:
 
     async def _report_counts(self) -> None:
         """Sends this replica's counts to the shared ledger now and then, so /metrics read
-        through any ingress replica includes them (one that is never scraped too)."""
+        through any ingress replica includes them (one that is never scraped too). The
+        model servers' snapshots go only with a scrape (``_counts``): every ingress holds
+        them, and the ledger needs them only to answer one."""
         while True:
             await asyncio.sleep(_LEDGER_REPORT_S)
-            await self._counts()
+            await self._counts(with_replicas=False)
 
-    async def _counts(self) -> dict:
+    async def _counts(self, *, with_replicas: bool = True) -> dict:
         """What /metrics shows (IngressLedger.report), with this replica's counts in it."""
         server = self._server
+        replicas = replica_reports(server.app_name, server.deployment_name) if with_replicas else {}
         return await self._ledger.report(self._id, routing_outcomes(server.app_name, server.deployment_name),
-                                         self._admitted, replica_reports(server.app_name, server.deployment_name))
+                                         self._admitted, replicas)
 
     async def _start_registry(self) -> None:
         """Adopts the registry's entries that record no base model and fit this one, registers
