@@ -6,6 +6,9 @@ shows. With more (``ingress_replicas``), Serve's proxy spreads the requests over
 - **Rate limits** are kept here, once per API key: each replica asks before it admits a
   request and charges a response's tokens here, so a key gets its rate once, not once per
   replica.
+- **Usage per API key**: requests admitted and refused for a rate, and tokens charged,
+  counted where the buckets are (``multilora_api_key_requests_total{key, outcome}``,
+  ``multilora_api_key_tokens_total{key}``), for metering tenants.
 - **/metrics** answers the same from every replica. Each one reports what it counted (its
   routers' routing outcomes, the requests it admitted) and the model-server snapshots its
   routers last received; the ledger keeps each replica's newest snapshot by its time, so a
@@ -50,16 +53,20 @@ class IngressLedger:
         self._ingress: dict[str, dict] = {}  # ingress id -> {"at", "routing", "admitted"}
         self._retired = Counter()  # routing outcomes of ingress replicas that are gone
         self._replicas: dict[str, dict] = {}  # model-server replica id -> {"at", "as_of", "metrics"}
+        self._usage: dict[str, Counter] = {}  # key name -> {"admitted", "rate_limited", "tokens"}
 
     def admit(self, key: ApiKey) -> tuple[str, int] | None:
         """Takes one request from ``key``'s budget: None, or (why, retry-after seconds) when
         it is over a rate (taking nothing). Refusals are returned, not raised, so they cross
         the process boundary as plain data."""
-        try:
-            with self._lock:
+        with self._lock:
+            usage = self._usage.setdefault(key.name, Counter())
+            try:
                 self._limiter.admit(key)
-        except RateLimited as e:
-            return str(e), e.retry_after_s
+            except RateLimited as e:
+                usage["rate_limited"] += 1
+                return str(e), e.retry_after_s
+            usage["admitted"] += 1
         return None
 
     def charge(self, key: ApiKey, tokens: int) -> None:
@@ -67,11 +74,15 @@ class IngressLedger:
         if tokens > 0:
             with self._lock:
                 self._limiter.charge(key, tokens)
+                self._usage.setdefault(key.name, Counter())["tokens"] += tokens
 
     def forget(self, names: Iterable[str]) -> None:
-        """Drops the buckets of keys not in ``names`` (the keys file in force)."""
+        """Drops the buckets and usage of keys not in ``names`` (the keys file in force)."""
+        kept = set(names)
         with self._lock:
-            self._limiter.forget(set(names))
+            self._limiter.forget(kept)
+            for name in set(self._usage) - kept:
+                del self._usage[name]
 
     def report(self, ingress_id: str, routing: Mapping[str, int], admitted: int,
                replicas: Mapping[str, dict]) -> dict:
@@ -80,7 +91,8 @@ class IngressLedger:
         ``{"as_of": time.time() of the report or None, "metrics": snapshot}``); returns what
         /metrics shows: ``{"replicas": id -> the newest snapshot any ingress reported, for
         the replicas in ``replicas`` (the caller's running set), "routing": outcome -> sum
-        over every ingress replica, "admitted": ingress id -> requests}``."""
+        over every ingress replica, "admitted": ingress id -> requests, "keys": key name ->
+        {"admitted", "rate_limited", "tokens"}}``."""
         with self._lock:
             return self._report(ingress_id, routing, admitted, replicas)
 
@@ -107,6 +119,8 @@ class IngressLedger:
             "replicas": {rid: self._replicas[rid]["metrics"] for rid in replicas},
             "routing": dict(routing_sum),
             "admitted": {iid: entry["admitted"] for iid, entry in sorted(self._ingress.items())},
+            "keys": {name: {k: usage[k] for k in ("admitted", "rate_limited", "tokens")}
+                     for name, usage in sorted(self._usage.items())},
         }
 
     def _forget_silent(self, now: float) -> None:

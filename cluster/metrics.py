@@ -215,15 +215,18 @@ def _bound(b: float) -> str:
 
 class ClusterCollector:
     """A prometheus_client collector over the latest snapshot of every replica, the routing
-    outcomes of the ingress's routers (``routing``: outcome -> requests) and the requests
-    each ingress replica admitted (``admitted``: ingress replica id -> requests)."""
+    outcomes of the ingress's routers (``routing``: outcome -> requests), the requests each
+    ingress replica admitted (``admitted``: ingress replica id -> requests) and each API
+    key's usage (``keys``: key name -> {"admitted", "rate_limited", "tokens"})."""
 
     def __init__(self, source: Callable[[], Mapping[str, dict]],
                  routing: Callable[[], Mapping[str, int]] | None = None,
-                 admitted: Callable[[], Mapping[str, int]] | None = None):
+                 admitted: Callable[[], Mapping[str, int]] | None = None,
+                 keys: Callable[[], Mapping[str, Mapping[str, int]]] | None = None):
         self._source = source  # replica id -> ReplicaMetrics.snapshot() dict
         self._routing = routing
         self._admitted = admitted
+        self._keys = keys
 
     def collect(self):
         snaps = dict(self._source())
@@ -292,14 +295,27 @@ class ClusterCollector:
             for ingress, n in sorted(self._admitted().items()):
                 admitted.add_metric([ingress], n)
             yield admitted
+        if self._keys is not None:
+            requests = CounterMetricFamily(
+                f"{PREFIX}_api_key_requests", "Inference requests per API key: admitted, or refused for a rate "
+                "(429)", labels=["key", "outcome"])
+            tokens = CounterMetricFamily(f"{PREFIX}_api_key_tokens",
+                                         "Prompt and completion tokens charged per API key", labels=["key"])
+            for key, usage in sorted(self._keys().items()):
+                for outcome in ("admitted", "rate_limited"):
+                    requests.add_metric([key, outcome], usage.get(outcome, 0))
+                tokens.add_metric([key], usage.get("tokens", 0))
+            yield requests
+            yield tokens
 
 
 def render(source: Callable[[], Mapping[str, dict]], routing: Callable[[], Mapping[str, int]] | None = None,
-           admitted: Callable[[], Mapping[str, int]] | None = None) -> bytes:
-    """Prometheus text exposition of every replica's snapshot (and of routing outcomes and
-    the ingress replicas' admitted requests: ClusterCollector)."""
+           admitted: Callable[[], Mapping[str, int]] | None = None,
+           keys: Callable[[], Mapping[str, Mapping[str, int]]] | None = None) -> bytes:
+    """Prometheus text exposition of every replica's snapshot (and of routing outcomes, the
+    ingress replicas' admitted requests and API key usage: ClusterCollector)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ClusterCollector(source, routing, admitted))
+    registry.register(ClusterCollector(source, routing, admitted, keys))
     return generate_latest(registry)
 
 

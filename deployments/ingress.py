@@ -774,10 +774,12 @@ class OpenAIIngress:
     @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics(self):
         """Prometheus text: every model-server replica's latest published metrics, the routing
-        outcomes and the requests each ingress replica admitted (the same through any of them)."""
+        outcomes, the requests each ingress replica admitted and each API key's usage (the
+        same through any ingress replica)."""
         # The server handle's router lives in this process and keeps what replicas publish.
         counts = await self._counts()
-        body = render(lambda: counts["replicas"], lambda: counts["routing"], lambda: counts["admitted"])
+        body = render(lambda: counts["replicas"], lambda: counts["routing"], lambda: counts["admitted"],
+                      lambda: counts["keys"])
         return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
     # --- tokenizer (vLLM's) -----------------------------------------------------------

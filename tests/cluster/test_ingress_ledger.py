@@ -72,6 +72,21 @@ def test_two_ingress_replicas_share_each_keys_rates():
     asyncio.run(run())
 
 
+def test_each_keys_usage_is_counted_where_its_buckets_are():
+    ledger = IngressLedger(Clock())
+    for _ in range(5):
+        ledger.admit(LIMITED)  # 3 admitted, 2 over the rate
+    ledger.admit(OPEN)
+    ledger.charge(LIMITED, 40)
+    ledger.charge(OPEN, 7)
+    ledger.charge(OPEN, 0)
+    got = ledger.report("a", {}, 0, {})["keys"]
+    assert got == {"acme": {"admitted": 3, "rate_limited": 2, "tokens": 40},
+                   "globex": {"admitted": 1, "rate_limited": 0, "tokens": 7}}
+    ledger.forget(["globex"])  # acme left the keys file: its series end
+    assert list(ledger.report("a", {}, 0, {})["keys"]) == ["globex"]
+
+
 def test_forget_drops_the_buckets_of_removed_keys_only():
     clock = Clock()
     ledger = IngressLedger(clock)
@@ -191,6 +206,7 @@ def test_the_only_ingress_replica_keeps_its_own_ledger():
         client.charge(LIMITED, 500)  # applied at once, no task
         assert "100 tokens per minute" in (await client.admit(LIMITED))[0]
         got = await client.report("only", {"placed": 1}, 4, {"r1": {"as_of": 5.0, "metrics": {"n": 1}}})
-        assert got == {"replicas": {"r1": {"n": 1}}, "routing": {"placed": 1}, "admitted": {"only": 4}}
+        assert got == {"replicas": {"r1": {"n": 1}}, "routing": {"placed": 1}, "admitted": {"only": 4},
+                       "keys": {"acme": {"admitted": 1, "rate_limited": 1, "tokens": 500}}}  # since forget
 
     asyncio.run(run())

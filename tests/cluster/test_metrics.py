@@ -169,6 +169,14 @@ def test_each_ingress_replicas_admitted_requests_are_one_series():
     assert not any(name.startswith("multilora_ingress") for name, _ in samples(render(dict, dict)))
 
 
+def test_each_api_keys_usage_is_a_request_and_a_token_series():
+    got = samples(render(dict, dict, dict, lambda: {"acme": {"admitted": 3, "rate_limited": 2, "tokens": 40}}))
+    assert got[("multilora_api_key_requests_total", (("key", "acme"), ("outcome", "admitted")))] == 3
+    assert got[("multilora_api_key_requests_total", (("key", "acme"), ("outcome", "rate_limited")))] == 2
+    assert got[("multilora_api_key_tokens_total", (("key", "acme"),))] == 40
+    assert not any(name.startswith("multilora_api_key") for name, _ in samples(render(dict, dict, dict, dict)))
+
+
 def test_render_with_no_replicas_is_valid_text():
     text = render(dict)
     assert samples(text) == {}
@@ -188,7 +196,8 @@ def test_dashboard_queries_only_metrics_that_are_exported():
     m = ReplicaMetrics()
     m.start("a").finish("ok", 1, 1)
     snap = {"r": m.snapshot({}, LoRAStats(), 0, 1, {8: (0, 1)})}
-    exported = {name for name, _ in samples(render(lambda: snap, dict, lambda: {"ingress-a": 1}))}
+    exported = {name for name, _ in samples(render(lambda: snap, dict, lambda: {"ingress-a": 1},
+                                                   lambda: {"k": {"admitted": 1}}))}
     assert used and used <= exported, used - exported
     hit_rate = next(p for p in dash["panels"] if p["title"].startswith("Prefix cache hit rate"))
     assert all("multilora_prefix_cache_hit_tokens_total" in t["expr"] and

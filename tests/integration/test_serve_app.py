@@ -1351,7 +1351,17 @@ def test_an_admin_key_manages_only_its_scope(tenants, files, reference):
     assert httpx.delete(f"{url}/v1/adapters/ta-two", headers=admin, timeout=60).status_code == 200
 
 
+def _key_usage(url: str, key: str) -> dict[str, float]:
+    """An API key's usage as /metrics shows it: requests by outcome, and tokens."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    usage = {o: float(n) for o, n in re.findall(
+        r'^multilora_api_key_requests_total\{key="%s",outcome="([a-z_]+)"\} (\S+)' % re.escape(key), text, re.M)}
+    tokens = re.findall(r'^multilora_api_key_tokens_total\{key="%s"\} (\S+)' % re.escape(key), text, re.M)
+    return {**usage, "tokens": float(tokens[0]) if tokens else 0.0}
+
+
 def test_a_key_over_its_request_rate_gets_a_429_with_retry_after(tenants):
+    before = _key_usage(tenants.base_url, "limited")
     client = _client(tenants, LIMITED)
     for _ in range(LIMITED_RPM):
         client.completions.create(model=BASE, prompt="x", max_tokens=1)
@@ -1364,6 +1374,12 @@ def test_a_key_over_its_request_rate_gets_a_429_with_retry_after(tenants):
     for _ in range(2 * LIMITED_RPM):
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=BASE, prompt="x", max_tokens=1)
+    # The key's usage, counted once for the endpoint: its requests by outcome, and the tokens
+    # of the answered ones (a prompt of at least 1 token and 1 new token each).
+    after = _key_usage(tenants.base_url, "limited")
+    assert after.get("admitted", 0) - before.get("admitted", 0) == LIMITED_RPM, (before, after)
+    assert after["rate_limited"] - before.get("rate_limited", 0) == 1 + 2 * LIMITED_RPM, (before, after)
+    assert after["tokens"] - before["tokens"] >= 2 * LIMITED_RPM, (before, after)
     # Other keys are not affected.
     _client(tenants, TENANT_A).completions.create(model=BASE, prompt="x", max_tokens=1)
 
