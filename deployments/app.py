@@ -8,7 +8,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.admin import check_registry_owner
-from cluster.ingress_ledger import IngressLedger
+from cluster.ingress_ledger import LedgerHost
 from cluster.serve_router import AdapterAffinityRouter, MultiplexMetricsRouter
 from deployments.config import AppArgs
 from deployments.ingress import OpenAIIngress
@@ -18,8 +18,6 @@ from deployments.model_server import LoRAModelServer
 _HEALTH_CHECK_PERIOD_S = 10.0
 _HEALTH_CHECK_TIMEOUT_S = 60.0
 _INGRESS_MAX_ONGOING = 1000
-# Every request of a rate-limited key asks the ledger once; each call takes microseconds.
-_LEDGER_MAX_ONGOING = 10_000
 # How often replicas publish held adapters and metrics to the router (and so to /metrics).
 _ROUTING_STATS_PERIOD_S = 1.0
 # A report as old as two periods has seen where the router sent a request.
@@ -95,10 +93,9 @@ def build_app(args: dict | AppArgs) -> Application:
     if a.ingress_replicas == 1:
         return ingress.bind(server, plain)
     ledger = serve.deployment(
-        IngressLedger,
+        LedgerHost,
         name="IngressLedger",
         num_replicas=1,
-        max_ongoing_requests=_LEDGER_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0},
     ).bind()
     return ingress.bind(server, plain, ledger)

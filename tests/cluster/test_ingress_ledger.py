@@ -10,7 +10,8 @@ import logging
 import threading
 
 from cluster.api_keys import ApiKey
-from cluster.ingress_ledger import FORGET_AFTER_S, IngressLedger, LedgerClient
+from cluster import ingress_ledger
+from cluster.ingress_ledger import FORGET_AFTER_S, RETRY_AFTER_S, IngressLedger, LedgerClient
 
 
 class Clock:
@@ -31,18 +32,26 @@ class _Method:
 
     async def remote(self, *args):
         await asyncio.sleep(0)  # another task may run meanwhile, as across processes
+        if self._handle.hung:
+            await asyncio.sleep(3600)
         if self._handle.down:
             raise ConnectionError("the ledger's replica is gone")
-        return getattr(self._handle.ledger, self._name)(*args)
+        if self._name == "ledger":  # LedgerHost.ledger: the actor's handle
+            self._handle.handed += 1
+            return self._handle
+        return getattr(self._handle.state, self._name)(*args)
 
 
 class Handle:
-    """Stands for the Serve handle of one IngressLedger replica: ``handle.<method>.remote(...)``
+    """Stands for the Serve handle of one LedgerHost replica and for its ledger actor's
+    handle (``handle.ledger.remote()`` gives this same object): ``handle.<method>.remote(...)``
     awaits the call; ``down`` makes every call fail as a dead replica's would."""
 
     def __init__(self, ledger: IngressLedger):
-        self.ledger = ledger
+        self.state = ledger
         self.down = False
+        self.hung = False  # every call waits (a replica that took the call and never answers)
+        self.handed = 0  # how often the host gave the actor's handle
 
     def __getattr__(self, name: str) -> _Method:
         return _Method(self, name)
@@ -56,6 +65,7 @@ def test_two_ingress_replicas_share_each_keys_rates():
         assert a.shared and b.shared
         # 3 requests a minute in all, whichever replica a request reaches.
         assert [await c.admit(LIMITED) for c in (a, b, a)] == [None, None, None]
+        assert handle.handed == 2  # each client asked the host once, then called the actor
         for c in (a, b):
             why, retry = await c.admit(LIMITED)
             assert "3 requests per minute" in why and retry == 20
@@ -127,7 +137,8 @@ class _Records(logging.Handler):
 
 def test_a_client_goes_on_alone_while_the_ledger_is_away_and_says_so_once():
     handle = Handle(IngressLedger(Clock()))
-    client = LedgerClient(handle, clock=Clock())
+    clock = Clock()
+    client = LedgerClient(handle, clock=clock)
     caught, log = _Records(), logging.getLogger("ray.serve")
     level = log.level
     log.addHandler(caught)
@@ -144,9 +155,14 @@ def test_a_client_goes_on_alone_while_the_ledger_is_away_and_says_so_once():
         got = await client.report("ingress-a", {"resident": 2}, 5, {})
         assert got["admitted"] == {"ingress-a": 5} and got["routing"] == {"resident": 2}
         handle.down = False
+        # For a second after a failure the client does not ask again (no request waits on a
+        # ledger that just failed): still its own buckets, this key's spent.
+        assert await client.admit(LIMITED) is not None
+        clock.t += RETRY_AFTER_S
         # Back on the shared ledger: its bucket had 2 left, and no tokens were charged there.
         assert [await client.admit(LIMITED) for _ in range(2)] == [None, None]
         assert "3 requests per minute" in (await client.admit(LIMITED))[0]
+        assert handle.handed == 2  # asked again after the failure
 
     try:
         asyncio.run(run())
@@ -157,6 +173,25 @@ def test_a_client_goes_on_alone_while_the_ledger_is_away_and_says_so_once():
     errors = [m for r, m in zip(caught.records, messages) if r.levelno == logging.ERROR and "shared ingress ledger" in m]
     assert len(errors) == 1 and "ConnectionError" in errors[0], messages
     assert any("answers again" in m for m in messages), messages
+
+
+def test_a_ledger_that_does_not_answer_holds_a_request_no_longer_than_the_timeout(monkeypatch):
+    monkeypatch.setattr(ingress_ledger, "LEDGER_TIMEOUT_S", 0.05)
+    handle = Handle(IngressLedger(Clock()))
+    client = LedgerClient(handle)
+
+    async def run():
+        assert await client.admit(LIMITED) is None
+        handle.hung = True
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await client.admit(LIMITED) is None  # its own bucket, after the timeout
+        assert loop.time() - start < 1.0
+        start = loop.time()
+        assert [await client.admit(LIMITED) for _ in range(2)] == [None, None]  # no wait at all now
+        assert loop.time() - start < 0.04
+
+    asyncio.run(run())
 
 
 def _report(ledger: IngressLedger, ingress: str, routing: dict, admitted: int, replicas: dict) -> dict:

@@ -91,16 +91,16 @@ def kill_actor(cluster: Cluster, name: str, namespace: str, *, no_restart: bool)
 
 
 class ReplicaKiller:
-    """Kills one model-server replica of Serve application `app` (ray.kill, no restart: Serve
-    replaces it) the moment `kill()` is called: a driver process connected ahead of time, so
-    the kill lands when the test says, not seconds later."""
+    """Kills one replica of `deployment` (the model server by default) of Serve application
+    `app` (ray.kill, no restart: Serve replaces it) the moment `kill()` is called: a driver
+    process connected ahead of time, so the kill lands when the test says, not seconds later."""
 
-    def __init__(self, cluster: Cluster, app: str):
+    def __init__(self, cluster: Cluster, app: str, deployment: str = "LoRAModelServer"):
         code = (
             "import ray, sys\n"
             f"ray.init(address={cluster.gcs_address!r}, log_to_driver=False)\n"
             "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)\n"
-            f"               if a['namespace'] == 'serve' and '::{app}#LoRAModelServer#' in a['name'])\n"
+            f"               if a['namespace'] == 'serve' and '::{app}#{deployment}#' in a['name'])\n"
             "replica = ray.get_actor(names[0], namespace='serve')\n"
             "print('ready', flush=True)\n"
             "sys.stdin.readline()\n"

@@ -1416,6 +1416,27 @@ def test_the_ingress_replicas_share_the_load_and_read_the_same_metrics(tenants):
         after = again
 
 
+def test_a_lost_ledger_loses_no_request_and_the_replicas_share_a_new_one(tenants):
+    """The ledger's replica dies (its ledger actor with it): every request is still answered,
+    from each ingress replica's own buckets, until Serve has started another; then both
+    replicas count on the new one again (a key's usage, read through either, is all of it)."""
+    url = tenants.base_url
+    client = _client(tenants, TENANT_A)
+    ReplicaKiller(tenants, APP, "IngressLedger").kill()
+    for _ in range(6):
+        client.models.list()  # answered: openai raises on any error
+    deadline = time.monotonic() + 120
+    while True:
+        before = _key_usage(url, "tenant-a").get("admitted", 0.0)
+        for _ in range(10):
+            client.models.list()
+        seen = _key_usage(url, "tenant-a").get("admitted", 0.0) - before
+        if seen == 10:  # each replica's own ledger would count only the requests it took
+            break
+        assert time.monotonic() < deadline, f"the ingress replicas share no ledger again: {seen} of 10 counted"
+        time.sleep(1.0)
+
+
 def test_a_key_removed_from_the_file_is_refused_within_the_refresh(tenants, files):
     client = _client(tenants, TENANT_B)
     client.completions.create(model="tb-one", prompt="x", max_tokens=1)
