@@ -259,20 +259,16 @@ def test_throughput_optimized_serve_is_for_local_deployments_only():
         serving.parse_args(["--quick", "--serve-throughput-optimized", "--url", "http://127.0.0.1:8000"])
 
 
-def test_stream_interval_reaches_the_local_deployments_only():
-    a = serving.parse_args(["--quick", "--stream-interval", "8"])
-    assert serving.app_args(a, "registry.json", affinity=True)["stream_interval"] == 8
-    assert serving.app_args(serving.parse_args(["--quick"]), "r.json", affinity=False)["stream_interval"] == 1
-    for bad in (["--stream-interval", "0"], ["--stream-interval", "4", "--url", "http://127.0.0.1:8000"]):
-        with pytest.raises(SystemExit):
-            serving.parse_args(["--quick", *bad])
-
-
-def test_ingress_replicas_reach_the_local_deployments_only():
-    a = serving.parse_args(["--quick", "--ingress-replicas", "2"])
-    assert serving.app_args(a, "registry.json", affinity=False)["ingress_replicas"] == 2
-    assert serving.app_args(serving.parse_args(["--quick"]), "r.json", affinity=True)["ingress_replicas"] == 1
-    for bad in (["--ingress-replicas", "0"], ["--ingress-replicas", "2", "--url", "http://127.0.0.1:8000"]):
+@pytest.mark.parametrize("flag, arg", [("--stream-interval", "stream_interval"),
+                                       ("--ingress-replicas", "ingress_replicas")])
+def test_app_arg_flags_reach_the_local_deployments_only(flag, arg):
+    """Flags that set an app arg of the local deployments (default 1, at least 1), refused
+    with --url (that deployment has its own)."""
+    a = serving.parse_args(["--quick", flag, "3"])
+    for affinity in (True, False):
+        assert serving.app_args(a, "registry.json", affinity=affinity)[arg] == 3
+    assert serving.app_args(serving.parse_args(["--quick"]), "r.json", affinity=False)[arg] == 1
+    for bad in ([flag, "0"], [flag, "2", "--url", "http://127.0.0.1:8000"]):
         with pytest.raises(SystemExit):
             serving.parse_args(["--quick", *bad])
 
