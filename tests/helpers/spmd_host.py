@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 
-ENGINE = dict(max_batch=8, max_seq_len=64, max_loras_per_batch=2, max_lora_rank=16, lora_backend="xla",
+ENGINE = dict(max_batch=4, max_seq_len=32, max_loras_per_batch=2, max_lora_rank=16, lora_backend="xla",
               lora_modules_to_save_max_bytes=1 << 20)
 
 
