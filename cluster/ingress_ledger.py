@@ -10,14 +10,15 @@ shows. With more (``ingress_replicas``), Serve's proxy spreads the requests over
   counted where the buckets are (``multilora_api_key_requests_total{key, outcome}``,
   ``multilora_api_key_tokens_total{key}``), for metering tenants.
 - **/metrics** answers the same from every replica. Each one reports what it counted (its
-  routers' routing outcomes, the requests it admitted) and the model-server snapshots its
-  routers last received; the ledger keeps each replica's newest snapshot by its time, so a
-  counter read through one ingress and then another never goes back, and sums the routing
-  outcomes over every ingress replica that ever reported (one that is gone keeps its share).
+  routers' routing outcomes, the requests it admitted), and a scraped one also the
+  model-server snapshots its routers last received; the ledger keeps each model server's
+  newest snapshot by its time, so a counter read through one ingress and then another never
+  goes back, and sums the routing outcomes over every ingress replica that ever reported
+  (one that is gone keeps its share).
 
 The ingress binds LedgerHost as a Serve deployment of one replica (deployments/app.py). It
 runs the ledger as a Ray actor of its own and hands its handle to the ingress replicas,
-which call the actor directly: a request of a rate-limited key then waits ~1.4 ms for the
+which call the actor directly: a request with an API key then waits ~1.4 ms for the
 ledger, not the ~5 ms of a Serve call. The actor goes with its host replica, so with the
 app, and Serve restarts a host whose actor died (its health check asks the actor). The
 ledger keeps its state in memory: a restarted one starts every key with a full bucket, and
@@ -52,8 +53,8 @@ FORGET_AFTER_S = 60.0
 
 class IngressLedger:
     """Rate-limit buckets per API key and the merged /metrics counts of the ingress replicas.
-    Thread-safe: Serve runs a deployment's plain methods on a thread pool (each call holds
-    the lock for microseconds)."""
+    Thread-safe: its actor runs calls on several threads (each holds the lock for
+    microseconds)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
@@ -138,9 +139,13 @@ class IngressLedger:
         for rid in [r for r, e in self._replicas.items() if now - e["at"] > FORGET_AFTER_S]:
             del self._replicas[rid]
 
-
     def ping(self) -> bool:
+        """Answers: the host's health check."""
         return True
+
+
+# Calls the ledger actor runs at once (each holds its lock for microseconds).
+_LEDGER_CONCURRENCY = 64
 
 
 class LedgerHost:
@@ -165,10 +170,6 @@ class LedgerHost:
     async def check_health(self) -> None:
         """Serve restarts this replica, and so the ledger, when the ledger does not answer."""
         await self._ledger.ping.remote()
-
-
-# Calls the ledger actor runs at once (each holds its lock for microseconds).
-_LEDGER_CONCURRENCY = 64
 
 
 def _newer(as_of: float | None, than: float | None) -> bool:
@@ -252,7 +253,7 @@ class LedgerClient:
         task.add_done_callback(self._pending.discard)
 
     async def drain(self) -> None:
-        """Waits for the charges and forgets sent so far (tests; a replica's shutdown)."""
+        """Waits for the charges and forgets sent so far (for tests)."""
         while self._pending:
             await asyncio.gather(*list(self._pending))
 

@@ -53,11 +53,6 @@ def replica_reports(app: str, deployment: str) -> dict[str, dict]:
     return dict(_store().get((app, deployment), {}))
 
 
-def replica_metrics(app: str, deployment: str) -> dict[str, dict]:
-    """The latest metrics snapshot of each running replica of ``deployment`` in ``app``."""
-    return {rid: report["metrics"] for rid, report in replica_reports(app, deployment).items()}
-
-
 def routing_outcomes(app: str, deployment: str) -> dict[str, int]:
     """Requests the routers in this process sent to ``deployment`` in ``app``, by outcome
     (cluster.routing.routing_outcome)."""
@@ -219,7 +214,6 @@ __all__ = [
     "AdapterAffinityRouter",
     "MultiplexMetricsRouter",
     "ReplicaMetricsMixin",
-    "replica_metrics",
     "replica_reports",
     "replica_view",
     "routing_outcomes",

@@ -28,7 +28,7 @@ from cluster.routing import (
 from cluster.serve_router import (
     AdapterAffinityRouter,
     MultiplexMetricsRouter,
-    replica_metrics,
+    replica_reports,
     replica_view,
     routing_outcomes,
     routing_stats as _routing_stats,
@@ -379,8 +379,9 @@ def test_serve_router_sends_an_adapter_to_its_holder_and_routes_through_serve():
         # An adapter nobody holds goes to its rendezvous home.
         chosen = await router._choose_replica_for_request(_pending("zz"))
         assert chosen.replica_id.unique_id == rendezvous_order("zz", ids)[0]
-        # Each replica's published metrics are kept for the ingress's /metrics.
-        assert replica_metrics("test-app", "LoRAModelServer") == {r: {"n": r} for r in ids}
+        # Each replica's published metrics are kept for the ingress's /metrics (with the
+        # report's time, which these reports do not give).
+        assert replica_reports("test-app", "LoRAModelServer") == {r: {"as_of": None, "metrics": {"n": r}} for r in ids}
 
     asyncio.run(run())
 
