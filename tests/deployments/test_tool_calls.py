@@ -147,7 +147,8 @@ def test_held_text_that_is_no_call_is_sent_as_content_at_the_end():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    cfg = EngineConfig(max_batch=6, max_seq_len=1024, max_loras_per_batch=0)
+    # Long outputs (up to 1000 tokens), short prompts: prefill steps up to 64 tokens only.
+    cfg = EngineConfig(max_batch=6, max_seq_len=1024, max_loras_per_batch=0, max_prefill_tokens=64)
     eng = Engine.from_pretrained(str(save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))), cfg).start()
     yield eng
     eng.shutdown()
