@@ -11,14 +11,19 @@ from benchmarks.cpu_shares import CpuShares, delta, role_of, snapshot, thread_ki
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
+# A child process whose thread "busy-worker" spins for 3 s from when it says "ready" (so a
+# child slow to start on busy cores still spins through the measured window).
 _BUSY = """
 import threading, time
 from lora_runtime.native_thread import name_native_thread
+ready = threading.Event()
 def spin():
     name_native_thread("busy-worker")
-    while time.time() < float('{until}'):
+    ready.set()
+    until = time.monotonic() + 3.0
+    while time.monotonic() < until:
         pass
-t = threading.Thread(target=spin); t.start(); t.join()
+t = threading.Thread(target=spin); t.start(); ready.wait(); print("ready", flush=True); t.join()
 """
 
 
@@ -41,10 +46,9 @@ def test_a_pool_threads_count_as_one_kind():
 
 
 def test_a_busy_thread_in_another_process_is_charged_its_cpu_time():
-    until = time.time() + 1.5
-    child = subprocess.Popen([sys.executable, "-c", _BUSY.format(until=until)])
+    child = subprocess.Popen([sys.executable, "-c", _BUSY], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)
+        assert child.stdout.readline().strip() == "ready"
         before, started = snapshot(), time.monotonic()
         time.sleep(0.8)
         shares = delta(before, snapshot(), time.monotonic() - started)

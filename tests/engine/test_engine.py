@@ -148,7 +148,9 @@ def test_stream_interval_holds_items_until_that_many_tokens(checkpoint, engine):
     finally:
         spaced.shutdown()
     counts = [len(p.token_ids) for p in parts]
-    assert counts[0] == 1 and parts[-1].finished
+    # The first item is not held for 5 tokens (it holds 1 unless this consumer fell behind
+    # on busy cores: then the tokens that came meanwhile are merged into it).
+    assert counts[0] < 5 and parts[-1].finished
     assert all(c >= 5 for c in counts[1:-1]) and sum(counts) == long.max_tokens
     assert len(parts) <= 1 + -(-(long.max_tokens - 1) // 5)
     full = engine.generate_batch([PROMPTS[0]], long)[0]

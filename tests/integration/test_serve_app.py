@@ -1458,7 +1458,7 @@ def test_a_key_removed_from_the_file_is_refused_within_the_refresh(tenants, file
 
 
 def test_stream_interval_spaces_the_chunks_and_loses_no_token(tenants, reference):
-    """The keyed deployment's stream_interval: the first token comes alone, then chunks of at
+    """The keyed deployment's stream_interval: the first chunk is not held, then chunks of at
     least KEYED_STREAM_INTERVAL tokens until the last; together the whole greedy output."""
     stream = _client(tenants, TENANT_A).completions.create(
         model=BASE, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0, stream=True, logprobs=1,
@@ -1470,7 +1470,9 @@ def test_stream_interval_spaces_the_chunks_and_loses_no_token(tenants, reference
         usage = c.usage or usage
     assert "".join(text for text, _ in chunks) == reference(PROMPTS[2], None)
     counts = [n for _, n in chunks]
-    assert counts[0] == 1 and all(n >= KEYED_STREAM_INTERVAL for n in counts[1:-1]), counts
+    # The first chunk is not held for the interval (1 token, unless the reader fell behind on
+    # busy cores and the tokens that came meanwhile were merged into it).
+    assert counts[0] < KEYED_STREAM_INTERVAL and all(n >= KEYED_STREAM_INTERVAL for n in counts[1:-1]), counts
     assert sum(counts) == usage.completion_tokens and len(counts) < usage.completion_tokens, (counts, usage)
 
 
