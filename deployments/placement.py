@@ -17,6 +17,7 @@ starts one worker in each other (deployments/hosts.py).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 
 ACCELERATORS = ("auto", "cpu", "gpu", "tpu")
@@ -27,6 +28,17 @@ _JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 class PlacementError(ValueError):
     """A replica's placement arguments contradict each other, or its devices are not the ones
     it was given."""
+
+
+_HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def host_device_flags(flags: str, devices: int) -> str:
+    """``flags`` (an XLA_FLAGS value) with the host device count set to ``devices``: the
+    other flags are kept (the replica's env replaces the variable), a count already there
+    is replaced."""
+    kept = [f for f in flags.split() if f.split("=", 1)[0] != _HOST_DEVICE_FLAG]
+    return " ".join([*kept, f"{_HOST_DEVICE_FLAG}={devices}"])
 
 
 # Ray turns an actor's accelerator_type into a tiny demand of this resource; a placement
@@ -52,7 +64,7 @@ class Placement:
         """The environment each of the replica's processes starts JAX in."""
         env = {"JAX_PLATFORMS": _JAX_PLATFORMS[self.accelerator]}
         if self.accelerator == "cpu":
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={self.devices_per_host}"
+            env["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), self.devices_per_host)
         return env
 
     def _host_resources(self) -> dict:
@@ -173,4 +185,4 @@ def _check(accelerator: str, count: int, devices: Sequence, placed: str, where: 
     raise PlacementError(f"{placed}, but JAX sees {seen}{where}: {hint}")
 
 
-__all__ = ["ACCELERATORS", "Placement", "PlacementError", "check_devices", "resolve"]
+__all__ = ["ACCELERATORS", "Placement", "PlacementError", "check_devices", "host_device_flags", "resolve"]

@@ -9,7 +9,7 @@ import pytest
 
 from deployments.app import build_app, check_registry_reach
 from deployments.config import AppArgs
-from deployments.placement import PlacementError, check_devices, resolve
+from deployments.placement import PlacementError, check_devices, host_device_flags, resolve
 
 
 def _devices(*platforms: str) -> list:
@@ -33,7 +33,8 @@ def test_auto_and_explicit_accelerators_resolve(accelerator, resources, num_gpus
     assert p.accelerator == want and p.devices == 2
 
 
-def test_each_accelerator_asks_ray_for_its_own_devices_and_names_the_jax_platform():
+def test_each_accelerator_asks_ray_for_its_own_devices_and_names_the_jax_platform(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     cpu = resolve("cpu", 4, num_cpus=2.0).actor_options()
     assert cpu == {"num_cpus": 2.0, "num_gpus": 0, "runtime_env": {"env_vars": {
         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}}}
@@ -43,6 +44,16 @@ def test_each_accelerator_asks_ray_for_its_own_devices_and_names_the_jax_platfor
     tpu = resolve("tpu", 8, num_cpus=1.0, accelerator_type="TPU-V5LITEPOD").actor_options()
     assert tpu["resources"] == {"TPU": 8} and tpu["num_gpus"] == 0
     assert tpu["accelerator_type"] == "TPU-V5LITEPOD" and tpu["runtime_env"]["env_vars"] == {"JAX_PLATFORMS": "tpu"}
+
+
+def test_a_cpu_replica_keeps_the_other_xla_flags_of_its_environment(monkeypatch):
+    """The replica's env replaces XLA_FLAGS: flags set where Ray runs stay, the host device
+    count becomes the replica's."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=8 "
+                                    "--xla_backend_optimization_level=1")
+    assert resolve("cpu", 2, num_cpus=1.0).env()["XLA_FLAGS"] == (
+        "--xla_cpu_enable_fast_math=false --xla_backend_optimization_level=1 --xla_force_host_platform_device_count=2")
+    assert host_device_flags("", 3) == "--xla_force_host_platform_device_count=3"
 
 
 @pytest.mark.parametrize(
@@ -131,7 +142,7 @@ def test_a_replica_over_hosts_asks_for_a_bundle_per_host_spread_over_nodes():
     # On CPU the hosts are processes with tensor_parallel_size / hosts host devices each, on any node.
     cpu = resolve("cpu", 4, num_cpus=0.5, hosts=2)
     assert cpu.strategy == "PACK" and cpu.bundles() == [{"CPU": 0.5}] * 2
-    assert cpu.env()["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert cpu.env()["XLA_FLAGS"].split()[-1] == "--xla_force_host_platform_device_count=2"
     assert "placement_group_bundles" not in resolve("cpu", 4, num_cpus=1.0).deployment_options()
 
 

@@ -19,6 +19,7 @@ from lora_runtime.engine.engine import Engine
 from lora_runtime.errors import HostLostError
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.helpers.spmd_host import engine_config, run_requests
+from tests.helpers.xla import child_xla_flags
 from tests.lora.peft_adapters import make_peft_adapter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ def _run_pair(checkpoint, adapters, out: Path, **follower_spec) -> dict:
     spec = dict(processes=2, local_devices=2, coordinator_port=free_port(), link_port=free_port(),
                 authkey=secrets.token_hex(16), checkpoint=str(checkpoint), adapters=adapters, out=str(out))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = child_xla_flags()  # each process adds its own device count
     procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.spmd_host",
                                json.dumps({**spec, "role": role, "process_id": i,
                                            **(follower_spec if role == "follower" else {})})],

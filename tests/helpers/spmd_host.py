@@ -6,7 +6,7 @@ SPEC_JSON holds the role ("leader" or "follower"), the JAX process id and count,
 coordinator and op-link ports, the op link's key (hex), the checkpoint and adapters, and
 (leader) where to write the outputs. The leader serves the requests of `run_requests`
 and writes their outputs as JSON; the follower follows it. Each process sets its own
-device count (XLA_FLAGS) before JAX starts.
+device count (XLA_FLAGS, the other flags kept) before JAX starts.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def run_requests(engine, adapters: dict[str, str]) -> list[dict]:
 
 
 def main(spec: dict) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['local_devices']}"
+    from deployments.placement import host_device_flags
+
+    os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), spec["local_devices"])
     os.environ["JAX_PLATFORMS"] = "cpu"
     from lora_runtime.engine import spmd
     from lora_runtime.engine.engine import Engine

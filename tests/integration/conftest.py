@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from tests.fault_proxy import FaultProxy
+from tests.helpers.xla import child_xla_flags
 
 ADMIN_TOKEN = "integration-admin-token"
 REPO = Path(__file__).resolve().parents[2]
@@ -164,7 +165,8 @@ def cluster():
         JAX_PLATFORMS="cpu",
         RAY_USAGE_STATS_ENABLED="0",
     )
-    env.pop("XLA_FLAGS", None)  # replicas use their real device count, not the test's fake 4
+    # Replicas use their real device count, not the test's fake 4; the session's compile flags stay.
+    env["XLA_FLAGS"] = child_xla_flags()
     log = open(os.path.join(temp_dir, "ray-start.log"), "w")
     head = subprocess.Popen(
         [
