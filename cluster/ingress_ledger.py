@@ -9,6 +9,11 @@ shows. With more (``ingress_replicas``), Serve's proxy spreads the requests over
 - **Usage per API key**: requests admitted and refused for a rate, and tokens charged,
   counted where the buckets are (``multilora_api_key_requests_total{key, outcome}``,
   ``multilora_api_key_tokens_total{key}``), for metering tenants.
+- **Prefix affinity**: each replica's routers remember which model-server replica was sent
+  the start of which prompt (cluster/routing.py PrefixAffinity). A conversation's turns
+  reach different ingress replicas, so each replica passes what its routers recorded
+  through here and takes the others' (``exchange_routes``, twice a second): a turn goes
+  where the turn before it is cached, whichever ingress replica took either.
 - **/metrics** answers the same from every replica. Each one reports what it counted (its
   routers' routing outcomes, the requests it admitted), and a scraped one also the
   model-server snapshots its routers last received; the ledger keeps each model server's
@@ -32,7 +37,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 
 from cluster.api_keys import ApiKey
@@ -50,6 +55,10 @@ RETRY_AFTER_S = 1.0
 # dropped too.
 FORGET_AFTER_S = 60.0
 
+# Routing records (exchange_routes) kept for the ingress replicas to read each other's: at
+# 100 requests/s, the last minute or more of them.
+ROUTES_KEPT = 8192
+
 
 class IngressLedger:
     """Rate-limit buckets per API key and the merged /metrics counts of the ingress replicas.
@@ -64,6 +73,8 @@ class IngressLedger:
         self._retired = Counter()  # routing outcomes of ingress replicas that are gone
         self._replicas: dict[str, dict] = {}  # model-server replica id -> {"at", "as_of", "metrics"}
         self._usage: dict[str, Counter] = {}  # key name -> {"admitted", "rate_limited", "tokens"}
+        self._routes: deque[tuple[int, str, object]] = deque(maxlen=ROUTES_KEPT)  # (number, ingress id, record)
+        self._routes_added = 0
 
     def admit(self, key: ApiKey) -> tuple[str, int] | None:
         """Takes one request from ``key``'s budget: None, or (why, retry-after seconds) when
@@ -138,6 +149,26 @@ class IngressLedger:
             self._retired.update(self._ingress.pop(iid)["routing"])
         for rid in [r for r, e in self._replicas.items() if now - e["at"] > FORGET_AFTER_S]:
             del self._replicas[rid]
+
+    def exchange_routes(self, ingress_id: str, after: int, records: list) -> tuple[int, list]:
+        """Keeps ``records`` (the routing records ``ingress_id``'s routers made since it last
+        called) and returns (a number to pass as ``after`` next time, the records of the
+        other ingress replicas kept since ``after``, oldest first). An ``after`` this ledger
+        never gave (it restarted since) returns every other replica's record it holds."""
+        with self._lock:
+            if after > self._routes_added:
+                after = 0
+            others = []
+            for number, iid, record in reversed(self._routes):
+                if number < after:
+                    break
+                if iid != ingress_id:
+                    others.append(record)
+            others.reverse()
+            for record in records:
+                self._routes.append((self._routes_added, ingress_id, record))
+                self._routes_added += 1
+            return self._routes_added, others
 
     def ping(self) -> bool:
         """Answers: the host's health check."""
@@ -244,6 +275,10 @@ class LedgerClient:
         """IngressLedger.report."""
         return await self._call("report", ingress_id, dict(routing), admitted, dict(replicas))
 
+    async def exchange_routes(self, ingress_id: str, after: int, records: list) -> tuple[int, list]:
+        """IngressLedger.exchange_routes."""
+        return await self._call("exchange_routes", ingress_id, after, records)
+
     def _send(self, method: str, *args) -> None:
         if self._shared is None:
             getattr(self._own, method)(*args)
@@ -258,4 +293,4 @@ class LedgerClient:
             await asyncio.gather(*list(self._pending))
 
 
-__all__ = ["FORGET_AFTER_S", "LEDGER_TIMEOUT_S", "RETRY_AFTER_S", "IngressLedger", "LedgerClient", "LedgerHost"]
+__all__ = ["FORGET_AFTER_S", "LEDGER_TIMEOUT_S", "RETRY_AFTER_S", "ROUTES_KEPT", "IngressLedger", "LedgerClient", "LedgerHost"]

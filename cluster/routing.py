@@ -370,9 +370,17 @@ class PrefixAffinity:
                 depth[replica_id] = i
         return depth
 
-    def record(self, text: str, replica_id: str) -> None:
-        """``replica_id`` was sent a request whose prompt is ``text``."""
-        for key in self._keys(text):
+    def record(self, text: str, replica_id: str) -> tuple[int, ...]:
+        """``replica_id`` was sent a request whose prompt is ``text``; returns the prompt's
+        keys (``record_keys`` records them in another PrefixAffinity)."""
+        keys = tuple(self._keys(text))
+        self.record_keys(keys, replica_id)
+        return keys
+
+    def record_keys(self, keys: Iterable[int], replica_id: str) -> None:
+        """``replica_id`` was sent a request whose prompt has ``keys`` (as ``record`` returned
+        them: another router's send)."""
+        for key in keys:
             owners = self._owners.pop(key, ())
             self._owners[key] = owners if replica_id in owners else (*owners, replica_id)
         if len(self._owners) > self.capacity + self.capacity // 8:

@@ -11,7 +11,9 @@ the metrics for the ingress's ``GET /metrics``.
 from __future__ import annotations
 
 import importlib
-from collections import Counter
+import threading
+import weakref
+from collections import Counter, deque
 
 from ray.serve._private.request_router.pow_2_router import (
     PowerOfTwoChoicesRequestRouter,
@@ -31,6 +33,16 @@ _REPLICA_METRICS: dict[tuple[str, str], dict[str, dict]] = {}
 # the routers in this process routed them.
 _ROUTING_OUTCOMES: dict[tuple[str, str], Counter] = {}
 
+
+# (app, deployment) -> the prefix records (prompt keys, replica id) the routers in this
+# process made since the ingress last took them, for the other ingress replicas; kept only
+# for deployments whose ingress shares them (share_routes), at most ROUTES_HELD.
+_ROUTES_OUT: dict[tuple[str, str], deque] = {}
+# (app, deployment) -> the affinity routers of this process (each applies the other ingress
+# replicas' records given to it before it next routes).
+_ROUTERS: dict[tuple[str, str], weakref.WeakSet] = {}
+_ROUTERS_LOCK = threading.Lock()  # routers join on their thread, give_routes reads on the ingress's
+ROUTES_HELD = 4096
 
 # The model server's method that generates (the requests whose routing outcomes count).
 _INFERENCE_METHOD = "generate"
@@ -57,6 +69,32 @@ def routing_outcomes(app: str, deployment: str) -> dict[str, int]:
     """Requests the routers in this process sent to ``deployment`` in ``app``, by outcome
     (cluster.routing.routing_outcome)."""
     return dict(_module()._ROUTING_OUTCOMES.get((app, deployment), {}))
+
+
+def share_routes(app: str, deployment: str) -> None:
+    """From now on the routers of ``deployment`` keep their prefix records for take_routes
+    (the ingress passes them to its other replicas through the ledger)."""
+    _module()._ROUTES_OUT.setdefault((app, deployment), deque(maxlen=ROUTES_HELD))
+
+
+def take_routes(app: str, deployment: str) -> list[tuple[tuple[int, ...], str]]:
+    """The prefix records (prompt keys, replica id) this process's routers made since the
+    last call, oldest first (share_routes must have been called)."""
+    out = _module()._ROUTES_OUT[app, deployment]
+    taken = []
+    while out:  # the routers append meanwhile, on their own thread
+        taken.append(out.popleft())
+    return taken
+
+
+def give_routes(app: str, deployment: str, records: list) -> None:
+    """Prefix records of the other ingress replicas' routers (as take_routes returns them
+    there): each router of ``deployment`` here records them before it next routes."""
+    module = _module()
+    with module._ROUTERS_LOCK:
+        routers = list(module._ROUTERS.get((app, deployment), ()))
+    for router in routers:
+        router._routes_in.extend(records)
 
 
 def routing_stats(adapters: list[dict], metrics: dict, *, slots: int, host_slots: int,
@@ -143,7 +181,10 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
 
     Base-model requests go to the replica that was sent the longest start of their prompt
     (so likely holds it in its prefix cache), within the same bound, else the least loaded;
-    adapter requests prefer it among equally good holders (a hot adapter's homes).
+    adapter requests prefer it among equally good holders (a hot adapter's homes). With
+    several ingress replicas, what the other replicas' routers sent where reaches this one
+    through the ingress ledger (share_routes, take_routes, give_routes), so a conversation's
+    next turn finds its replica whichever ingress replica takes it.
 
     A replica found for a request goes to the oldest pending request for the same adapter,
     else the oldest pending request (FIFOMixin, as Serve's default router). The base
@@ -167,6 +208,15 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         self._hot = HotAdapterTracker(hot_rate=hot_rate, max_homes=max_homes, half_life_s=half_life_s)
         self._prefixes = PrefixAffinity()
         self._residency = ResidencyEstimate(horizon_s=residency_horizon_s)
+        # Other ingress replicas' prefix records (give_routes), for this router's thread to apply.
+        self._routes_in: deque = deque(maxlen=ROUTES_HELD)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        # Known to give_routes from its first replicas on (it routes nothing before).
+        key, module = (self._deployment_id.app_name, self._deployment_id.name), _module()
+        with module._ROUTERS_LOCK:
+            module._ROUTERS.setdefault(key, weakref.WeakSet()).add(self)
+        super().update_replicas(replicas)
 
     async def choose_replicas(
         self,
@@ -182,6 +232,9 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
             for r in candidate_replicas
         ]
         homes = self._hot.homes(adapter, len(views)) if adapter else 1
+        while self._routes_in:
+            keys, rid = self._routes_in.popleft()
+            self._prefixes.record_keys(keys, rid)
         match = self._prefixes.match(_prompt_of(pending_request))
         order = route(adapter or None, views, homes=homes, eps=self._eps, prefix_match=match)
         if pending_request is not None:
@@ -197,7 +250,10 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         adapter = pending_request.metadata.multiplexed_model_id
         if adapter:
             self._hot.record(adapter)
-        self._prefixes.record(_prompt_of(pending_request), replica_id.unique_id)
+        keys = self._prefixes.record(_prompt_of(pending_request), replica_id.unique_id)
+        out = _module()._ROUTES_OUT.get((self._deployment_id.app_name, self._deployment_id.name))
+        if out is not None and keys:
+            out.append((keys, replica_id.unique_id))
         super().on_request_routed(pending_request, replica_id, result)  # outcome, then residency
 
 
@@ -213,9 +269,13 @@ class MultiplexMetricsRouter(ReplicaMetricsMixin, PowerOfTwoChoicesRequestRouter
 __all__ = [
     "AdapterAffinityRouter",
     "MultiplexMetricsRouter",
+    "ROUTES_HELD",
     "ReplicaMetricsMixin",
+    "give_routes",
     "replica_reports",
     "replica_view",
     "routing_outcomes",
     "routing_stats",
+    "share_routes",
+    "take_routes",
 ]

@@ -32,7 +32,7 @@ from cluster.base_model import census
 from cluster.ingress_ledger import LedgerClient
 from cluster.metrics import render
 from cluster.registry_view import RegistryView
-from cluster.serve_router import replica_reports, routing_outcomes
+from cluster.serve_router import give_routes, replica_reports, routing_outcomes, share_routes, take_routes
 from deployments.config import AppArgs
 from deployments.openapi_docs import (
     ADMIN,
@@ -146,6 +146,8 @@ app.add_middleware(_BodyLimit)
 _HEALTH_TIMEOUT_S = 10.0
 # How often an ingress replica sends its counts to the shared ledger (/metrics).
 _LEDGER_REPORT_S = 2.0
+# How often an ingress replica exchanges its routers' prefix records with the others.
+_ROUTES_EXCHANGE_S = 0.5
 
 
 # A 503 is temporary (a replica full, draining or restarting): when to try again.
@@ -377,6 +379,8 @@ class OpenAIIngress:
         await self._base_name()
         if self._ledger.shared:
             self._report_task = asyncio.get_running_loop().create_task(self._report_counts())
+            share_routes(self._server.app_name, self._server.deployment_name)
+            self._routes_task = asyncio.get_running_loop().create_task(self._exchange_routes())
 
     async def _report_counts(self) -> None:
         """Sends this replica's counts to the shared ledger now and then, so /metrics read
@@ -386,6 +390,17 @@ class OpenAIIngress:
         while True:
             await asyncio.sleep(_LEDGER_REPORT_S)
             await self._counts(with_replicas=False)
+
+    async def _exchange_routes(self) -> None:
+        """Passes where this replica's routers sent which prompts to the other ingress
+        replicas through the ledger, and theirs to this replica's routers (prefix affinity
+        over every ingress replica: cluster/ingress_ledger.py)."""
+        app, deployment = self._server.app_name, self._server.deployment_name
+        after = 0
+        while True:
+            await asyncio.sleep(_ROUTES_EXCHANGE_S)
+            after, others = await self._ledger.exchange_routes(self._id, after, take_routes(app, deployment))
+            give_routes(app, deployment, others)
 
     async def _counts(self, *, with_replicas: bool = True) -> dict:
         """What /metrics shows (IngressLedger.report), with this replica's counts in it."""

@@ -245,3 +245,35 @@ def test_the_only_ingress_replica_keeps_its_own_ledger():
                        "keys": {"acme": {"admitted": 1, "rate_limited": 1, "tokens": 500}}}  # since forget
 
     asyncio.run(run())
+
+
+def test_ingress_replicas_read_each_others_routing_records_once():
+    """Each replica passes its routers' records and gets the others' since its last call,
+    never its own; a cursor the ledger never gave (it restarted) reads all it holds."""
+    handle = Handle(IngressLedger(Clock()))
+    a, b = LedgerClient(handle), LedgerClient(handle)
+
+    async def run():
+        after_a, got = await a.exchange_routes("ingress-a", 0, [((1, 2), "r0"), ((3,), "r1")])
+        assert got == []
+        after_b, got = await b.exchange_routes("ingress-b", 0, [((9,), "r1")])
+        assert got == [((1, 2), "r0"), ((3,), "r1")]
+        after_a, got = await a.exchange_routes("ingress-a", after_a, [])
+        assert got == [((9,), "r1")]  # b's, not a's own again
+        after_b, got = await b.exchange_routes("ingress-b", after_b, [])
+        assert got == []  # nothing new
+        # A new ledger (Serve restarted its host): b's cursor is past anything it gave.
+        handle.state = IngressLedger(Clock())
+        await a.exchange_routes("ingress-a", 0, [((5,), "r0")])
+        _, got = await b.exchange_routes("ingress-b", after_b, [])
+        assert got == [((5,), "r0")]
+
+    asyncio.run(run())
+
+
+def test_the_ledger_keeps_the_newest_routing_records(monkeypatch):
+    monkeypatch.setattr(ingress_ledger, "ROUTES_KEPT", 4)
+    ledger = IngressLedger(Clock())
+    ledger.exchange_routes("ingress-a", 0, [((i,), "r0") for i in range(10)])
+    _, got = ledger.exchange_routes("ingress-b", 0, [])
+    assert got == [((i,), "r0") for i in range(6, 10)]

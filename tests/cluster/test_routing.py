@@ -28,10 +28,13 @@ from cluster.routing import (
 from cluster.serve_router import (
     AdapterAffinityRouter,
     MultiplexMetricsRouter,
+    give_routes,
     replica_reports,
     replica_view,
     routing_outcomes,
     routing_stats as _routing_stats,
+    share_routes,
+    take_routes,
 )
 
 IDS = [f"replica-{i}" for i in range(5)]
@@ -340,9 +343,9 @@ def _pending(adapter: str, payload: dict | None = None, method: str = "generate"
     return PendingRequest(args=[] if payload is None else [payload], kwargs={}, metadata=meta)
 
 
-def _router() -> AdapterAffinityRouter:
+def _router(app: str = "test-app") -> AdapterAffinityRouter:
     router = AdapterAffinityRouter(
-        deployment_id=DeploymentID(name="LoRAModelServer", app_name="test-app"),
+        deployment_id=DeploymentID(name="LoRAModelServer", app_name=app),
         handle_source=DeploymentHandleSource.UNKNOWN,
         use_replica_queue_len_cache=True,
     )
@@ -426,6 +429,39 @@ def test_serve_routers_count_where_each_generate_request_went(router_class):
         "base": 1,
     }
     assert routing_outcomes(app, "OtherDeployment") == {}
+
+
+def test_a_conversation_finds_its_replica_through_another_ingress_replicas_router():
+    """Two ingress replicas' routers (apps of their own here, as processes of their own
+    there): what one sent where reaches the other through take_routes / give_routes (the
+    ledger between them), so the next turn goes where the first is cached."""
+    first = SYSTEM + "What is a fox?"
+
+    async def run():
+        a, b = _router("ingress-a"), _router("ingress-b")
+        share_routes("ingress-a", "LoRAModelServer")
+        r0, r1 = StatsReplica("r0", routing_stats([], {})), StatsReplica("r1", routing_stats([], {}))
+        for router in (a, b):
+            router.update_replicas([r0, r1])
+        # r0 is busy, so the first turn goes to r1 (its least loaded).
+        a._replica_queue_len_cache.update(r0.replica_id, 3)
+        [[chosen], _] = await a.choose_replicas([r0, r1], _pending("", {"prompt": first}))
+        assert chosen is r1
+        a.on_request_routed(_pending("", {"prompt": first}), r1.replica_id, None)
+        second = {"prompt": first + " A small wild dog. And what is a cat?"}
+        # Without a's records, b sends the second turn to r0 (no load known, first by id).
+        [[alone], _] = await b.choose_replicas([r0, r1], _pending("", second))
+        assert alone is r0
+        records = take_routes("ingress-a", "LoRAModelServer")
+        assert [rid for _, rid in records] == ["r1"] and take_routes("ingress-a", "LoRAModelServer") == []
+        give_routes("ingress-b", "LoRAModelServer", records)
+        [[shared], _] = await b.choose_replicas([r0, r1], _pending("", second))
+        assert shared is r1
+
+    asyncio.run(run())
+    # Only a deployment whose ingress shares them keeps records for take_routes.
+    with pytest.raises(KeyError):
+        take_routes("ingress-b", "LoRAModelServer")
 
 
 def test_routing_stats_from_manager_rows():

@@ -3,12 +3,15 @@ tiny random Llama): each lists and serves only the adapters validated against it
 model, says at start what it skipped, and a name the other holds is refused with the reason.
 
 The demo deployment runs two replicas of tensor_parallel_size 2, each on host devices of its
-own (deployments/placement.py), and serves exactly what one process on one device does."""
+own (deployments/placement.py), and serves exactly what one process on one device does. The
+tiny one runs two model servers behind two ingress replicas: a conversation's turns find
+their model server through either."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -30,6 +33,8 @@ DEMO, TINY = "/demo", "/tiny"  # route prefixes
 DEMO_ADAPTERS = {"reverse", "upper", "sort", "caesar"}
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TENSOR_PARALLEL = dict(num_replicas=2, tensor_parallel_size=2, accelerator="cpu", replica_num_cpus=0.5)
+# The tiny app: two model servers behind two ingress replicas (prefix affinity across them).
+TINY_REPLICAS = dict(num_replicas=2, ingress_replicas=2, replica_num_cpus=0.5)
 # The tiny Llama speaks Qwen2.5's chat format, tools included (a shortened copy of its template).
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
@@ -74,7 +79,7 @@ def bases(cluster, files):
             "args": {**template["args"], **shared, **TENSOR_PARALLEL}}
     tiny = {**template, "name": TINY_APP, "route_prefix": TINY,
             "args": {**template["args"], **shared, "model": str(files["tiny"]), "model_name": "tiny",
-                     "max_seq_len": 1024}}
+                     "max_seq_len": 1024, **TINY_REPLICAS}}
     # The demo app first: the tiny app then starts over a registry holding the demo adapters.
     _deploy(cluster, files["root"] / "demo.yaml", [demo])
     _deploy(cluster, files["root"] / "both.yaml", [demo, tiny])
@@ -259,3 +264,27 @@ def test_a_qwen_format_model_serves_schemas_and_tool_calls_to_the_openai_client(
     assert '<tools>{"type": "function", "function": {"name": "pick"' in text  # trim_blocks, as transformers
     got = client.chat.completions.create(model="tiny", messages=followup, tools=TOOLS, max_tokens=8, temperature=0)
     assert got.choices[0].message.content is not None or got.choices[0].message.tool_calls
+
+
+def test_a_conversations_next_turn_finds_its_replica_through_either_ingress_replica(bases):
+    """The tiny app's two ingress replicas share where their routers sent which prompts (the
+    ingress ledger): each conversation's second turn, whichever ingress replica takes it,
+    goes to the model server that served its first and finds its start cached."""
+    import concurrent.futures
+
+    url = f"{bases.base_url}{TINY}/v1/completions"
+    # Distinct from the first character on: no conversation shares a cached block with another.
+    firsts = [f"{c} says: the quick brown fox jumps over the lazy dog, " * 2 for c in "abcdefgh"]
+
+    def complete(prompt: str) -> int:
+        r = httpx.post(url, timeout=120, json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    # At once, so the first turns spread over both model servers (each the least loaded).
+    with concurrent.futures.ThreadPoolExecutor(len(firsts)) as pool:
+        assert list(pool.map(complete, firsts)) == [0] * len(firsts)
+    time.sleep(2.0)  # the ingress replicas exchange their routers' records twice a second
+    # One at a time: no load bound sends a turn elsewhere.
+    cached = [complete(first + "and then what did the dog do next?") for first in firsts]
+    assert all(n > 0 for n in cached), cached
