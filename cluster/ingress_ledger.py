@@ -293,4 +293,6 @@ class LedgerClient:
             await asyncio.gather(*list(self._pending))
 
 
-__all__ = ["FORGET_AFTER_S", "LEDGER_TIMEOUT_S", "RETRY_AFTER_S", "ROUTES_KEPT", "IngressLedger", "LedgerClient", "LedgerHost"]
+__all__ = [
+    "FORGET_AFTER_S", "LEDGER_TIMEOUT_S", "RETRY_AFTER_S", "ROUTES_KEPT", "IngressLedger", "LedgerClient", "LedgerHost",
+]
