@@ -33,12 +33,16 @@ class PlacementError(ValueError):
 _HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
+def without_host_device_count(flags: str) -> str:
+    """``flags`` (an XLA_FLAGS value) less any host device count."""
+    return " ".join(f for f in flags.split() if f.split("=", 1)[0] != _HOST_DEVICE_FLAG)
+
+
 def host_device_flags(flags: str, devices: int) -> str:
     """``flags`` (an XLA_FLAGS value) with the host device count set to ``devices``: the
     other flags are kept (the replica's env replaces the variable), a count already there
     is replaced."""
-    kept = [f for f in flags.split() if f.split("=", 1)[0] != _HOST_DEVICE_FLAG]
-    return " ".join([*kept, f"{_HOST_DEVICE_FLAG}={devices}"])
+    return f"{without_host_device_count(flags)} {_HOST_DEVICE_FLAG}={devices}".strip()
 
 
 # Ray turns an actor's accelerator_type into a tiny demand of this resource; a placement
@@ -185,4 +189,5 @@ def _check(accelerator: str, count: int, devices: Sequence, placed: str, where: 
     raise PlacementError(f"{placed}, but JAX sees {seen}{where}: {hint}")
 
 
-__all__ = ["ACCELERATORS", "Placement", "PlacementError", "check_devices", "host_device_flags", "resolve"]
+__all__ = ["ACCELERATORS", "Placement", "PlacementError", "check_devices", "host_device_flags", "resolve",
+           "without_host_device_count"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+from deployments.placement import without_host_device_count
 
 
 def child_xla_flags() -> str:
     """The session's XLA_FLAGS without its host device count ("" if nothing else is set)."""
-    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != HOST_DEVICE_FLAG)
+    return without_host_device_count(os.environ.get("XLA_FLAGS", ""))
