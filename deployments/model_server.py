@@ -67,6 +67,10 @@ class LoRAModelServer:
         if self._hosts is not None:
             self._hosts.attach(self._engine)
         self._engine.start()
+        warm = self._engine.warm_counts
+        logger.info("engine ready: warm-up %.1f s, %d executables (%d compiled, %d from the compilation "
+                    "cache %s)", self._engine.warm_seconds, warm.builds, warm.compiled, warm.cache_hits,
+                    self._engine.config.compilation_cache_path() or "(off)")
         # The registry may hold other base models' adapters: this replica sees only its own.
         self._fingerprint = (await asyncio.to_thread(a.adapter_validator().base)).fingerprint
         self._registry = await RegistryView(self._admin, self._fingerprint, self._on_registry_change).start()

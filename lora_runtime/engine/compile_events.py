@@ -88,6 +88,14 @@ class CompileCounts:
         """Executables XLA really compiled."""
         return self.builds - self.cache_hits
 
+    def __add__(self, other: "CompileCounts") -> "CompileCounts":
+        return CompileCounts(self.builds + other.builds, self.cache_hits + other.cache_hits,
+                             self.seconds + other.seconds)
+
+    def __sub__(self, other: "CompileCounts") -> "CompileCounts":
+        return CompileCounts(self.builds - other.builds, self.cache_hits - other.cache_hits,
+                             self.seconds - other.seconds)
+
 
 def counts(thread_id: int | None = None) -> CompileCounts:
     """What JAX built on a thread (default: this one) since the listeners were installed."""

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import queue
+import random
 import threading
 import time
 import uuid
@@ -95,6 +96,8 @@ class Engine:
         }
         self.memory_plan = None  # the MemoryPlan the cache was sized by (set by the builder)
         self.warm_compiles: int | None = None  # executables warm-up built (JAX's compile events)
+        self.warm_counts: compile_events.CompileCounts | None = None  # the same, with cache hits and seconds
+        self.warm_seconds: float | None = None  # the warm-up's wall time
         self._loop_builds = 0
         self._phase: list[Sequence] = []  # the sequences of the part of a step now running
         # Sequences with a token whose text (detokenizing, stop strings, the stream item) waits
@@ -155,8 +158,9 @@ class Engine:
         first run is built now. Then the row-state reset per history bucket and the
         adapter slot write."""
         runner = self.runner
+        start = time.perf_counter()
         self.grammars  # noqa: B018  (its tokenizer index builds on its own thread meanwhile)
-        builds = self.compile_steps()
+        built = self.compile_steps()
         before = compile_events.counts()
         run_step = {"prefill": runner.prefill, "extend": runner.extend, "decode": runner.decode}
         for kind, inputs, pool in self._warm_steps():
@@ -173,7 +177,9 @@ class Engine:
             size *= 2
         if self.lora_manager is not None:
             self.lora_manager.warm_up()
-        self.warm_compiles = builds + compile_events.counts().builds - before.builds
+        self.warm_counts = built + (compile_events.counts() - before)
+        self.warm_compiles = self.warm_counts.builds
+        self.warm_seconds = time.perf_counter() - start
 
     def _sample_rows(self) -> list[int]:
         """The sampler's row counts: prefill and decode sample max_batch rows, a
@@ -195,10 +201,16 @@ class Engine:
             steps.append(("decode", self._idle_inputs(b, prefill=False, groups=b, lora=lora), pool))
         return steps
 
-    def compile_steps(self) -> int:
+    def compile_steps(self) -> compile_events.CompileCounts:
         """Compiles every step shape ahead of time (warm-up's first half; a multi-host
         replica's followers run only this, then launch what the leader's warm-up runs) in
-        parallel, a thread per core; returns the executables built."""
+        parallel, a thread per core; returns what JAX built for them (compiled, or read from
+        the persistent cache), summed over the threads.
+
+        Each process takes the steps in an order of its own (random): replicas that start
+        together over one persistent cache (on one host, or a shared gs:// cache) then
+        compile different steps first, and each reads what the others compiled instead of
+        compiling everything itself."""
         runner = self.runner
         compile_step = {"prefill": runner.compile_prefill, "extend": runner.compile_extend,
                         "decode": runner.compile_decode}
@@ -209,10 +221,11 @@ class Engine:
                 for kind, inputs, pool in self._warm_steps()]
         jobs += [functools.partial(runner.compile_sample, rows, masked=masked)
                  for rows in self._sample_rows() for masked in (False, True)]
+        random.SystemRandom().shuffle(jobs)
         workers = max(1, min(len(jobs), os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile",
                                                    initializer=name_native_thread) as compilers:
-            return sum(compilers.map(_builds_of, jobs))
+            return sum(compilers.map(_builds_of, jobs), compile_events.CompileCounts(0, 0))
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -900,11 +913,11 @@ def _reads_head(inputs: StepInputs, pool) -> bool:
     return inputs.lora is None or (pool is not None and pool.adapts("lm_head"))
 
 
-def _builds_of(job: Callable[[], None]) -> int:
-    """Runs `job` and returns the executables it built on this thread (JAX's compile events)."""
-    before = compile_events.counts().builds
+def _builds_of(job: Callable[[], None]) -> compile_events.CompileCounts:
+    """Runs `job` and returns what JAX built for it on this thread (its compile events)."""
+    before = compile_events.counts()
     job()
-    return compile_events.counts().builds - before
+    return compile_events.counts() - before
 
 
 def _token_logprob(sampled: Sampled, i: int, n: int) -> TokenLogprob:
