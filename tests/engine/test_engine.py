@@ -28,10 +28,15 @@ def checkpoint(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
+# The module's engine shape. A test that needs an engine of its own (one it drains, or with
+# another stream interval) builds it alike, so it reads the compiled steps from the session's
+# compilation cache instead of compiling them again.
+ENGINE_SHAPE = dict(max_batch=4, max_seq_len=96, max_loras_per_batch=0)
+
+
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    cfg = EngineConfig(max_batch=4, max_seq_len=96, max_loras_per_batch=0)
-    eng = Engine.from_pretrained(str(checkpoint), cfg).start()
+    eng = Engine.from_pretrained(str(checkpoint), EngineConfig(**ENGINE_SHAPE)).start()
     yield eng
     eng.shutdown()
 
@@ -135,7 +140,7 @@ def test_stream_interval_holds_items_until_that_many_tokens(checkpoint, engine):
     """After the first token, items wait for stream_interval new tokens; the one that finishes
     the request goes at once. Together they are the whole output."""
     long = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)
-    cfg = EngineConfig(max_batch=2, max_seq_len=64, max_loras_per_batch=0, stream_interval=5)
+    cfg = EngineConfig(**ENGINE_SHAPE, stream_interval=5)
     spaced = Engine.from_pretrained(str(checkpoint), cfg).start()
 
     async def run(prompt):
@@ -250,10 +255,11 @@ def test_abort_by_id_while_waiting_and_running(engine):
     assert sum(outs[r].finish_reason == "abort" for r in ids) >= 2
 
 
+@pytest.mark.usefixtures("engine")  # built first: this engine reads its steps from the cache
 def test_drain_finishes_running_requests_and_refuses_new_ones(checkpoint):
     from lora_runtime.errors import CapacityError
 
-    eng = Engine.from_pretrained(str(checkpoint), EngineConfig(max_batch=2, max_seq_len=96, max_loras_per_batch=0)).start()
+    eng = Engine.from_pretrained(str(checkpoint), EngineConfig(**ENGINE_SHAPE)).start()
     try:
         long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
         outs = []
@@ -432,7 +438,7 @@ def test_tensor_parallel_gives_the_same_tokens_and_log_probabilities(engine, che
     ]
     prompts = [PROMPTS[0], PROMPTS[1]]
     sharded = Engine.from_pretrained(
-        str(checkpoint), EngineConfig(max_batch=4, max_seq_len=96, max_loras_per_batch=0, tensor_parallel_size=2)
+        str(checkpoint), EngineConfig(**ENGINE_SHAPE, tensor_parallel_size=2)
     ).start()
     try:
         got = sharded.generate_batch(prompts, params, [None, None])

@@ -34,7 +34,8 @@ DEMO_ADAPTERS = {"reverse", "upper", "sort", "caesar"}
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TENSOR_PARALLEL = dict(num_replicas=2, tensor_parallel_size=2, accelerator="cpu", replica_num_cpus=0.5)
 # The tiny app: two model servers behind two ingress replicas (prefix affinity across them).
-TINY_REPLICAS = dict(num_replicas=2, ingress_replicas=2, replica_num_cpus=0.5)
+# Prompts with tools run past its 128-token prefill steps: they prefill in chunks.
+TINY_REPLICAS = dict(num_replicas=2, ingress_replicas=2, replica_num_cpus=0.5, max_prefill_tokens=128)
 # The tiny Llama speaks Qwen2.5's chat format, tools included (a shortened copy of its template).
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
