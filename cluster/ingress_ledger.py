@@ -9,11 +9,13 @@ shows. With more (``ingress_replicas``), Serve's proxy spreads the requests over
 - **Usage per API key**: requests admitted and refused for a rate, and tokens charged,
   counted where the buckets are (``multilora_api_key_requests_total{key, outcome}``,
   ``multilora_api_key_tokens_total{key}``), for metering tenants.
-- **Prefix affinity**: each replica's routers remember which model-server replica was sent
-  the start of which prompt (cluster/routing.py PrefixAffinity). A conversation's turns
-  reach different ingress replicas, so each replica passes what its routers recorded
-  through here and takes the others' (``exchange_routes``, twice a second): a turn goes
-  where the turn before it is cached, whichever ingress replica took either.
+- **Routing records**: each replica's routers remember which model-server replica was sent
+  the start of which prompt (cluster/routing.py PrefixAffinity) and which adapter
+  (ResidencyEstimate). A conversation's turns reach different ingress replicas, and each
+  replica's router sees only its share of an adapter's requests, so each replica passes
+  what its routers recorded through here and takes the others' (``exchange_routes``,
+  twice a second): a turn goes where the turn before it is cached, whichever ingress
+  replica took either, and every router counts the adapters the others sent where.
 - **/metrics** answers the same from every replica. Each one reports what it counted (its
   routers' routing outcomes, the requests it admitted), and a scraped one also the
   model-server snapshots its routers last received; the ledger keeps each model server's

@@ -261,20 +261,26 @@ class ResidencyEstimate:
     replica's own eviction: least used lately for device slots (the report carries the use
     counts), least recently used for the host cache. Sends within ``skew_s`` before a
     report count as after it (still in flight when it was taken, or clocks apart). A report
-    without a time is taken as ``horizon_s`` old. Only this router's sends are known: other
-    routers' traffic shows with the next report.
+    without a time is taken as ``horizon_s`` old. Other routers' sends (other ingress
+    replicas') are known as they pass them on, with their times, a moment late: each is
+    applied after the sends logged before it arrived, and not at all if the replica's
+    report is newer than it; one that arrives more than ``late_s`` after it was sent is
+    dropped (a report has shown it by then).
     """
 
     def __init__(self, *, horizon_s: float, skew_s: float = 0.1, clock: Callable[[], float] = time.time,
-                 per_replica: int = 1024):
+                 per_replica: int = 1024, late_s: float = 5.0):
         if horizon_s < 0:
             raise ValueError(f"{horizon_s=} must be >= 0")
         if skew_s < 0:
             raise ValueError(f"{skew_s=} must be >= 0")
         if per_replica < 1:
             raise ValueError(f"{per_replica=} must be >= 1")
+        if late_s < 0:
+            raise ValueError(f"{late_s=} must be >= 0")
         self.horizon_s = horizon_s
         self.skew_s = skew_s
+        self.late_s = late_s
         self._clock = clock
         self._per_replica = per_replica
         self._sent: dict[str, deque[tuple[int, float, str]]] = {}  # replica -> (number, time, adapter)
@@ -282,10 +288,14 @@ class ResidencyEstimate:
         # (replica, kind) -> (the report it was built from, its shadow, next send number to apply)
         self._shadows: dict[tuple[str, str], tuple[HeldReport, _Shadow, int]] = {}
 
-    def record(self, replica_id: str, adapter: str) -> None:
-        """This router sent a request for ``adapter`` to ``replica_id`` now."""
+    def record(self, replica_id: str, adapter: str, at: float | None = None) -> None:
+        """A request for ``adapter`` went to ``replica_id``: from this router now, or from
+        another at time ``at`` (this router's clock, time.time())."""
+        now = self._clock()
+        if at is not None and at < now - self.late_s:
+            return
         sent = self._sent.setdefault(replica_id, deque(maxlen=self._per_replica))
-        sent.append((self._count, self._clock(), adapter))
+        sent.append((self._count, now if at is None else at, adapter))
         self._count += 1
 
     def held(self, replica_id: str, report: HeldReport, kind: str = "slots") -> frozenset[str]:
@@ -302,11 +312,14 @@ class ResidencyEstimate:
         else:
             since = report.as_of - self.skew_s
             shadow, start = _Shadow(report), None
-        new = []  # the sends to apply, newest first: the log's tail (none the report has seen)
+        new = []  # the sends to apply, newest logged first: the log's tail, less what the report has seen
         for number, t, adapter in reversed(sent):
-            if (start is not None and number < start) or t < since:
+            # Another router's send is logged up to late_s after it was sent, after newer ones:
+            # once a send is that much older than the report, every one logged before it is too.
+            if (start is not None and number < start) or t < since - self.late_s:
                 break
-            new.append(adapter)
+            if t >= since:
+                new.append(adapter)
         for adapter in reversed(new):
             shadow.use(adapter)
         if report.as_of is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 import weakref
 from collections import Counter, deque
 
@@ -34,9 +35,12 @@ _REPLICA_METRICS: dict[tuple[str, str], dict[str, dict]] = {}
 _ROUTING_OUTCOMES: dict[tuple[str, str], Counter] = {}
 
 
-# (app, deployment) -> the prefix records (prompt keys, replica id) the routers in this
-# process made since the ingress last took them, for the other ingress replicas; kept only
-# for deployments whose ingress shares them (share_routes), at most ROUTES_HELD.
+# (app, deployment) -> the routing records the routers in this process made since the
+# ingress last took them, for the other ingress replicas; kept only for deployments whose
+# ingress shares them (share_routes), at most ROUTES_HELD. A record is a plain tuple (the
+# ledger keeps them as they are):
+#   ("prefix", prompt keys, replica id): a prompt went there (PrefixAffinity's block keys);
+#   ("adapter", replica id, adapter, time.time() when sent): a request for the adapter went there.
 _ROUTES_OUT: dict[tuple[str, str], deque] = {}
 # (app, deployment) -> the affinity routers of this process (each applies the other ingress
 # replicas' records given to it before it next routes).
@@ -72,14 +76,15 @@ def routing_outcomes(app: str, deployment: str) -> dict[str, int]:
 
 
 def share_routes(app: str, deployment: str) -> None:
-    """From now on the routers of ``deployment`` keep their prefix records for take_routes
-    (the ingress passes them to its other replicas through the ledger)."""
+    """From now on the routers of ``deployment`` keep their routing records (which prompts
+    and adapters they sent where) for take_routes; the ingress passes them to its other
+    replicas through the ledger."""
     _module()._ROUTES_OUT.setdefault((app, deployment), deque(maxlen=ROUTES_HELD))
 
 
-def take_routes(app: str, deployment: str) -> list[tuple[tuple[int, ...], str]]:
-    """The prefix records (prompt keys, replica id) this process's routers made since the
-    last call, oldest first (share_routes must have been called)."""
+def take_routes(app: str, deployment: str) -> list[tuple]:
+    """The routing records (see _ROUTES_OUT) this process's routers made since the last
+    call, oldest first (share_routes must have been called)."""
     out = _module()._ROUTES_OUT[app, deployment]
     taken = []
     while out:  # the routers append meanwhile, on their own thread
@@ -88,8 +93,8 @@ def take_routes(app: str, deployment: str) -> list[tuple[tuple[int, ...], str]]:
 
 
 def give_routes(app: str, deployment: str, records: list) -> None:
-    """Prefix records of the other ingress replicas' routers (as take_routes returns them
-    there): each router of ``deployment`` here records them before it next routes."""
+    """Routing records of the other ingress replicas' routers (as take_routes returns them
+    there): each router of ``deployment`` here applies them before it next routes."""
     module = _module()
     with module._ROUTERS_LOCK:
         routers = list(module._ROUTERS.get((app, deployment), ()))
@@ -183,8 +188,10 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
     (so likely holds it in its prefix cache), within the same bound, else the least loaded;
     adapter requests prefer it among equally good holders (a hot adapter's homes). With
     several ingress replicas, what the other replicas' routers sent where reaches this one
-    through the ingress ledger (share_routes, take_routes, give_routes), so a conversation's
-    next turn finds its replica whichever ingress replica takes it.
+    through the ingress ledger (share_routes, take_routes, give_routes), half a second late:
+    a conversation's next turn finds its replica whichever ingress replica takes it, each
+    router's view of which adapters the replicas hold includes the others' sends, and an
+    adapter is hot by the requests of every ingress replica, not one's share.
 
     A replica found for a request goes to the oldest pending request for the same adapter,
     else the oldest pending request (FIFOMixin, as Serve's default router). The base
@@ -208,7 +215,7 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         self._hot = HotAdapterTracker(hot_rate=hot_rate, max_homes=max_homes, half_life_s=half_life_s)
         self._prefixes = PrefixAffinity()
         self._residency = ResidencyEstimate(horizon_s=residency_horizon_s)
-        # Other ingress replicas' prefix records (give_routes), for this router's thread to apply.
+        # Other ingress replicas' routing records (give_routes), for this router's thread to apply.
         self._routes_in: deque = deque(maxlen=ROUTES_HELD)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -227,14 +234,12 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
             return []
         adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        self._apply_routes_in()
         views = [
             replica_view(r, self._replica_queue_len_cache.get(r.replica_id) or 0, self._residency)
             for r in candidate_replicas
         ]
         homes = self._hot.homes(adapter, len(views)) if adapter else 1
-        while self._routes_in:
-            keys, rid = self._routes_in.popleft()
-            self._prefixes.record_keys(keys, rid)
         match = self._prefixes.match(_prompt_of(pending_request))
         order = route(adapter or None, views, homes=homes, eps=self._eps, prefix_match=match)
         if pending_request is not None:
@@ -245,15 +250,36 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         # One replica per rank: Serve tries them in order, skipping full ones.
         return [[by_id[rid]] for rid in order]
 
+    def _apply_routes_in(self) -> None:
+        """Applies the other ingress replicas' records given since (give_routes): their
+        prompts to prefix affinity, their adapter sends to the residency estimate (replicas
+        this router knows of) and to the adapters' rates."""
+        if not self._routes_in:
+            return
+        known = {r.replica_id.unique_id for r in self._replicas.values()}
+        while self._routes_in:
+            record = self._routes_in.popleft()
+            if record[0] == "prefix":
+                self._prefixes.record_keys(record[1], record[2])
+            elif record[0] == "adapter":
+                _, rid, adapter, sent_at = record
+                self._hot.record(adapter)
+                if rid in known:
+                    self._residency.record(rid, adapter, at=sent_at)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         # Counted once per routed request (choose_replicas may run again on a retry).
         adapter = pending_request.metadata.multiplexed_model_id
+        rid = replica_id.unique_id
         if adapter:
             self._hot.record(adapter)
-        keys = self._prefixes.record(_prompt_of(pending_request), replica_id.unique_id)
+        keys = self._prefixes.record(_prompt_of(pending_request), rid)
         out = _module()._ROUTES_OUT.get((self._deployment_id.app_name, self._deployment_id.name))
-        if out is not None and keys:
-            out.append((keys, replica_id.unique_id))
+        if out is not None:
+            if keys:
+                out.append(("prefix", keys, rid))
+            if adapter:
+                out.append(("adapter", rid, adapter, time.time()))
         super().on_request_routed(pending_request, replica_id, result)  # outcome, then residency
 
 

@@ -35,7 +35,8 @@ class AppArgs(BaseModel):
     ingress_replicas: int = Field(
         1, description="OpenAIIngress replicas (HTTP parsing, auth, routing). Serve's proxy spreads requests "
         "over them; with more than one, an IngressLedger replica keeps what they share: each API key's rate "
-        "limits, the counts /metrics shows, and where their routers sent which prompt starts (prefix affinity).")
+        "limits, the counts /metrics shows, and where their routers sent which prompt starts and adapters (prefix "
+        "affinity, adapter residency and rates).")
     tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over (over all its hosts).")
     hosts_per_replica: int = Field(
         1, description="Hosts (machines) each replica spans, for a model larger than one host: each holds "

@@ -146,7 +146,7 @@ app.add_middleware(_BodyLimit)
 _HEALTH_TIMEOUT_S = 10.0
 # How often an ingress replica sends its counts to the shared ledger (/metrics).
 _LEDGER_REPORT_S = 2.0
-# How often an ingress replica exchanges its routers' prefix records with the others.
+# How often an ingress replica exchanges its routers' routing records with the others.
 _ROUTES_EXCHANGE_S = 0.5
 
 
@@ -392,9 +392,10 @@ class OpenAIIngress:
             await self._counts(with_replicas=False)
 
     async def _exchange_routes(self) -> None:
-        """Passes where this replica's routers sent which prompts to the other ingress
-        replicas through the ledger, and theirs to this replica's routers (prefix affinity
-        over every ingress replica: cluster/ingress_ledger.py)."""
+        """Passes where this replica's routers sent which prompts and adapters to the other
+        ingress replicas through the ledger, and theirs to this replica's routers (prefix
+        affinity, adapter residency and rates over every ingress replica:
+        cluster/ingress_ledger.py)."""
         app, deployment = self._server.app_name, self._server.deployment_name
         after = 0
         while True:

@@ -3,6 +3,7 @@ estimates from stale reports, and the Serve RequestRouter plugin driven through 
 routing loop."""
 
 import asyncio
+import time
 
 import pytest
 from ray.serve._private.common import (
@@ -302,6 +303,29 @@ def test_residency_estimate_evicts_as_the_replica_does():
     assert est.held("r0", lru, "host") == {"new", "third"}
 
 
+def test_residency_estimate_takes_other_routers_sends_late_with_their_times():
+    """Another ingress replica's sends arrive up to a second late, logged after newer sends of
+    this router's: each applies if the replica's report is older than it, whatever was
+    logged around it, and one later than late_s is dropped."""
+    clock = FakeClock()
+    est = ResidencyEstimate(horizon_s=2.0, skew_s=0.0, clock=clock, late_s=5.0)
+    report = HeldReport((), 2, as_of=10.0)  # the replica's host cache, least recently used
+    clock.t = 11.0
+    est.record("r0", "mine")
+    clock.t = 11.5
+    est.record("r0", "before-report", at=9.5)  # the report has seen it: not applied
+    est.record("r0", "theirs", at=10.5)  # sent before "mine", logged after it
+    est.record("r0", "stale", at=6.0)  # more than late_s late: dropped
+    assert est.held("r0", report, "host") == {"mine", "theirs"}
+    # Logged order is use order: a third adapter evicts the one logged first.
+    est.record("r0", "third", at=11.2)
+    assert est.held("r0", report, "host") == {"theirs", "third"}
+    # A newer report has seen all of them.
+    assert est.held("r0", HeldReport(("x",), 2, as_of=11.4), "host") == {"x"}
+    with pytest.raises(ValueError, match="late_s=-1"):
+        ResidencyEstimate(horizon_s=1.0, late_s=-1)
+
+
 def test_residency_estimate_forgets_replicas_that_left_and_bounds_its_memory():
     clock = FakeClock()
     est = ResidencyEstimate(horizon_s=10.0, clock=clock, per_replica=2)
@@ -453,7 +477,8 @@ def test_a_conversation_finds_its_replica_through_another_ingress_replicas_route
         [[alone], _] = await b.choose_replicas([r0, r1], _pending("", second))
         assert alone is r0
         records = take_routes("ingress-a", "LoRAModelServer")
-        assert [rid for _, rid in records] == ["r1"] and take_routes("ingress-a", "LoRAModelServer") == []
+        assert [(r[0], r[2]) for r in records] == [("prefix", "r1")]  # a base-model request: no adapter
+        assert take_routes("ingress-a", "LoRAModelServer") == []
         give_routes("ingress-b", "LoRAModelServer", records)
         [[shared], _] = await b.choose_replicas([r0, r1], _pending("", second))
         assert shared is r1
@@ -462,6 +487,32 @@ def test_a_conversation_finds_its_replica_through_another_ingress_replicas_route
     # Only a deployment whose ingress shares them keeps records for take_routes.
     with pytest.raises(KeyError):
         take_routes("ingress-b", "LoRAModelServer")
+
+
+def test_an_adapter_sent_through_another_ingress_replica_counts_as_held_there():
+    """Router A (one ingress replica) sends adapter x away from its rendezvous home, where no
+    report shows it yet. Router B (another ingress replica) would send x's next request to
+    the home; with A's records it sends it where x is, and counts A's requests in x's rate."""
+    async def run():
+        a, b = _router("ingress-c"), _router("ingress-d")
+        share_routes("ingress-c", "LoRAModelServer")
+        ids = ["r0", "r1"]
+        home = rendezvous_order("x", ids)[0]
+        other = next(r for r in ids if r != home)
+        stats = lambda: dict(routing_stats([], {}), as_of=time.time() - 0.5)  # noqa: E731  (taken before the sends)
+        replicas = {r: StatsReplica(r, stats()) for r in ids}
+        for router in (a, b):
+            router.update_replicas(list(replicas.values()))
+        a.on_request_routed(_pending("x"), replicas[other].replica_id, None)  # its home was full
+        [[alone], _] = await b.choose_replicas(list(replicas.values()), _pending("x"))
+        assert alone.replica_id.unique_id == home and b._hot.rate("x") == 0
+        records = take_routes("ingress-c", "LoRAModelServer")
+        assert [r[:3] for r in records] == [("adapter", other, "x")]
+        give_routes("ingress-d", "LoRAModelServer", records)
+        [[shared], _] = await b.choose_replicas(list(replicas.values()), _pending("x"))
+        assert shared.replica_id.unique_id == other and b._hot.rate("x") > 0
+
+    asyncio.run(run())
 
 
 def test_routing_stats_from_manager_rows():
