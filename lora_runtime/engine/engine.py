@@ -95,8 +95,8 @@ class Engine:
             "mask_seconds": 0.0,  # host time computing their allowed-token masks
         }
         self.memory_plan = None  # the MemoryPlan the cache was sized by (set by the builder)
-        self.warm_compiles: int | None = None  # executables warm-up built (JAX's compile events)
-        self.warm_counts: compile_events.CompileCounts | None = None  # the same, with cache hits and seconds
+        # What warm-up built (JAX's compile events: executables, of which cache hits, seconds).
+        self.warm_counts: compile_events.CompileCounts | None = None
         self.warm_seconds: float | None = None  # the warm-up's wall time
         self._loop_builds = 0
         self._phase: list[Sequence] = []  # the sequences of the part of a step now running
@@ -178,7 +178,6 @@ class Engine:
         if self.lora_manager is not None:
             self.lora_manager.warm_up()
         self.warm_counts = built + (compile_events.counts() - before)
-        self.warm_compiles = self.warm_counts.builds
         self.warm_seconds = time.perf_counter() - start
 
     def _sample_rows(self) -> list[int]:
@@ -226,6 +225,11 @@ class Engine:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile",
                                                    initializer=name_native_thread) as compilers:
             return sum(compilers.map(_builds_of, jobs), compile_events.CompileCounts(0, 0))
+
+    @property
+    def warm_compiles(self) -> int | None:
+        """Executables warm-up built (compiled, or read from the persistent cache)."""
+        return None if self.warm_counts is None else self.warm_counts.builds
 
     @property
     def compiles_after_warmup(self) -> int:

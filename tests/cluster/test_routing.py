@@ -499,8 +499,8 @@ def test_an_adapter_sent_through_another_ingress_replica_counts_as_held_there():
         ids = ["r0", "r1"]
         home = rendezvous_order("x", ids)[0]
         other = next(r for r in ids if r != home)
-        stats = lambda: dict(routing_stats([], {}), as_of=time.time() - 0.5)  # noqa: E731  (taken before the sends)
-        replicas = {r: StatsReplica(r, stats()) for r in ids}
+        taken = time.time() - 0.5  # the reports were taken before the sends
+        replicas = {r: StatsReplica(r, dict(routing_stats([], {}), as_of=taken)) for r in ids}
         for router in (a, b):
             router.update_replicas(list(replicas.values()))
         a.on_request_routed(_pending("x"), replicas[other].replica_id, None)  # its home was full
