@@ -152,18 +152,20 @@ class Engine:
         decode, and the sampler per row count; with adapters, each step twice (a step where
         no token uses an adapter runs the base model alone and pays nothing for LoRA).
 
-        They compile ahead of time in parallel, a thread per core, then each runs once on
-        idle rows: a program that compiles but cannot run (device memory at the largest
-        bucket) fails at start rather than at a request, and whatever is built only on a
-        first run is built now. Then the row-state reset per history bucket and the
-        adapter slot write."""
+        They compile ahead of time in parallel, a thread per core. Then the largest shape of
+        each kind of step runs once on idle rows: a program that compiles but cannot run
+        (device memory at the largest bucket) fails at start rather than at a request, and
+        what the steps' first runs build (the prompt log-probabilities' and the sampler's
+        idle inputs) is built now. The smaller shapes need no run: the ahead-of-time compile
+        left them in jit's cache, and running them would cost time that grows with depth.
+        Then the row-state reset per history bucket and the adapter slot write."""
         runner = self.runner
         start = time.perf_counter()
         self.grammars  # noqa: B018  (its tokenizer index builds on its own thread meanwhile)
         built = self.compile_steps()
         before = compile_events.counts()
         run_step = {"prefill": runner.prefill, "extend": runner.extend, "decode": runner.decode}
-        for kind, inputs, pool in self._warm_steps():
+        for kind, inputs, pool in _largest_of_each_kind(self._warm_steps()):
             run_step[kind](inputs, pool)
             if kind == "prefill" and _reads_head(inputs, pool):
                 runner.prompt_logprobs(np.zeros(inputs.tokens.shape[0], np.int32))
@@ -909,6 +911,18 @@ class Engine:
                               self._lora_info(none, lora), np.full(p, -1, np.int32))
         return self._paged_inputs(groups, n // groups, [], [None] * groups, np.zeros(groups, np.int32),
                                   np.full(groups, -1, np.int32), lora)
+
+
+def _largest_of_each_kind(steps: list[tuple[str, StepInputs, object]]) -> list[tuple[str, StepInputs, object]]:
+    """The step shapes with the most tokens of each kind: prefill, one-sequence extend,
+    several-sequence extend and decode (told apart by kind and sampled rows), each with and
+    without adapters."""
+    largest: dict[tuple, tuple[str, StepInputs, object]] = {}
+    for kind, inputs, pool in steps:
+        key = (kind, inputs.sampling.temperature.shape[0], inputs.lora is None)
+        if key not in largest or inputs.tokens.shape[0] > largest[key][1].tokens.shape[0]:
+            largest[key] = (kind, inputs, pool)
+    return list(largest.values())
 
 
 def _reads_head(inputs: StepInputs, pool) -> bool:

@@ -92,7 +92,8 @@ def dora_terms(pool: LoRAMemoryPool, base: BaseWeights, adapter: LoRAAdapter) ->
 
 
 def warm_up_scales(base: BaseWeights, model_config, rank: int, groups: tuple[str, ...]) -> None:
-    """Compiles the scale of every module shape the pool's groups hold (layer 0 stands for all)."""
+    """Compiles the scale of every module shape the pool's groups hold (layer 0 stands for all),
+    ahead of time: running it would read whole base kernels for nothing."""
     shapes = {**module_shapes(model_config, served=True), **outer_shapes(model_config)}
     for g in groups:
         for module in GROUP_SLICES.get(g, (g,)):
@@ -101,9 +102,9 @@ def warm_up_scales(base: BaseWeights, model_config, rank: int, groups: tuple[str
             fan_in, fan_out = shapes[module]
             layer = 0 if g in GROUP_SLICES else NO_LAYER
             kernel, out_in = base.kernel(layer, module)
-            _scale_fn(out_in, kernel.sharding.mesh)(kernel, np.zeros((rank, fan_in), np.float32),
-                                                    np.zeros((fan_out, rank), np.float32), np.float32(1.0),
-                                                    np.ones(fan_out, np.float32)).block_until_ready()
+            _scale_fn(out_in, kernel.sharding.mesh).lower(kernel, np.zeros((rank, fan_in), np.float32),
+                                                          np.zeros((fan_out, rank), np.float32), np.float32(1.0),
+                                                          np.ones(fan_out, np.float32)).compile()
             bias = base.bias(layer, module)
             if bias is not None:
                 host_value(bias)  # DoRA's shift reads it (gathered, across hosts)

@@ -256,6 +256,37 @@ def test_abort_by_id_while_waiting_and_running(engine):
 
 
 @pytest.mark.usefixtures("engine")  # built first: this engine reads its steps from the cache
+def test_warmup_runs_only_the_largest_shape_of_each_kind_of_step(checkpoint):
+    """Every shape is compiled ahead of time; running the smaller ones too would cost time
+    that grows with depth and check nothing more (test_nothing_compiles_after_warmup: they
+    then run without a compile)."""
+    eng = Engine.from_pretrained(str(checkpoint), EngineConfig(**ENGINE_SHAPE))
+    steps = eng._warm_steps()
+    largest: dict[tuple, int] = {}
+    for kind, inputs, _ in steps:
+        family = (kind, inputs.sampling.temperature.shape[0])  # decode and prefill, extend of 1 or of several
+        largest[family] = max(largest.get(family, 0), inputs.tokens.shape[0])
+    ran = []
+
+    def counted(kind: str):
+        step = getattr(eng.runner, kind)
+
+        def run(inputs, pool, *rest):
+            ran.append((kind, inputs.sampling.temperature.shape[0], inputs.tokens.shape[0]))
+            return step(inputs, pool, *rest)
+        return run
+
+    for kind in ("prefill", "extend", "decode"):
+        setattr(eng.runner, kind, counted(kind))
+    eng.start()
+    try:
+        assert sorted(ran) == sorted((*family, n) for family, n in largest.items())
+        assert len(ran) == 4 < len(steps)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.usefixtures("engine")  # built first: this engine reads its steps from the cache
 def test_drain_finishes_running_requests_and_refuses_new_ones(checkpoint):
     from lora_runtime.errors import CapacityError
 

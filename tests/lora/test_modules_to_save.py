@@ -242,7 +242,7 @@ def test_saved_slots_are_shared_reused_and_evicted(base_dir, saved_dirs, adapter
         manager.close()
 
 
-def test_warm_up_compiles_the_saved_writes(base_dir, saved_dirs):
+def test_warm_up_compiles_the_saved_writes_and_the_dora_scales(base_dir, saved_dirs, extra_adapter_dirs):
     from lora_runtime.engine import compile_events
 
     mesh = make_mesh(1, jax.devices()[:1])
@@ -252,9 +252,11 @@ def test_warm_up_compiles_the_saved_writes(base_dir, saved_dirs):
         manager.warm_up()
         for name in ("save_head", "save_embed"):
             manager.register(name, str(saved_dirs[name]))
+        manager.register("dora", str(extra_adapter_dirs["dora"]))  # every module, every layer
         before = compile_events.process_counts().builds
         manager.acquire_slot("save_head")
         manager.acquire_slot("save_embed")
+        manager.acquire_slot("dora")
         assert compile_events.process_counts().builds == before
     finally:
         manager.close()
