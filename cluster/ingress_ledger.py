@@ -1,7 +1,8 @@
 """IngressLedger: what several ingress replicas share, so that they act as one endpoint.
 
 With one ingress replica its process holds the rate-limit buckets and the counts /metrics
-shows. With more (``ingress_replicas``), Serve's proxy spreads the requests over them, so:
+shows. With more (``ingress_replicas``, or as many as ``ingress_autoscaling`` starts), Serve's
+proxy spreads the requests over them, so:
 
 - **Rate limits** are kept here, once per API key: each replica asks before it admits a
   request and charges a response's tokens here, so a key gets its rate once, not once per

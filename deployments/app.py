@@ -35,8 +35,9 @@ def router_config(a: AppArgs) -> RequestRouterConfig:
     return RequestRouterConfig(
         request_router_class=AdapterAffinityRouter,
         request_router_kwargs=dict(
-            # Each ingress replica's router sees its share of the requests.
-            eps=a.routing_load_slack, hot_rate=a.routing_hot_rate / a.ingress_replicas, max_homes=a.routing_max_homes,
+            # Each ingress replica's router counts the others' adapter sends too (through the
+            # IngressLedger), so it sees an adapter's whole rate.
+            eps=a.routing_load_slack, hot_rate=a.routing_hot_rate, max_homes=a.routing_max_homes,
             half_life_s=a.routing_rate_half_life_s,
             residency_horizon_s=_RESIDENCY_HORIZON_S,
         ),
@@ -83,14 +84,18 @@ def build_app(args: dict | AppArgs) -> Application:
         graceful_shutdown_timeout_s=a.drain_timeout_s + 5.0,
         request_router_config=router_config(a),
     ).bind(plain)
+    ingress_scale = (dict(num_replicas=a.ingress_replicas) if a.ingress_autoscaling is None
+                     else dict(autoscaling_config=a.ingress_autoscaling))
     ingress = serve.deployment(
         OpenAIIngress,
         name="OpenAIIngress",
-        num_replicas=a.ingress_replicas,
+        **ingress_scale,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
+        # One that stops (scaled in, redeployed) lets its streams finish as the model servers do.
+        graceful_shutdown_timeout_s=a.drain_timeout_s + 5.0,
         ray_actor_options={"num_cpus": 0.5},
     )
-    if a.ingress_replicas == 1:
+    if not a.shared_ingress:
         return ingress.bind(server, plain)
     ledger = serve.deployment(
         LedgerHost,

@@ -37,6 +37,10 @@ class AppArgs(BaseModel):
         "over them; with more than one, an IngressLedger replica keeps what they share: each API key's rate "
         "limits, the counts /metrics shows, and where their routers sent which prompt starts and adapters (prefix "
         "affinity, adapter residency and rates).")
+    ingress_autoscaling: dict | None = Field(
+        None, description="Serve autoscaling of the OpenAIIngress replicas (Serve's autoscaling_config: "
+        "min_replicas, max_replicas, target_ongoing_requests, ...), instead of a fixed ingress_replicas. The "
+        "replicas share what several ingress replicas share (the IngressLedger) as they come and go.")
     tensor_parallel_size: int = Field(1, description="Devices each replica shards the model over (over all its hosts).")
     hosts_per_replica: int = Field(
         1, description="Hosts (machines) each replica spans, for a model larger than one host: each holds "
@@ -305,9 +309,9 @@ class AppArgs(BaseModel):
             raise ValueError(f"accelerator={v!r} must be one of {list(ACCELERATORS)}")
         return v
 
-    @field_validator("autoscaling")
+    @field_validator("autoscaling", "ingress_autoscaling")
     @classmethod
-    def _autoscaling(cls, v: dict | None) -> dict | None:
+    def _autoscaling(cls, v: dict | None, info) -> dict | None:
         if v is None:
             return v
         from ray.serve.config import AutoscalingConfig
@@ -315,7 +319,7 @@ class AppArgs(BaseModel):
         known = getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__
         unknown = sorted(set(v) - set(known))
         if unknown:
-            raise ValueError(f"autoscaling has unknown fields {unknown}; Serve's are {sorted(known)}")
+            raise ValueError(f"{info.field_name} has unknown fields {unknown}; Serve's are {sorted(known)}")
         AutoscalingConfig(**v)  # Serve's own checks: names the bad field
         return v
 
@@ -326,6 +330,9 @@ class AppArgs(BaseModel):
                 f"max_loras_per_batch={self.max_loras_per_batch} exceeds "
                 f"max_batch={self.max_batch}: a batch cannot use more adapters than sequences"
             )
+        if self.ingress_autoscaling is not None and self.ingress_replicas != 1:
+            raise ValueError(f"ingress_replicas={self.ingress_replicas} with ingress_autoscaling: give one or the "
+                             "other (autoscaling sets the number of ingress replicas)")
         self.placement(None)  # contradictions refused at deploy time (auto never contradicts the cluster)
         if self.lora_rank_classes is not None:
             from pydantic import ValidationError
@@ -336,6 +343,15 @@ class AppArgs(BaseModel):
                 reasons = (str(e.get("ctx", {}).get("error", e["msg"])) for e in err.errors())
                 raise ValueError("; ".join(reasons)) from None
         return self
+
+    @property
+    def shared_ingress(self) -> bool:
+        """Whether there may be more than one ingress replica (then they share an IngressLedger)."""
+        if self.ingress_autoscaling is None:
+            return self.ingress_replicas > 1
+        from ray.serve.config import AutoscalingConfig
+
+        return AutoscalingConfig(**self.ingress_autoscaling).max_replicas > 1
 
     @property
     def is_demo(self) -> bool:

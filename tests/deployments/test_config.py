@@ -132,11 +132,14 @@ def test_router_knobs_reach_the_router():
     assert multiplex._residency.horizon_s == 2.0
 
 
-def test_each_ingress_replicas_router_takes_its_share_of_the_hot_rate():
+def test_every_ingress_replicas_router_takes_the_whole_hot_rate():
+    """Each router counts the other ingress replicas' adapter sends too (through the ledger),
+    so each sees an adapter's whole rate: the threshold is not divided among them."""
     from deployments.app import router_config
 
-    cfg = router_config(AppArgs(routing_hot_rate=30.0, ingress_replicas=3))
-    assert cfg.request_router_kwargs["hot_rate"] == 10.0
+    for args in (AppArgs(routing_hot_rate=30.0, ingress_replicas=3),
+                 AppArgs(routing_hot_rate=30.0, ingress_autoscaling={"min_replicas": 1, "max_replicas": 4})):
+        assert router_config(args).request_router_kwargs["hot_rate"] == 30.0
 
 
 def test_the_ledger_is_bound_only_for_several_ingress_replicas():
@@ -156,6 +159,33 @@ def test_the_ledger_is_bound_only_for_several_ingress_replicas():
     two = deployments(build_app({"ingress_replicas": 2}))
     assert set(two) == {"OpenAIIngress", "LoRAModelServer", "IngressLedger"}
     assert two["OpenAIIngress"].num_replicas == 2 and two["IngressLedger"].num_replicas == 1
+    # Autoscaled: a ledger whenever there may be more than one.
+    scaled = deployments(build_app({"ingress_autoscaling": {"min_replicas": 1, "max_replicas": 3,
+                                                            "target_ongoing_requests": 32}}))
+    assert set(scaled) == {"OpenAIIngress", "LoRAModelServer", "IngressLedger"}
+    autoscaling = scaled["OpenAIIngress"]._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (1, 3, 32)
+    # An ingress replica that stops lets its streams finish as a model server does.
+    assert scaled["OpenAIIngress"]._deployment_config.graceful_shutdown_timeout_s == (
+        scaled["LoRAModelServer"]._deployment_config.graceful_shutdown_timeout_s)
+    assert set(deployments(build_app({"ingress_autoscaling": {"min_replicas": 1, "max_replicas": 1}}))) == {
+        "OpenAIIngress", "LoRAModelServer"}
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"ingress_autoscaling": {"max_replica": 2}}, r"ingress_autoscaling has unknown fields \['max_replica'\]"),
+    ({"ingress_autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas"),
+    ({"ingress_replicas": 2, "ingress_autoscaling": {"max_replicas": 2}}, "ingress_replicas=2 with ingress_autoscaling"),
+])
+def test_bad_ingress_autoscaling_is_refused_by_name(args, match):
+    with pytest.raises(ValidationError, match=match):
+        AppArgs(**args)
+
+
+def test_ingress_autoscaling_survives_the_replicas_own_validation():
+    """Each replica validates the app's args again from their dump (ingress_replicas in it)."""
+    args = AppArgs(ingress_autoscaling={"min_replicas": 1, "max_replicas": 2})
+    assert AppArgs.model_validate(args.model_dump()).ingress_autoscaling == {"min_replicas": 1, "max_replicas": 2}
 
 
 def test_compilation_cache_dir_reaches_the_engine(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ cluster's processes inherit the environment that points gcsfs at it, through a f
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -89,6 +90,13 @@ def kill_actor(cluster: Cluster, name: str, namespace: str, *, no_restart: bool)
         f"ray.kill(ray.get_actor({name!r}), no_restart={no_restart!r})\n"
     )
     cluster.cli(sys.executable, "-c", code)
+
+
+def ingress_admitted(url: str) -> dict[str, float]:
+    """Inference requests each ingress replica admitted, as /metrics under ``url`` shows them."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {i: float(n) for i, n in re.findall(r'^multilora_ingress_requests_total\{ingress="([^"]+)"\} (\S+)', text,
+                                               re.M)}
 
 
 class ReplicaKiller:

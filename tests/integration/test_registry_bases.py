@@ -4,13 +4,16 @@ model, says at start what it skipped, and a name the other holds is refused with
 
 The demo deployment runs two replicas of tensor_parallel_size 2, each on host devices of its
 own (deployments/placement.py), and serves exactly what one process on one device does. The
-tiny one runs two model servers behind two ingress replicas: a conversation's turns find
-their model server through either."""
+tiny one runs two model servers behind two to three ingress replicas (Serve autoscales them):
+a conversation's turns find their model server through either, and a third one starts under
+load and goes again without losing a request."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +26,7 @@ import yaml
 from cluster.admin import ADMIN_NAMESPACE, demo_adapter_sources
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.integration.adapters import save_peft_adapter
-from tests.integration.conftest import ADMIN_TOKEN, REPO, kill_actor
+from tests.integration.conftest import ADMIN_TOKEN, REPO, ingress_admitted, kill_actor
 
 pytestmark = pytest.mark.integration
 
@@ -33,9 +36,12 @@ DEMO, TINY = "/demo", "/tiny"  # route prefixes
 DEMO_ADAPTERS = {"reverse", "upper", "sort", "caesar"}
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TENSOR_PARALLEL = dict(num_replicas=2, tensor_parallel_size=2, accelerator="cpu", replica_num_cpus=0.5)
-# The tiny app: two model servers behind two ingress replicas (prefix affinity across them).
+# The tiny app: two model servers behind two or three ingress replicas (prefix affinity across
+# them), scaled by the requests each holds: quickly, to see it within a test.
+TINY_INGRESS = dict(min_replicas=2, max_replicas=3, target_ongoing_requests=4, metrics_interval_s=0.5,
+                    look_back_period_s=2.0, upscale_delay_s=0.0, downscale_delay_s=3.0)
 # Prompts with tools run past its 128-token prefill steps: they prefill in chunks.
-TINY_REPLICAS = dict(num_replicas=2, ingress_replicas=2, replica_num_cpus=0.5, max_prefill_tokens=128)
+TINY_REPLICAS = dict(num_replicas=2, ingress_autoscaling=TINY_INGRESS, replica_num_cpus=0.5, max_prefill_tokens=128)
 # The tiny Llama speaks Qwen2.5's chat format, tools included (a shortened copy of its template).
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
@@ -271,8 +277,6 @@ def test_a_conversations_next_turn_finds_its_replica_through_either_ingress_repl
     """The tiny app's two ingress replicas share where their routers sent which prompts (the
     ingress ledger): each conversation's second turn, whichever ingress replica takes it,
     goes to the model server that served its first and finds its start cached."""
-    import concurrent.futures
-
     url = f"{bases.base_url}{TINY}/v1/completions"
     # Distinct from the first character on: no conversation shares a cached block with another.
     firsts = [f"{c} says: the quick brown fox jumps over the lazy dog, " * 2 for c in "abcdefgh"]
@@ -289,3 +293,58 @@ def test_a_conversations_next_turn_finds_its_replica_through_either_ingress_repl
     # One at a time: no load bound sends a turn elsewhere.
     cached = [complete(first + "and then what did the dog do next?") for first in firsts]
     assert all(n > 0 for n in cached), cached
+
+
+def _running_ingress_replicas(cluster) -> int:
+    out = cluster.cli("serve", "status", "-a", cluster.dashboard_url).stdout
+    deployment = yaml.safe_load(out)["applications"][TINY_APP]["deployments"]["OpenAIIngress"]
+    return deployment.get("replica_states", {}).get("RUNNING", 0)
+
+
+def _wait_ingress_replicas(cluster, n: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (running := _running_ingress_replicas(cluster)) != n:
+        assert time.monotonic() < deadline, f"{running} ingress replicas RUNNING after {timeout}s, not {n}"
+        time.sleep(1.0)
+
+
+def test_the_ingress_scales_out_under_load_and_back_without_losing_a_request(bases):
+    """ingress_autoscaling: requests held by the tiny app's two ingress replicas past its
+    target start a third, which takes requests and shares the ledger (its admitted count is
+    on /metrics, read through any of them); with the load gone it stops again. No request
+    fails on the way out or back."""
+    url = f"{bases.base_url}{TINY}"
+    statuses: list[int] = []
+    n = 24  # 12 ongoing at each of two replicas, 3 x their target: as many replicas as allowed
+    active = [n]  # clients 0 .. active[0] - 1 send, one request after another
+    stop = threading.Event()
+
+    def load(i: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                if i >= active[0]:
+                    time.sleep(0.2)
+                    continue
+                r = client.post(f"{url}/v1/completions",
+                                json={"model": "tiny", "prompt": "hello", "max_tokens": 32, "temperature": 0})
+                statuses.append(r.status_code)
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(load, i) for i in range(n)]
+        try:
+            _wait_ingress_replicas(bases, TINY_INGRESS["max_replicas"])
+            before = ingress_admitted(url)
+            deadline = time.monotonic() + 30  # each replica reports its counts every 2 s
+            while True:
+                spread = {i: c - before.get(i, 0.0) for i, c in ingress_admitted(url).items()}
+                if sum(1 for c in spread.values() if c > 0) >= 3 or time.monotonic() > deadline:
+                    break
+                time.sleep(1.0)
+            assert sum(1 for c in spread.values() if c > 0) >= 3, spread
+            active[0] = 1  # one client left: the fewest replicas suffice, and it sees them go
+            _wait_ingress_replicas(bases, TINY_INGRESS["min_replicas"])
+        finally:
+            stop.set()
+            for future in futures:
+                future.result()
+    assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}

@@ -21,7 +21,7 @@ import yaml
 
 from tests.helpers.checkpoints import save_tiny_llama
 from tests.integration.adapters import save_peft_adapter
-from tests.integration.conftest import ADMIN_TOKEN, REPO, ReplicaKiller, kill_actor
+from tests.integration.conftest import ADMIN_TOKEN, REPO, ReplicaKiller, ingress_admitted, kill_actor
 
 pytestmark = pytest.mark.integration
 
@@ -1384,25 +1384,18 @@ def test_a_key_over_its_request_rate_gets_a_429_with_retry_after(tenants):
     _client(tenants, TENANT_A).completions.create(model=BASE, prompt="x", max_tokens=1)
 
 
-def _admitted(url: str) -> dict[str, float]:
-    """Inference requests each ingress replica admitted, as /metrics shows them."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {i: float(n) for i, n in re.findall(r'^multilora_ingress_requests_total\{ingress="([^"]+)"\} (\S+)', text,
-                                               re.M)}
-
-
 def test_the_ingress_replicas_share_the_load_and_read_the_same_metrics(tenants):
     """The keyed deployment's two ingress replicas: Serve's proxy spreads requests over both
     (each counts what it admitted), and /metrics, read through either, shows both."""
     url = tenants.base_url
-    before = _admitted(url)
+    before = ingress_admitted(url)
     client = _client(tenants, TENANT_A)
     sent = 20
     for _ in range(sent):
         client.models.list()
     deadline = time.monotonic() + 15  # each replica reports its counts every 2 s
     while True:
-        after = _admitted(url)
+        after = ingress_admitted(url)
         spread = {i: n - before.get(i, 0.0) for i, n in after.items()}
         if sum(spread.values()) >= sent or time.monotonic() > deadline:
             break
@@ -1411,7 +1404,7 @@ def test_the_ingress_replicas_share_the_load_and_read_the_same_metrics(tenants):
     assert all(n > 0 for n in spread.values()), spread  # 2 in 2**20 that one takes all
     # Every scrape, whichever replica answers it, lists both, and no count goes back.
     for _ in range(6):
-        again = _admitted(url)
+        again = ingress_admitted(url)
         assert set(again) == set(after) and all(again[i] >= after[i] for i in after), (after, again)
         after = again
 
