@@ -153,12 +153,13 @@ class Engine:
         no token uses an adapter runs the base model alone and pays nothing for LoRA).
 
         They compile ahead of time in parallel, a thread per core. Then the largest shape of
-        each kind of step runs once on idle rows: a program that compiles but cannot run
-        (device memory at the largest bucket) fails at start rather than at a request, and
-        what the steps' first runs build (the prompt log-probabilities' and the sampler's
-        idle inputs) is built now. The smaller shapes need no run: the ahead-of-time compile
-        left them in jit's cache, and running them would cost time that grows with depth.
-        Then the row-state reset per history bucket and the adapter slot write."""
+        each kind of step runs once on idle rows (and the prompt log-probabilities after the
+        largest prefill): a program that compiles but cannot run (device memory at the
+        largest bucket) fails at start rather than at a request. The smaller shapes need no
+        run: the ahead-of-time compile left them in jit's cache, and running them would cost
+        time that grows with depth. Then what is built on a first run: the sampler's idle
+        logits per row count, the row-state reset per history bucket and the adapter slot
+        write (with DoRA's scales, compiled)."""
         runner = self.runner
         start = time.perf_counter()
         self.grammars  # noqa: B018  (its tokenizer index builds on its own thread meanwhile)
