@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,18 +63,33 @@ class Cluster:
             raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc
 
+    def serve_status(self) -> dict:
+        """What `serve status` prints, as a dict (application -> status, message, and each
+        deployment's status and replica_states), read from the dashboard's REST API: a
+        `serve status` process costs about 2 s of CPU, and polling with it took a core's worth
+        of the test machine's two while replicas were starting."""
+        r = httpx.get(f"{self.dashboard_url}/api/serve/applications/", timeout=60,
+                      headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
+        r.raise_for_status()
+        apps = r.json().get("applications") or {}
+        return {"applications": {
+            name: {"status": app.get("status"), "message": app.get("message", ""),
+                   "deployments": {d: {"status": dep.get("status"),
+                                       "replica_states": dict(Counter(rep["state"] for rep in dep.get("replicas", [])))}
+                                   for d, dep in (app.get("deployments") or {}).items()}}
+            for name, app in apps.items()}}
+
     def wait_running(self, *apps: str, timeout: float = 300.0) -> None:
         """Waits until every Serve application in ``apps`` is RUNNING; a failed deploy raises."""
         deadline = time.monotonic() + timeout
         statuses: dict = {}
         while time.monotonic() < deadline:
-            out = self.cli("serve", "status", "-a", self.dashboard_url).stdout
-            found = (yaml.safe_load(out) or {}).get("applications", {})
+            found = self.serve_status()["applications"]
             statuses = {app: found.get(app, {}).get("status") for app in apps}
             if all(s == "RUNNING" for s in statuses.values()):
                 return
             if "DEPLOY_FAILED" in statuses.values():
-                raise AssertionError(f"deploy failed:\n{out}")
+                raise AssertionError(f"deploy failed:\n{yaml.safe_dump(found)}")
             time.sleep(1.0)
         raise TimeoutError(f"applications not RUNNING after {timeout}s (last statuses {statuses})")
 

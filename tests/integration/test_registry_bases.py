@@ -296,8 +296,7 @@ def test_a_conversations_next_turn_finds_its_replica_through_either_ingress_repl
 
 
 def _running_ingress_replicas(cluster) -> int:
-    out = cluster.cli("serve", "status", "-a", cluster.dashboard_url).stdout
-    deployment = yaml.safe_load(out)["applications"][TINY_APP]["deployments"]["OpenAIIngress"]
+    deployment = cluster.serve_status()["applications"][TINY_APP]["deployments"]["OpenAIIngress"]
     return deployment.get("replica_states", {}).get("RUNNING", 0)
 
 

@@ -1170,7 +1170,7 @@ def test_a_redeploy_naming_another_registry_is_refused_and_the_app_serves_on(app
     app.cli("serve", "deploy", str(other), "-a", app.dashboard_url)
     deadline = time.monotonic() + 120
     while True:
-        status = yaml.safe_load(app.cli("serve", "status", "-a", app.dashboard_url).stdout)["applications"][APP]
+        status = app.serve_status()["applications"][APP]
         if status["status"] == "DEPLOY_FAILED":
             break
         assert time.monotonic() < deadline, status
