@@ -16,7 +16,9 @@ GREEDY = SamplingParams(max_tokens=14, temperature=0.0)
 def engine():
     adapters = demo_adapters()
     eng = Engine.from_pretrained(
-        demo_model_dir(), EngineConfig(max_batch=32, max_seq_len=64, max_loras_per_batch=len(adapters))
+        demo_model_dir(),
+        # One prefill bucket (longer prompts prefill in chunks): fewer programs to compile.
+        EngineConfig(max_batch=32, max_seq_len=64, max_loras_per_batch=len(adapters), max_prefill_tokens=16),
     )
     for name, path in adapters.items():
         eng.lora_manager.register(name, str(path))

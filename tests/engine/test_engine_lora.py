@@ -67,7 +67,10 @@ def _peft_greedy(checkpoint, adapters, prompts) -> dict:
 
 
 def _engine(checkpoint, adapters, **overrides):
-    cfg = dict(max_batch=8, max_seq_len=64, max_loras_per_batch=4, max_lora_rank=16, lora_backend="reference")
+    # One prefill bucket (longer prompts prefill in chunks): a quarter of the programs to
+    # compile for each engine shape here. Buckets are tested in test_engine.py.
+    cfg = dict(max_batch=8, max_seq_len=64, max_loras_per_batch=4, max_lora_rank=16, lora_backend="reference",
+               max_prefill_tokens=16)
     cfg.update(overrides)
     engine = Engine.from_pretrained(str(checkpoint), EngineConfig(**cfg))
     for name, path in adapters.items():

@@ -16,8 +16,10 @@ import os
 import sys
 import threading
 
+# One prefill bucket: half the programs each process compiles (buckets are tested in
+# tests/engine/test_engine.py).
 ENGINE = dict(max_batch=4, max_seq_len=32, max_loras_per_batch=2, max_lora_rank=16, lora_backend="xla",
-              lora_modules_to_save_max_bytes=1 << 20)
+              lora_modules_to_save_max_bytes=1 << 20, max_prefill_tokens=16)
 
 
 def engine_config(tp: int, **overrides):

@@ -39,8 +39,9 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def args(files) -> dict:
     [template] = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"]
-    # Small shapes: every step compiles in both processes, on the same two cores.
+    # Small shapes and one prefill bucket: every step compiles in both processes, on the same two cores.
     return {**template["args"], "model": str(files["tiny"]), "model_name": "tiny", "max_seq_len": 32, "max_batch": 4,
+            "max_prefill_tokens": 16,
             "max_loras_per_batch": 2, "max_lora_rank": 8, "lora_modules_to_save_max_bytes": 0,
             "registry_url": str(files["root"] / "registry.json"), "admin_actor_name": ADMIN_ACTOR,
             "drain_timeout_s": 1.0, **HOSTS}
