@@ -13,7 +13,7 @@ from lora_runtime.model.fetch import TOKENIZER_FILES
 from tests.helpers.checkpoints import save_tiny_llama
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-CONFIG = EngineConfig(max_batch=2, max_seq_len=48, max_loras_per_batch=0)
+CONFIG = EngineConfig(max_batch=2, max_seq_len=48, max_loras_per_batch=0, max_prefill_tokens=16)  # one prefill bucket
 PROMPT = "the quick brown fox"
 
 

@@ -57,10 +57,8 @@ def two_replicas(cluster, tmp_path_factory):
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": cluster.http_port}
     args = config["applications"][0]["args"]
-    # One prefill bucket (longer prompts prefill in chunks): a third of the step programs to
-    # compile in each replica.
     args.update(autoscaling=AUTOSCALING, registry_url=str(root / "registry.json"), admin_actor_name=ADMIN_ACTOR,
-                drain_timeout_s=1.0, lora_rank_classes=RANK_CLASSES, max_prefill_tokens=16)
+                drain_timeout_s=1.0, lora_rank_classes=RANK_CLASSES)
     cluster.class_slots = _class_slots(args)
     path = root / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))

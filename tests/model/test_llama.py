@@ -126,11 +126,12 @@ def test_stacked_layers_equal_unrolled_ones():
         pages = RowPages(1, 8, block_size=2)
         outs = []
         for model in (stacked, unrolled):
+            run = jax.jit(lambda *args, model=model: model(*args))  # one program a step, not an op at a time
             cache = pages.cache(config, mesh)
             prompt = jnp.asarray([5, 6, 7, 8, 9], jnp.int32)
-            _, cache = model(prompt[:4], jnp.arange(4, dtype=jnp.int32), cache,
-                             pages.prefill(np.zeros(4, np.int32), np.arange(4)))
-            hidden, cache = model(prompt[4:], jnp.asarray([4], jnp.int32), cache, pages.decode([0], [4]))
+            _, cache = run(prompt[:4], jnp.arange(4, dtype=jnp.int32), cache,
+                           pages.prefill(np.zeros(4, np.int32), np.arange(4)))
+            hidden, cache = run(prompt[4:], jnp.asarray([4], jnp.int32), cache, pages.decode([0], [4]))
             outs.append((np.asarray(hidden), np.asarray(cache.k), np.asarray(cache.v)))
         for a, b in zip(*outs):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
