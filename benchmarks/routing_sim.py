@@ -1,4 +1,4 @@
-"""Routing simulation (no Ray): slot-miss rate and load imbalance of five routing policies.
+"""Routing simulation (no Ray): slot-miss rate and load imbalance of seven routing policies.
 
 N replicas, each with a pool of S device slots (evicting as the engine does, the least used
 lately: lora_runtime/lora/eviction.py; or LRU) and an LRU host cache of H adapters,
@@ -17,6 +17,13 @@ the number of requests in flight on a replica. Policies:
   bounds a replica's load below ``max_ongoing`` (64 a replica in the app).
 - multiplex_bounded: the same within affinity's load bound (cluster/routing.py load_cap)
   in place of max ongoing requests.
+- partition: an oracle, not a router: each adapter has one home, chosen knowing every
+  adapter's true request count (greedy bin-packing, most requested first, onto the replica
+  with the fewest requests so far), so the homes carry equal load on average. Every request
+  goes home, whatever the load. It sees live state.
+- partition_bounded: the same homes within affinity's load bound: home while under the cap,
+  else a replica under it holding the adapter in device slots, then in its host cache, then
+  the least loaded. What the load bound costs a router that knows popularity exactly.
 - affinity: cluster/routing.py, device holders then rendezvous order within a load bound.
   It sees what the Serve router sees: each replica's report of the adapters it holds
   (device slots in eviction order with their use counts, host cache least recently used
@@ -93,7 +100,7 @@ class LeastUsedPool(LRUPool):
 
 
 POOLS = {"least-used": LeastUsedPool, "lru": LRUPool}
-POLICIES = ("random", "least_loaded", "multiplex", "multiplex_bounded", "affinity")
+POLICIES = ("random", "least_loaded", "multiplex", "multiplex_bounded", "partition", "partition_bounded", "affinity")
 
 
 @dataclass
@@ -108,6 +115,21 @@ class Result:
 def zipf_workload(num_adapters: int, alpha: float, n: int, rng: random.Random) -> list[str]:
     weights = [1.0 / (i + 1) ** alpha for i in range(num_adapters)]
     return rng.choices([f"adapter-{i}" for i in range(num_adapters)], weights=weights, k=n)
+
+
+def balanced_homes(workload: list[str], ids: list[str]) -> dict[str, str]:
+    """The partition oracle's homes: adapters by true request count, most first, each onto
+    the replica with the fewest requests so far."""
+    counts: dict[str, int] = {}
+    for adapter in workload:
+        counts[adapter] = counts.get(adapter, 0) + 1
+    assigned = dict.fromkeys(ids, 0)
+    homes = {}
+    for adapter, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        home = min(ids, key=lambda r: (assigned[r], r))
+        assigned[home] += count
+        homes[adapter] = home
+    return homes
 
 
 def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, host_slots: int, service_ticks: int,
@@ -128,6 +150,7 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
     residency = ResidencyEstimate(horizon_s=2.0 * report_ticks, skew_s=0.0, clock=lambda: float(tick[0]))
     reports: deque[tuple[int, dict[str, tuple[HeldReport, HeldReport]]]] = deque()
     reported = {r: (HeldReport((), slots, 0.0), HeldReport((), host_slots, 0.0)) for r in ids}
+    homes = balanced_homes(workload, ids) if policy.startswith("partition") else {}
     misses = 0
     fetches = 0
     ratios: list[float] = []
@@ -145,6 +168,17 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
             under = [r for r in ids if loads[r] < cap] or ids
             pick_from = [r for r in under if adapter in hosts[r]] or under
             chosen = min(rng.sample(pick_from, min(2, len(pick_from))), key=lambda r: (loads[r], rng.random()))
+        elif policy == "partition":
+            chosen = homes[adapter]
+        elif policy == "partition_bounded":
+            cap = load_cap(list(loads.values()), eps)
+            under = [r for r in ids if loads[r] < cap]
+            if homes[adapter] in under:
+                chosen = homes[adapter]
+            else:
+                holders = ([r for r in under if adapter in pools[r]] or [r for r in under if adapter in hosts[r]]
+                           or under)
+                chosen = min(holders, key=lambda r: (loads[r], r))
         elif policy == "affinity":
             if t % report_ticks == 0:
                 reports.append((t + report_delay, {r: (pools[r].report(t), hosts[r].report(t)) for r in ids}))
@@ -217,9 +251,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "fetch_rate_random": results["random"].fetch_rate,
         "miss_rate_multiplex_bounded": results["multiplex_bounded"].miss_rate,
         "fetch_rate_multiplex_bounded": results["multiplex_bounded"].fetch_rate,
+        "miss_rate_partition": results["partition"].miss_rate,
+        "miss_rate_partition_bounded": results["partition_bounded"].miss_rate,
+        "fetch_rate_partition_bounded": results["partition_bounded"].fetch_rate,
         "max_load_ratio": results["affinity"].max_load_ratio,
         "max_load_ratio_least_loaded": results["least_loaded"].max_load_ratio,
         "max_load_ratio_multiplex": results["multiplex"].max_load_ratio,
+        "max_load_ratio_partition": results["partition"].max_load_ratio,
+        "max_load_ratio_partition_bounded": results["partition_bounded"].max_load_ratio,
     }
     print(" ".join(f"{k}={v:.4f}" for k, v in out.items()))
     return out
