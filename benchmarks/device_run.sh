@@ -10,7 +10,13 @@
 #                                          the Pallas calls captured too, and off; then the headline
 #                                          benchmark with and without that capture, and the engine
 #                                          step with no command buffers (about 4-5 minutes)
-# Wheels for packages the device image lacks (pydantic) may sit in .whl/.
+#   bash benchmarks/device_run.sh restart  engine starts (benchmarks/engine_scale.py --start-only): a whole
+#                                          Llama-3-8B-shaped model (32 layers, bfloat16) started over an
+#                                          empty compilation cache, then over that cache; then 4- and
+#                                          32-layer warm-ups at 8B widths (4 fresh processes, minutes)
+#   bash benchmarks/device_run.sh restart-smoke  the same at small widths, on any machine
+# Wheels for packages the device image lacks (pydantic, llguidance) go in .whl/ with
+# scripts/device_wheels.sh; a run that starts an engine carries .whl.
 set -uo pipefail
 OUT=${OUT:-./.device_out}
 mkdir -p "$OUT"
@@ -36,6 +42,13 @@ if [ "$mode" = profile ]; then
   # The engine step with no command buffers at all: each Pallas call splits XLA's graphs.
   XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 80 python3 -m benchmarks.multi_lora --quick --large \
     --backend pallas 2>&1 | tee "$OUT/multi_lora_pallas_no_graphs.log" | tail -9
+  exit 0
+fi
+if [ "$mode" = restart ] || [ "$mode" = restart-smoke ]; then
+  widths=8b layers=32 dtype=bfloat16
+  [ "$mode" = restart-smoke ] && widths=small layers=4 dtype=float32
+  timeout 540 python3 -m benchmarks.engine_scale --start-only --layers "$layers" --dtype "$dtype" \
+    --widths "$widths" --depth-widths "$widths" 2>&1 | tee "$OUT/engine_starts.log" | tail -9
   exit 0
 fi
 if [ "$mode" = kernels ]; then

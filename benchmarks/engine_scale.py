@@ -3,6 +3,7 @@ load under running streams, LoRA cost against an engine without LoRA, compilatio
 warm-up, and start time with and without the persistent compilation cache.
 
     python -m benchmarks.engine_scale [--quick] [--layers N]
+    python -m benchmarks.engine_scale --start-only [--layers N] [--dtype bfloat16] [--widths W] [--depth-widths W]
 
 Hidden 4096, 32 heads (8 kv), intermediate 14336, vocab 128256, few layers, float32 on
 CPU; adapters of rank 64 on all seven projections, 64 device slots. Measured:
@@ -36,6 +37,12 @@ CPU; adapters of rank 64 on all seven projections, 64 device slots. Measured:
   no compilation cache; the table also shows them unrolled, and the seconds XLA spent
   compiling (JAX's backend-compile events, summed over the warm-up's threads). At hidden 1024 (16 heads, 4 kv,
   intermediate 4096, vocab 128256): 32 layers of 8B widths do not fit a CPU host in f32.
+
+`--start-only` measures only the starts: the cold and cached pair (at `--widths`, `--layers`,
+`--dtype`), then the 4- and 32-layer warm-ups (layers as a loop, at `--depth-widths`). It needs
+no Ray, so it runs on an accelerator host as it is; there `--layers 32 --dtype bfloat16
+--depth-widths 8b` starts a whole Llama-3-8B-shaped model (16 GB in bfloat16). Its last line:
+`warm_start_s=<f> cached_start_s=<f> cached_speedup=<f> cached_warmup_speedup=<f> warmup_32_over_4=<f>`.
 
 On CPU the step-time engines run their layers unrolled (scan_layers=False): inside a loop
 XLA's CPU backend copies each layer's weights out of the stack before its matmuls, which
@@ -74,6 +81,9 @@ HTTP_SHAPE = dict(hidden=768, layers=6, heads=12, kv_heads=4, intermediate=2048)
 # The depth comparison: 32 layers that fit a CPU host in f32.
 DEPTH_SHAPE = dict(hidden=1024, heads=16, kv_heads=4, intermediate=4096, vocab=128256)
 DEPTH_LAYERS = (4, 32)
+# --widths / --depth-widths: "small" is for a smoke run of --start-only on any machine.
+WIDTHS = {"8b": SHAPE, "1024": DEPTH_SHAPE,
+          "small": dict(hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=1024)}
 HTTP_PROMPT = ("the quick brown fox jumps over the lazy dog " * 2)[:47]  # 48 tokens with BOS
 HTTP_NEW_TOKENS = 32
 
@@ -232,7 +242,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth-only", action="store_true", help="only the 4- and 32-layer warm-ups")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the served replica's stream_interval in the HTTP comparison (default 1)")
+    parser.add_argument("--start-only", action="store_true",
+                        help="only the starts: cold and cached, then 4 and 32 layers (no Ray)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="--start-only: the weights' dtype")
+    parser.add_argument("--widths", choices=sorted(WIDTHS), default="8b",
+                        help="--start-only: the cold and cached pair's layer widths")
+    parser.add_argument("--depth-widths", choices=sorted(WIDTHS), default="1024",
+                        help="--start-only: the 4- and 32-layer pair's layer widths")
     args = parser.parse_args(argv)
+    if args.start_only:
+        _starts_only(args)
+        return
     if args.depth_only:
         depth = _depth_warmups(unrolled=True)
         _print_depth(depth)
@@ -321,15 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             ("longest gap, cold adapter arrives (ms)", 1e3 * cold_gap),
         ],
     )
-    print_table(
-        ["engine start (fresh process)", "seconds", "of which warm-up", "compiled", "cache hits"],
-        [
-            ("empty compilation cache", cold_start["ready_s"], cold_start["warmup_s"], cold_start["compiled"],
-             cold_start["hits"]),
-            ("cache from the run before", cached_start["ready_s"], cached_start["warmup_s"], cached_start["compiled"],
-             cached_start["hits"]),
-        ],
-    )
+    _print_starts(cold_start, cached_start, f"{layers} layers")
     _print_http(http, args.stream_interval)
     _print_depth(depth)
     print(f"submit_p99_ms={submit_p99:.3f} cold_load_gap_ratio={cold_gap / warm_gap:.3f} "
@@ -340,12 +353,12 @@ def main(argv: list[str] | None = None) -> None:
           f"warmup_32_over_4={depth[(True, 32)]['warmup_s'] / depth[(True, 4)]['warmup_s']:.3f}")
 
 
-def _depth_warmups(unrolled: bool) -> dict:
-    """{(scan_layers, layers): fresh-process start} at DEPTH_SHAPE, no compilation cache."""
+def _depth_warmups(unrolled: bool, shape: dict = DEPTH_SHAPE) -> dict:
+    """{(scan_layers, layers): fresh-process start} at `shape`, no compilation cache."""
     out = {}
     for scan in (True, False) if unrolled else (True,):
         for layers in DEPTH_LAYERS:
-            out[(scan, layers)] = _start_s(layers, "", DEPTH_SHAPE, scan)
+            out[(scan, layers)] = _start_s(layers, "", shape, scan)
             _progress(f"depth: scan_layers={scan} {layers} layers: {out[(scan, layers)]}")
     return out
 
@@ -360,11 +373,41 @@ def _print_http(http: tuple[float, float, float, float], stream_interval: int) -
     )
 
 
-def _print_depth(depth: dict) -> None:
+def _print_depth(depth: dict, shape: dict = DEPTH_SHAPE) -> None:
     rows = [(f"{'loop' if scan else 'unrolled'}, {layers} layers", r["warmup_s"], r["compile_s"], r["compiled"])
             for (scan, layers), r in depth.items()]
-    print_table([f"warm-up, hidden {DEPTH_SHAPE['hidden']}, no cache", "seconds", "compiling (s, all threads)",
+    print_table([f"warm-up, hidden {shape['hidden']}, no cache", "seconds", "compiling (s, all threads)",
                  "compiled"], rows)
+
+
+def _print_starts(cold: dict, cached: dict, label: str) -> None:
+    print_table(
+        [f"engine start, fresh process ({label})", "seconds", "of which warm-up", "compiled", "cache hits",
+         "compiling (s, all threads)"],
+        [(name, r["ready_s"], r["warmup_s"], r["compiled"], r["hits"], r["compile_s"])
+         for name, r in (("empty compilation cache", cold), ("cache from the run before", cached))],
+    )
+
+
+def _starts_only(args) -> None:
+    """The cold and cached start pair, then the depth pair; no Ray."""
+    layers = args.layers or (2 if args.quick else 4)
+    shape = dict(WIDTHS[args.widths], dtype=args.dtype)
+    depth_shape = dict(WIDTHS[args.depth_widths], dtype=args.dtype)
+    with tempfile.TemporaryDirectory() as cache:
+        cold = _start_s(layers, cache, shape)
+        _progress(f"start, empty cache: {cold}")
+        cached = _start_s(layers, cache, shape)
+        _progress(f"start, cached: {cached}")
+    depth = _depth_warmups(unrolled=False, shape=depth_shape)
+    print(f"device={jax.devices()[0].platform} dtype={args.dtype} start: {layers} layers of {shape}; "
+          f"depth: {depth_shape}")
+    _print_starts(cold, cached, f"{layers} layers, hidden {shape['hidden']}")
+    _print_depth(depth, depth_shape)
+    print(f"warm_start_s={cold['ready_s']:.1f} cached_start_s={cached['ready_s']:.1f} "
+          f"cached_speedup={cold['ready_s'] / cached['ready_s']:.3f} "
+          f"cached_warmup_speedup={cold['warmup_s'] / cached['warmup_s']:.3f} "
+          f"warmup_32_over_4={depth[(True, 32)]['warmup_s'] / depth[(True, 4)]['warmup_s']:.3f}")
 
 
 if __name__ == "__main__":
