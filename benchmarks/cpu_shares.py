@@ -71,6 +71,57 @@ def _cpu_seconds(stat: str) -> float:
     return (int(rest[11]) + int(rest[12])) / _TICKS
 
 
+def pids_of_role(role: str, client_pid: int | None = None) -> list[int]:
+    """The host's processes of `role` (ROLES), by their command lines."""
+    client_pid = os.getpid() if client_pid is None else client_pid
+    out = []
+    for entry in os.listdir("/proc"):
+        cmdline = _read(f"/proc/{entry}/cmdline") if entry.isdigit() else None
+        if cmdline is not None and role_of(cmdline.replace("\0", " "), int(entry), client_pid) == role:
+            out.append(int(entry))
+    return sorted(out)
+
+
+def pin(pid: int, cpus: set[int], threads: str | None = None) -> int:
+    """Runs the threads of process `pid` on `cpus` only: every thread, or those whose kind
+    (thread_kind of the name) is `threads`. A thread started later inherits its starter's
+    cores. Returns how many threads were pinned."""
+    pinned = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        if threads is not None:
+            comm = _read(f"/proc/{pid}/task/{tid}/comm")
+            if comm is None or thread_kind(comm) != threads:
+                continue
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            pinned += 1
+        except ProcessLookupError:  # the thread ended between listing and pinning
+            continue
+    return pinned
+
+
+# XLA's CPU compute pool: the threads that run a step's program on a host without an accelerator.
+XLA_COMPUTE_THREADS = "tf_XLAEigen"
+
+
+def split_process(pid: int, compute: set[int], host: set[int]) -> int:
+    """Splits process `pid` as an accelerator host splits an engine's work: XLA's compute
+    threads on `compute` (standing for the device), every other thread on `host`. Returns how
+    many compute threads there were."""
+    pin(pid, host)
+    return pin(pid, compute, XLA_COMPUTE_THREADS)
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """This process's cores in two halves: (compute, host). The first half stands for an
+    accelerator (XLA's compute threads), the second for the host's cores (everything else)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ValueError(f"splitting the cores needs at least 2, this process may use {cores}")
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
 def snapshot(client_pid: int | None = None) -> dict[ThreadKey, float]:
     """CPU seconds (user + system) of every thread on the host, by thread."""
     client_pid = os.getpid() if client_pid is None else client_pid

@@ -28,7 +28,11 @@ CPU; adapters of rank 64 on all seven projections, 64 device slots. Measured:
   steps during the HTTP run (its /health counters): on a CPU host the proxy, ingress and
   client share the cores that compute the steps, so the steps slow down too; HTTP over
   those steps (`http_over_served_steps`) is the serving path's own
-  share.
+  share. `--http-only --pin-cores` splits the cores as an accelerator host splits the work:
+  XLA's compute threads (the engine's in process, then the replica's) on one half, standing
+  for the device, and every other thread (engine loop, Serve, proxy, ingress, Ray, client) on
+  the other; 9 runs alternate in process and over HTTP, and `http_over_engine` is the median
+  pair's ratio.
 - `warm_start_s`, `cached_start_s`: build and warm-up of an engine in a fresh process with
   an empty persistent compilation cache, then again reading it (the table splits off the
   warm-up: building random weights of these widths on CPU is a fixed cost of its own).
@@ -53,6 +57,7 @@ would hide LoRA's cost behind copies the accelerators do not make.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -174,16 +179,21 @@ def _start_s(layers: int, cache_dir: str, shape: dict = SHAPE, scan_layers: bool
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1) -> tuple[float, float, float, float]:
+def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1,
+                      pin_cores: bool = False) -> tuple[float, float, float, float]:
     """(tokens/s over HTTP, tokens/s of the engine's own steps, tokens/s of the engine in
     process by the wall clock, tokens/s of the served replica's own steps during the HTTP
     run) for STREAMS streams on STREAMS adapters, best of `repeats`; the replica streams
-    `stream_interval` tokens an item after the first."""
-    from benchmarks.serve_harness import served_app
-    from deployments.config import AppArgs
+    `stream_interval` tokens an item after the first.
+
+    `pin_cores`: the host's cores split in two (cpu_shares.split_cores), as an accelerator
+    host splits the work: XLA's compute threads (the engine's in process, then the
+    model-server replica's) run on the first half, which stands for the device; every other
+    thread (the engine loop, Serve's event loops, the HTTP proxy, the ingress, Ray's
+    processes, the client) on the second, the host's cores."""
+    from benchmarks.cpu_shares import pin, split_cores
     from lora_runtime.demo import demo_model_dir
     from lora_runtime.demo.train import MODEL_VOCAB_SIZE
-    from lora_runtime.engine.engine import Engine
 
     shape = dict(HTTP_SHAPE, vocab=MODEL_VOCAB_SIZE)  # the demo tokenizer's ids fit
     checkpoint = write_random_checkpoint(f"{tmp}/http-base", **shape)
@@ -195,40 +205,103 @@ def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1) -> tuple
                 max_seq_len=128, max_loras_per_batch=STREAMS, max_lora_rank=16, stream_interval=stream_interval,
                 registry_url=f"{tmp}/registry.json", compilation_cache_dir=f"{tmp}/jit-cache")
     params = SamplingParams(max_tokens=HTTP_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    engine = Engine.from_pretrained(str(checkpoint), AppArgs(**args).engine_config(),
-                                    tokenizer_path=str(demo_model_dir()))
-    for n, source in sources.items():
-        engine.lora_manager.register(n, source)
-    engine.start()
+    every_core = os.sched_getaffinity(0)
+    split = split_cores() if pin_cores else None
+    if split is not None:
+        # XLA sizes its compute pool by the cores a process may use when its backend starts:
+        # one thread per core of the compute half, here and in the replica.
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            raise RuntimeError("--pin-cores must split the cores before JAX's backend starts")
+        pin(os.getpid(), split[0])
     try:
-        engine.generate_batch([HTTP_PROMPT] * STREAMS, params, names)  # every adapter resident
-        engine_tps = wall_tps = 0.0
-        for _ in range(repeats):
-            before = dict(engine.counters)
-            start = time.perf_counter()
-            engine.generate_batch([HTTP_PROMPT] * STREAMS, params, names)
-            wall_s = time.perf_counter() - start
-            step_s = sum(engine.counters[k] - before[k] for k in ("prefill_seconds", "decode_seconds"))
-            tokens = engine.counters["generated_tokens"] - before["generated_tokens"]
-            engine_tps, wall_tps = max(engine_tps, tokens / step_s), max(wall_tps, tokens / wall_s)
+        return _http_runs(checkpoint, args, sources, params, repeats, split)
     finally:
-        engine.shutdown()
-    _progress(f"engine steps: {engine_tps:.1f} tokens/s, in process by the wall clock {wall_tps:.1f}")
+        pin(os.getpid(), every_core)
+
+
+def _http_runs(checkpoint, args: dict, sources: dict, params, repeats: int,
+               split: tuple[set[int], set[int]] | None) -> tuple[float, float, float, float]:
+    """The in-process runs, then the HTTP runs: each figure the best of `repeats`. With the
+    cores split, the in-process engine stays up (idle) beside the cluster and the runs
+    alternate, in-process then HTTP, so that a slow spell of the host slows both; then the
+    HTTP figures are the median run's, as a fraction of the in-process run beside it, times
+    the best in-process figure (a host whose speed wanders by a fifth between runs of a
+    second, as this one's does, makes the ratio of two bests noise)."""
+    from benchmarks.cpu_shares import pids_of_role, pin, split_process
+    from benchmarks.serve_harness import served_app
+    from deployments.config import AppArgs
+    from lora_runtime.demo import demo_model_dir
+    from lora_runtime.engine.engine import Engine
+
+    names = list(sources)
     bodies = [{"model": n, "prompt": HTTP_PROMPT, "max_tokens": HTTP_NEW_TOKENS, "temperature": 0.0,
                "ignore_eos": True} for n in names]
-    with served_app(args) as app:
+    runs: dict[str, list[float]] = {"engine": [], "wall": [], "http": [], "served": []}
+
+    def engine_run() -> None:
+        before = dict(engine.counters)
+        start = time.perf_counter()
+        engine.generate_batch([HTTP_PROMPT] * STREAMS, params, names)
+        wall_s = time.perf_counter() - start
+        step_s = sum(engine.counters[k] - before[k] for k in ("prefill_seconds", "decode_seconds"))
+        tokens = engine.counters["generated_tokens"] - before["generated_tokens"]
+        runs["engine"].append(tokens / step_s)
+        runs["wall"].append(tokens / wall_s)
+
+    def http_run() -> None:
+        before = app.engine_stats()
+        seconds, tokens = app.stream_completions(bodies)
+        after = app.engine_stats()
+        assert tokens == STREAMS * HTTP_NEW_TOKENS, f"{tokens} tokens came back"
+        runs["http"].append(tokens / seconds)
+        runs["served"].append(tokens / sum(after[k] - before[k] for k in ("prefill_seconds", "decode_seconds")))
+
+    with contextlib.ExitStack() as stack:
+        engine = Engine.from_pretrained(str(checkpoint), AppArgs(**args).engine_config(),
+                                        tokenizer_path=str(demo_model_dir()))
+        for n, source in sources.items():
+            engine.lora_manager.register(n, source)
+        engine.start()
+        stack.callback(engine.shutdown)
+        if split is not None:
+            _progress(f"in process: {split_process(os.getpid(), *split)} XLA compute threads on cores {split[0]}")
+        engine.generate_batch([HTTP_PROMPT] * STREAMS, params, names)  # every adapter resident
+        if split is None:
+            for _ in range(repeats):
+                engine_run()
+            stack.close()  # the engine goes before the cluster comes
+        else:  # the cluster's processes start on the compute half, as this one did
+            pin(os.getpid(), split[0])
+        app = stack.enter_context(served_app(args))
+        if split is not None:
+            servers = pids_of_role("model server")
+            assert len(servers) == 1, f"model-server processes: {servers}"
+            threads = split_process(servers[0], *split)
+            for role in ("ingress", "HTTP proxy", "Serve controller", "Ray (other)"):
+                for pid in pids_of_role(role):
+                    with contextlib.suppress(OSError):  # a process that ended meanwhile
+                        pin(pid, split[1])
+            split_process(os.getpid(), *split)  # the client, and the engine in process
+            _progress(f"model server: {threads} XLA compute threads on cores {split[0]}")
         for n, source in sources.items():
             app.register(n, source)
         app.stream_completions(bodies)  # every adapter resident
-        http_tps = served_tps = 0.0
         for _ in range(repeats):
-            before = app.engine_stats()
-            seconds, tokens = app.stream_completions(bodies)
-            after = app.engine_stats()
-            assert tokens == STREAMS * HTTP_NEW_TOKENS, f"{tokens} tokens came back"
-            if tokens / seconds > http_tps:
-                step_s = sum(after[k] - before[k] for k in ("prefill_seconds", "decode_seconds"))
-                http_tps, served_tps = tokens / seconds, tokens / step_s
+            if split is not None:
+                engine_run()
+            http_run()
+    engine_tps, wall_tps = max(runs["engine"]), max(runs["wall"])
+    if split is None:
+        best = max(range(repeats), key=lambda i: runs["http"][i])
+        http_tps, served_tps = runs["http"][best], runs["served"][best]
+    else:
+        _progress("tokens/s by pair (in process, over HTTP, the replica's steps): " + ", ".join(
+            f"({e:.0f}, {h:.0f}, {r:.0f})" for e, h, r in zip(runs["engine"], runs["http"], runs["served"])))
+        http_tps = engine_tps * float(np.median([h / e for h, e in zip(runs["http"], runs["engine"])]))
+        served_tps = http_tps / float(np.median([h / r for h, r in zip(runs["http"], runs["served"])]))
+    _progress(f"engine steps: {engine_tps:.1f} tokens/s, in process by the wall clock {wall_tps:.1f}")
     _progress(f"over HTTP: {http_tps:.1f} tokens/s; the served replica's steps meanwhile {served_tps:.1f}")
     return http_tps, engine_tps, wall_tps, served_tps
 
@@ -242,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth-only", action="store_true", help="only the 4- and 32-layer warm-ups")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the served replica's stream_interval in the HTTP comparison (default 1)")
+    parser.add_argument("--pin-cores", action="store_true",
+                        help="with --http-only: the cores split as on an accelerator host, XLA's compute "
+                             "threads on one half, every other thread on the other")
     parser.add_argument("--start-only", action="store_true",
                         help="only the starts: cold and cached, then 4 and 32 layers (no Ray)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -251,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth-widths", choices=sorted(WIDTHS), default="1024",
                         help="--start-only: the 4- and 32-layer pair's layer widths")
     args = parser.parse_args(argv)
+    if args.pin_cores and not args.http_only:
+        parser.error("--pin-cores needs --http-only (the cores are split before JAX's backend starts)")
     if args.start_only:
         _starts_only(args)
         return
@@ -261,8 +339,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.http_only:
         with tempfile.TemporaryDirectory() as tmp:
-            http = _http_over_engine(tmp, repeats=2, stream_interval=args.stream_interval)
-        _print_http(http, args.stream_interval)
+            http = _http_over_engine(tmp, repeats=9 if args.pin_cores else 2, stream_interval=args.stream_interval,
+                                    pin_cores=args.pin_cores)
+        _print_http(http, args.stream_interval, args.pin_cores)
         print(f"http_over_engine={http[0] / http[1]:.3f} http_over_served_steps={http[0] / http[3]:.3f}")
         return
     layers = args.layers or (2 if args.quick else 4)
@@ -363,10 +442,10 @@ def _depth_warmups(unrolled: bool, shape: dict = DEPTH_SHAPE) -> dict:
     return out
 
 
-def _print_http(http: tuple[float, float, float, float], stream_interval: int) -> None:
+def _print_http(http: tuple[float, float, float, float], stream_interval: int, pin_cores: bool = False) -> None:
     http_tps, engine_tps, wall_tps, served_tps = http
     print_table(
-        ["8 streams, hidden 768, 6 layers", "tokens/s"],
+        ["8 streams, hidden 768, 6 layers" + (" (cores split: XLA compute | the rest)" if pin_cores else ""), "tokens/s"],
         [("engine's own steps", engine_tps), ("engine in process, wall clock", wall_tps),
          (f"over HTTP (Serve, streamed, stream_interval={stream_interval})", http_tps),
          ("the served replica's steps meanwhile", served_tps)],

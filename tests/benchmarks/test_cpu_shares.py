@@ -1,13 +1,16 @@
 """The serving benchmark's CPU accounting: threads' CPU time from /proc, by process role and
 thread name."""
 
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from benchmarks.cpu_shares import CpuShares, delta, role_of, snapshot, thread_kind
+from benchmarks.cpu_shares import (
+    CpuShares, delta, pids_of_role, pin, role_of, snapshot, split_cores, split_process, thread_kind,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -72,3 +75,83 @@ def test_shares_by_role_and_of_the_machine():
     assert rows[0] == ("model server", "(all)", 4.0, "40.0%")
     assert rows[1] == ("", "engine-loop", 3.0, "30.0%")
     assert rows[-1] == ("idle", "", 4.0, "40.0%")
+
+
+# A child whose command line names it a model-server replica, with a thread already running;
+# on a line from stdin it starts another and prints the cores each of them may use.
+_PINNED = """
+import os, sys, threading
+stop = threading.Event()
+early = threading.Thread(target=stop.wait); early.start()
+print("ready", flush=True)
+sys.stdin.readline()
+late = []
+t = threading.Thread(target=lambda: late.append(sorted(os.sched_getaffinity(0)))); t.start(); t.join()
+print(sorted(os.sched_getaffinity(early.native_id)), late[0], flush=True)
+stop.set()
+"""
+
+
+def test_split_cores_halves_this_process_cores():
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        with pytest.raises(ValueError, match="at least 2"):
+            split_cores()
+        return
+    compute, serving = split_cores()
+    assert compute and serving and not compute & serving and compute | serving == cores
+    assert max(compute) < min(serving)
+
+
+def test_pin_moves_every_thread_of_a_process_and_the_threads_it_starts_later():
+    child = subprocess.Popen([sys.executable, "-c", _PINNED, "ray::ServeReplica:bench:LoRAModelServer"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in pids_of_role("model server")
+        core = min(os.sched_getaffinity(0))
+        assert pin(child.pid, {core}) >= 2  # the main thread and the early one
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().split() == [f"[{core}]", f"[{core}]"]
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+_XLA_CHILD = """
+import sys
+import jax.numpy as jnp
+x = jnp.ones((256, 256)); (x @ x).block_until_ready()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _allowed(pid: int, tid: str) -> set[int]:
+    status = open(f"/proc/{pid}/task/{tid}/status").read()
+    listed = next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+    out = set()
+    for part in listed.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def test_split_process_puts_xla_compute_threads_on_one_half_and_the_rest_on_the_other():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    compute, host = split_cores()
+    child = subprocess.Popen([sys.executable, "-c", _XLA_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert split_process(child.pid, compute, host) >= 1
+        kinds = {tid: thread_kind(open(f"/proc/{child.pid}/task/{tid}/comm").read())
+                 for tid in os.listdir(f"/proc/{child.pid}/task")}
+        assert "tf_XLAEigen" in kinds.values()
+        for tid, kind in kinds.items():
+            assert _allowed(child.pid, tid) == (compute if kind == "tf_XLAEigen" else host), kind
+    finally:
+        child.kill()
+        child.wait(timeout=30)
