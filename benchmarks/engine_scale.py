@@ -183,8 +183,8 @@ def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1,
                       pin_cores: bool = False) -> tuple[float, float, float, float]:
     """(tokens/s over HTTP, tokens/s of the engine's own steps, tokens/s of the engine in
     process by the wall clock, tokens/s of the served replica's own steps during the HTTP
-    run) for STREAMS streams on STREAMS adapters, best of `repeats`; the replica streams
-    `stream_interval` tokens an item after the first.
+    run) for STREAMS streams on STREAMS adapters, over `repeats` runs (_http_runs says how
+    they combine); the replica streams `stream_interval` tokens an item after the first.
 
     `pin_cores`: the host's cores split in two (cpu_shares.split_cores), as an accelerator
     host splits the work: XLA's compute threads (the engine's in process, then the
