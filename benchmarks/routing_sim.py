@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 from cluster.routing import HeldReport, HotAdapterTracker, ReplicaView, ResidencyEstimate, load_cap, route
@@ -120,9 +120,7 @@ def zipf_workload(num_adapters: int, alpha: float, n: int, rng: random.Random) -
 def balanced_homes(workload: list[str], ids: list[str]) -> dict[str, str]:
     """The partition oracle's homes: adapters by true request count, most first, each onto
     the replica with the fewest requests so far."""
-    counts: dict[str, int] = {}
-    for adapter in workload:
-        counts[adapter] = counts.get(adapter, 0) + 1
+    counts = Counter(workload)
     assigned = dict.fromkeys(ids, 0)
     homes = {}
     for adapter, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
