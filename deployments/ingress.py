@@ -180,7 +180,7 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
     cause = first.get("ctx", {}).get("error")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = cause.param if isinstance(cause, FieldError) else ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's prefix of our messages
     message = f"{param}: {msg}" if loc else msg
     return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
@@ -202,11 +202,26 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     return JSONResponse(error_body(detail, error_type), status_code=e.status_code, headers=headers)
 
 
+def _api_routes(router, prefix: str = ""):
+    """(prefix, route) for every API route under `router`. FastAPI >= 0.137 keeps a router's
+    included routes under one node of the including router (`original_router`, its prefix in
+    `include_context`) instead of flattening them, and Serve's ingress includes our class's
+    routes so."""
+    for route in router.routes:
+        if isinstance(route, APIRoute):
+            yield prefix, route
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _api_routes(inner, prefix + (getattr(getattr(route, "include_context", None), "prefix", "")
+                                                    or ""))
+
+
 def _methods_of(request: Request) -> list[str]:
     """The methods the routes on a request's path take (HEAD aside: it comes with GET)."""
+    path = request.url.path
     methods: set[str] = set()
-    for route in request.app.routes:
-        if isinstance(route, APIRoute) and route.path_regex.match(request.url.path):
+    for prefix, route in _api_routes(request.app.router):
+        if path.startswith(prefix) and route.path_regex.match(path[len(prefix):]):
             methods |= set(route.methods) - {"HEAD"}
     return sorted(methods)
 
@@ -325,6 +340,24 @@ def _usage(last_items: list[dict], prompt_of: list[int]) -> dict:
         sum(item["completion_tokens"] for item in last_items),
         sum(cached_tokens.values()),
     )
+
+
+def _best_of(results: list[list[dict]], best_of: int, n: int, *, keep_logprobs: bool) -> list[list[dict]]:
+    """Of each prompt's consecutive candidates (best_of of them), the n with the highest mean
+    log-probability of their generated tokens, best first (OpenAI's best_of); their sampled
+    tokens' log-probabilities, which the ranking asked for, are dropped unless the request
+    asked for them too."""
+    chosen = []
+    for start in range(0, len(results), best_of):
+        for items in sorted(results[start:start + best_of], key=_mean_logprob, reverse=True)[:n]:
+            chosen.append(items if keep_logprobs else [{**i, "logprobs": None} for i in items])
+    return chosen
+
+
+def _mean_logprob(items: list[dict]) -> float:
+    """A sequence's mean log-probability per generated token (0 when it generated none)."""
+    lps = [e["logprob"] for i in items for e in i["logprobs"] or ()]
+    return sum(lps) / len(lps) if lps else 0.0
 
 
 async def _collect(stream, first: dict) -> list[dict]:
@@ -586,8 +619,9 @@ class OpenAIIngress:
         self._check_sampling(samplings[0])  # choices differ in their seeds only
         jobs = [(i, prompt, sp) for i, prompt in enumerate(body.prompts()) for sp in samplings]
         if len(jobs) > MAX_PROMPTS:
-            raise OpenAIError(f"n={body.n} choices of {len(body.prompts())} prompts are {len(jobs)} sequences; at "
-                              f"most {MAX_PROMPTS} in one request", param="n")
+            field = "best_of" if body.ranks_candidates() else "n"
+            raise OpenAIError(f"{field}={body.candidates} sequences for each of {len(body.prompts())} prompts are "
+                              f"{len(jobs)} sequences; at most {MAX_PROMPTS} in one request", param=field)
         payloads = [
             {"kind": "completion", "prompt": prompt, "sampling": sp, "echo": body.echo,
              "request_id": _choice_id(rid, k, len(jobs))}
@@ -602,8 +636,9 @@ class OpenAIIngress:
         samplings = body.choice_samplings(default_max_tokens=None)
         self._check_sampling(samplings[0])
         tools = body.tool_request()
-        payloads = [{"kind": "chat", "messages": body.chat_messages(), "sampling": sp, "tools": tools,
-                     "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
+        payloads = [{"kind": "chat", "messages": body.chat_messages(), "template": body.template_options(),
+                     "sampling": sp, "tools": tools, "request_id": _choice_id(rid, k, len(samplings))}
+                    for k, sp in enumerate(samplings)]
         return await self._respond(body, caller, rid, payloads, [0] * len(payloads), chat=True)
 
     def _charge(self, caller: Caller, last_items: list[dict], prompt_of: list[int]) -> None:
@@ -626,20 +661,26 @@ class OpenAIIngress:
                 # A client disconnect cancels this task: stop the replicas' sequences too.
                 for stream, _ in streams:
                     stream.cancel()
-            self._charge(caller, [items[-1] for items in results], prompt_of)
-            return self._full_response(rid, body.model, results, prompt_of, chat=chat, tools=_tools_of(body))
+            # The last item with counts of each sequence: one the engine ended itself ends in an error item.
+            counted = [next(i for i in reversed(items) if "error" not in i) for items in results]
+            self._charge(caller, counted, prompt_of)
+            errors = [i["error"] for items in results for i in items if "error" in i]
+            if errors:
+                raise _from_item(errors[0])
+            use = _usage(counted, prompt_of)  # every sequence generated, best_of's unreturned ones too
+            if isinstance(body, CompletionRequest) and body.ranks_candidates():
+                results = _best_of(results, body.best_of, body.n, keep_logprobs=body.logprobs is not None)
+            return self._full_response(rid, body.model, results, use, chat=chat, tools=_tools_of(body))
         return StreamingResponse(
             self._sse_stream(rid, body.model, streams, prompt_of, chat=chat, include_usage=body.include_usage,
                              caller=caller, tools=_tools_of(body)),
             media_type="text/event-stream",
         )
 
-    def _full_response(self, rid: str, model: str, results: list[list[dict]], prompt_of: list[int], *,
+    def _full_response(self, rid: str, model: str, results: list[list[dict]], use: dict, *,
                        chat: bool, tools: dict | None = None) -> dict:
-        """`tools`: the request's tool_request() when its answers may hold tool calls."""
-        errors = [i["error"] for items in results for i in items if "error" in i]
-        if errors:
-            raise _from_item(errors[0])
+        """Each choice's items (none an error) in order, and the response's usage; `tools`: the
+        request's tool_request() when its answers may hold tool calls."""
         choice = chat_choice if chat else completion_choice
         choices = []
         for index, items in enumerate(results):
@@ -655,7 +696,6 @@ class OpenAIIngress:
                                            logprobs, tool_calls=calls))
                 continue
             choices.append(choice(index, text, last["finish_reason"], logprobs))
-        use = _usage([items[-1] for items in results], prompt_of)
         build = chat_response if chat else completion_response
         return build(rid, model, choices, use)
 
@@ -806,7 +846,7 @@ class OpenAIIngress:
         handle = self._server.options(multiplexed_model_id=adapter)
         if body.messages is not None:
             result = await _replica_call(handle.tokenize_chat.remote(
-                messages=body.chat_messages(), add_generation_prompt=body.generation_prompt(),
+                messages=body.chat_messages(), template=body.template_options(),
                 add_special_tokens=body.special_tokens(), tools=body.tool_definitions(),
             ))
         else:

@@ -111,21 +111,23 @@ class LoRAModelServer:
     async def model_info(self) -> dict:
         return {"model_name": self._engine.model_name, "max_seq_len": self._args.max_seq_len}
 
-    def _chat_tokens(self, messages: list[dict], *, add_generation_prompt: bool = True,
+    def _chat_tokens(self, messages: list[dict], *, template: dict | None = None,
                      add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         """A chat's prompt token ids: the model's chat template rendered (with the request's
-        tools), then tokenized."""
+        tools and its template options, ChatCompletionRequest.template_options()), then
+        tokenized."""
         tokenizer = self._engine.tokenizer
         if tools and "tools" not in (tokenizer.chat_template or ""):
             messages = with_tools_described(messages, tools)  # a template that knows no tools
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        text = tokenizer.apply_chat_template(messages, tools=tools, **(template or {}))
         # Chat templates write BOS themselves: by default no second one from the tokenizer.
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _prompt(self, request: dict) -> str | list[int]:
         if request["kind"] == "chat":
             tools = request.get("tools")
-            return self._chat_tokens(request["messages"], tools=tools and tools["tools"])
+            return self._chat_tokens(request["messages"], template=request.get("template"),
+                                     tools=tools and tools["tools"])
         return request["prompt"]
 
     def _sampling(self, request: dict, prompt: str | list[int]):
@@ -251,16 +253,16 @@ class LoRAModelServer:
             return error_item(e)
         return self._tokens_item(self._engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    async def tokenize_chat(self, *, messages: list[dict], add_generation_prompt: bool,
-                            add_special_tokens: bool, tools: list[dict] | None = None) -> dict:
+    async def tokenize_chat(self, *, messages: list[dict], template: dict, add_special_tokens: bool,
+                            tools: list[dict] | None = None) -> dict:
         """The same for a chat, rendered as generate renders chat requests."""
         try:
             await self._check_model()
         except ServingError as e:
             return error_item(e)
         try:
-            ids = self._chat_tokens(messages, add_generation_prompt=add_generation_prompt,
-                                    add_special_tokens=add_special_tokens, tools=tools)
+            ids = self._chat_tokens(messages, template=template, add_special_tokens=add_special_tokens,
+                                    tools=tools)
         except ServingError as e:  # the chat template refused the messages
             return error_item(e, param="messages")
         return self._tokens_item(ids)

@@ -6,7 +6,7 @@ import json
 import re
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -250,9 +250,15 @@ class _Request(_Body):
         """sampling() for each of the n choices; a seeded request gives choice i the seed
         seed + i, so the choices differ and each is reproducible."""
         base = self.sampling(default_max_tokens)
+        count = self.candidates
         if base["seed"] is None:
-            return [base] * self.n
-        return [{**base, "seed": (base["seed"] + i) % 2**63} for i in range(self.n)]
+            return [base] * count
+        return [{**base, "seed": (base["seed"] + i) % 2**63} for i in range(count)]
+
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt: n, or best_of of which the best n are returned."""
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -299,6 +305,23 @@ class CompletionRequest(_Request):
         None, description=f"Log-probabilities of each token and of the n likeliest (0-{MAX_LOGPROBS})."
     )
     suffix: str | None = None
+    best_of: int | None = Field(
+        None, description=f"Generate best_of sequences (n-{MAX_CHOICES}) per prompt and return the n with the "
+        "highest log-probability per token; not with stream.")
+
+    @property
+    def candidates(self) -> int:
+        return self.best_of or self.n
+
+    def ranks_candidates(self) -> bool:
+        """Whether more sequences are generated than returned (best_of > n)."""
+        return self.candidates > self.n
+
+    def sampling(self, default_max_tokens: int | None) -> dict:
+        fields = super().sampling(default_max_tokens)
+        if self.ranks_candidates() and fields["logprobs"] is None:
+            fields["logprobs"] = 0  # the ranking reads each sampled token's log-probability
+        return fields
 
     @field_validator("logprobs")
     @classmethod
@@ -342,6 +365,12 @@ class CompletionRequest(_Request):
     def _unsupported(self):
         if self.suffix is not None:
             raise FieldError("suffix is not supported", "suffix")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_CHOICES:
+                raise FieldError(f"best_of={self.best_of} must be in [n={self.n}, {MAX_CHOICES}]", "best_of")
+            if self.stream and self.best_of > self.n:
+                raise FieldError(f"best_of={self.best_of} > n={self.n} cannot stream: the best are known only "
+                                 "once all are done", "best_of")
         return self
 
 
@@ -391,11 +420,18 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = Field(
+        None, description="Extension (vLLM): an assistant turn's reasoning, for templates that show it (Qwen3).")
+    reasoning: str | None = Field(None, description="Extension: the same as reasoning_content.")
 
     def template_message(self) -> dict:
         """The message as chat templates read it: a call's arguments as a dict (transformers'
-        convention), a tool result with the id of its call."""
+        convention), a tool result with the id of its call, reasoning under the names
+        templates read (reasoning_content; thinking, gpt-oss's), as transformers aliases them."""
         message = {"role": self.role, "content": self.text()}
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = message["thinking"] = reasoning
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
@@ -420,7 +456,47 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Request):
+# Template variables a request may not set through chat_template_kwargs: its own fields set them.
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+
+
+class _ChatTemplateOptions(BaseModel):
+    """How a chat's messages are rendered into its prompt (vLLM's fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+    add_generation_prompt: bool | None = Field(
+        None, description="Extension (vLLM): end with the assistant turn's opening (default true; false with "
+        "continue_final_message).")
+    continue_final_message: bool = Field(
+        False, description="Extension (vLLM): the answer continues the last message (e.g. an assistant turn's "
+        "given beginning) instead of starting a new turn.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='Extension (vLLM): more variables for the chat template, e.g. {"enable_thinking": false}.')
+
+    @model_validator(mode="after")
+    def _template_options(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError("continue_final_message and add_generation_prompt both true: the answer would both "
+                             "continue the last message and start a new turn; give one", "continue_final_message")
+        own = sorted(set(self.chat_template_kwargs or ()) & set(_TEMPLATE_OWN))
+        if own:
+            raise FieldError(f"chat_template_kwargs may not set {', '.join(own)}: the request's own fields set "
+                             "them", "chat_template_kwargs")
+        return self
+
+    def template_options(self) -> dict:
+        """Keyword arguments of Tokenizer.apply_chat_template besides messages and tools."""
+        return {"add_generation_prompt": self.generation_prompt(),
+                "continue_final_message": self.continue_final_message,
+                "template_kwargs": dict(self.chat_template_kwargs or {})}
+
+    def generation_prompt(self) -> bool:
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+
+class ChatCompletionRequest(_Request, _ChatTemplateOptions):
     """Body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -433,9 +509,39 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none, auto (default with tools), required (at least one call) or a named function.")
     parallel_tool_calls: bool = Field(True, description="Whether one answer may hold several calls.")
+    # OpenAI fields taken and checked, which change nothing of the answer here.
+    store: bool | None = Field(None, description="Taken, changes nothing: this server keeps no completions.")
+    metadata: dict[str, str] | None = Field(None, description="Taken, changes nothing (OpenAI stores it).")
+    service_tier: str | None = Field(None, description="Taken, changes nothing: one tier here.")
+    safety_identifier: str | None = Field(None, description="Taken, changes nothing (as user).")
+    prompt_cache_key: str | None = Field(
+        None, description="Taken, changes nothing: the prefix cache finds shared prompt prefixes itself.")
+    prediction: dict | None = Field(None, description="Taken, changes nothing (predicted output, a latency hint).")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="Taken, changes nothing; a template's own switch goes in chat_template_kwargs.")
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, description="Taken, changes nothing.")
+    modalities: list[Literal["text"]] | None = Field(None, description="Only text.")
+    # OpenAI fields of what this server does not do: refused by name (when not null).
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
+    def _not_served(self):
+        if self.audio is not None:
+            raise FieldError("audio output is not supported: answers are text", "audio")
+        if self.web_search_options is not None:
+            raise FieldError("web_search_options is not supported: this server does not search the web",
+                             "web_search_options")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise FieldError(f"{name} (deprecated in OpenAI's API) is not supported; send tools and "
+                                 "tool_choice", name)
+        return self
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -528,15 +634,13 @@ class UnloadLoRAAdapterRequest(_Body):
     lora_int_id: int | None = None
 
 
-class TokenizeRequest(_Body):
-    """Body of vLLM's POST /tokenize: a text, or a chat rendered as /v1/chat/completions renders it."""
+class TokenizeRequest(_Body, _ChatTemplateOptions):
+    """Body of vLLM's POST /tokenize: a text, or a chat rendered as /v1/chat/completions renders it
+    (add_generation_prompt, continue_final_message and chat_template_kwargs with messages only)."""
     model: str = Field(..., min_length=1, description="Base model name or adapter name.")
     prompt: str | None = Field(None, description="A text to tokenize (this or messages).")
     messages: list[ChatMessage] | None = Field(
         None, min_length=1, description="A chat to render with the model's chat template and tokenize."
-    )
-    add_generation_prompt: bool | None = Field(
-        None, description="With messages: end with the assistant turn's opening, as chat completions do (default)."
     )
     add_special_tokens: bool | None = Field(
         None, description="Add the tokenizer's special tokens (BOS); default true for prompt, false for messages, "
@@ -558,8 +662,13 @@ class TokenizeRequest(_Body):
         if (self.prompt is None) == (self.messages is None):
             given = "both" if self.prompt is not None else "neither"
             raise ValueError(f"exactly one of prompt and messages is required; {given} given")
-        if self.add_generation_prompt is not None and self.messages is None:
-            raise ValueError("add_generation_prompt applies to messages only")
+        if self.messages is None:
+            given = [name for name, set_ in (("add_generation_prompt", self.add_generation_prompt is not None),
+                                             ("continue_final_message", self.continue_final_message),
+                                             ("chat_template_kwargs", self.chat_template_kwargs is not None))
+                     if set_]
+            if given:
+                raise ValueError(f"{given[0]} applies to messages only")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools apply to messages only")
         return self
@@ -575,9 +684,6 @@ class TokenizeRequest(_Body):
         if self.add_special_tokens is not None:
             return self.add_special_tokens
         return self.messages is None
-
-    def generation_prompt(self) -> bool:
-        return self.add_generation_prompt is not False
 
 
 class DetokenizeRequest(_Body):

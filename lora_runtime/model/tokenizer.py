@@ -22,6 +22,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from lora_runtime.errors import CheckpointError, InvalidRequestError
 
+# Marks the end of the last message's content for continue_final_message (transformers' tag).
+_CONTINUE = "CONTINUE_FINAL_MESSAGE_TAG "
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # HF's clean_up_tokenization: drop the space tokenizers put before punctuation and contractions.
 _CLEANUP_PAIRS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
@@ -112,9 +114,15 @@ class Tokenizer:
         return text
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text for a chat: the model's template rendered as transformers does
         (with `tools`, OpenAI function definitions, for templates that describe them).
+
+        `continue_final_message`: the text ends inside the last message, where its content
+        ends (an answer's given beginning, which generation continues), as transformers cuts
+        it. `template_kwargs`: more variables for the template (``enable_thinking``); the
+        ones named here (messages, tools, special tokens) win over them.
 
         Tokenize the result with ``add_special_tokens=False``: templates write BOS themselves.
         """
@@ -122,15 +130,28 @@ class Tokenizer:
             raise InvalidRequestError("this model's tokenizer has no chat template; send a plain completion prompt")
         if self._compiled_template is None:
             self._compiled_template = _chat_environment().from_string(self._chat_template)
+        if continue_final_message:
+            if not messages:
+                raise InvalidRequestError("continue_final_message needs a last message to continue")
+            # Marked, so the cut finds where its content ends (not an earlier copy of the same text).
+            messages = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + _CONTINUE}]
         try:
-            return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens,
-                **({"tools": tools} if tools else {}),
-            )
+            text = self._compiled_template.render(**{
+                **(template_kwargs or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                **self._special_tokens, **({"tools": tools} if tools else {})})
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template rejected the messages: {e}") from e
         except (TypeError, ValueError) as e:  # the template's own expressions, over the client's messages
             raise InvalidRequestError(f"chat template cannot render the messages: {e}") from e
+        if not continue_final_message:
+            return text
+        mark = _CONTINUE.strip()
+        if mark not in text:
+            raise InvalidRequestError("continue_final_message: this model's chat template does not write the last "
+                                      "message's content as given, so there is no end of it to continue from")
+        at = text.rindex(mark)
+        # A template that strips the content drops the mark's trailing space: strip what preceded it too.
+        return text[:at] if text[at:at + len(_CONTINUE)] == _CONTINUE else text[:at].rstrip()
 
     @property
     def chat_template(self) -> str | None:

@@ -171,7 +171,7 @@ def test_bodies_that_do_not_parse_are_400s_in_the_openai_format():
     ({"model": "m", "prompt": "x", "n": 17}, "n", "n=17"),
     ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix", "suffix is not supported"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
-    ({"model": "m", "prompt": "x", "best_of": 2}, "best_of", "Extra inputs"),
+    ({"model": "m", "prompt": "x", "n": 2, "best_of": 1}, "best_of", "best_of=1 must be in [n=2, 16]"),
 ])
 def test_a_bad_field_is_a_400_naming_it(body, param, says):
     from fastapi.testclient import TestClient
@@ -179,6 +179,33 @@ def test_a_bad_field_is_a_400_naming_it(body, param, says):
     r = TestClient(_edge_app()).post("/v1/completions", json=body)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and says in error["message"], error
+
+
+def test_our_validation_messages_reach_the_client_without_pydantic_prefixes():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(_edge_app())
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "suffix": "y"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "suffix is not supported"
+    r = client.post("/v1/completions", json={"model": "m", "prompt": ""})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "prompt: prompt='' is empty"
+
+
+def test_best_of_keeps_each_prompts_likeliest_sequences():
+    from deployments.ingress import _best_of
+
+    def seq(text: str, *lps: float) -> list[dict]:
+        entries = [{"token": "t", "logprob": lp, "bytes": [], "top_logprobs": []} for lp in lps]
+        return [{"text": text, "logprobs": entries[:1]}, {"text": "", "logprobs": entries[1:]}]
+
+    # Two prompts, three candidates each: ranked by mean, not total, log-probability.
+    results = [seq("a", -1.0, -1.0), seq("b", -0.5), seq("c", -0.1, -3.0),
+               seq("d", -2.0), seq("e", -0.2, -0.2, -0.2), seq("f")]
+    best = _best_of(results, 3, 2, keep_logprobs=False)
+    assert [items[0]["text"] for items in best] == ["b", "a", "f", "e"]
+    assert all(i["logprobs"] is None for items in best for i in items)
+    kept = _best_of(results, 3, 1, keep_logprobs=True)
+    assert [items[0]["text"] for items in kept] == ["b", "f"] and kept[0] == results[1]
 
 
 def test_unknown_paths_and_methods_use_the_openai_format():
@@ -195,6 +222,34 @@ def test_unknown_paths_and_methods_use_the_openai_format():
     # A path with several routes names all their methods.
     r = client.delete("/v1/adapters")
     assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
+
+
+def test_a_wrong_method_names_the_methods_of_included_routes():
+    """Serve's ingress includes the class's routes through a router, which FastAPI keeps as
+    one nested node of the app's routes (with the include's prefix): the 405 still names the
+    methods."""
+    from fastapi import APIRouter, FastAPI
+    from fastapi.testclient import TestClient
+
+    from deployments import ingress
+
+    app = FastAPI()
+    app.exception_handlers.update(ingress.app.exception_handlers)
+    inner, outer = APIRouter(), APIRouter()
+
+    @inner.get("/adapters")
+    async def listed():
+        return {}
+
+    @inner.post("/adapters")
+    async def registered():
+        return {}
+
+    outer.include_router(inner, prefix="/v1")
+    app.include_router(outer)
+    r = TestClient(app).delete("/v1/adapters")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
+    assert r.json()["error"]["message"] == "DELETE is not a method of /v1/adapters; it takes GET, POST"
 
 
 def test_serve_refusals_are_503s_with_retry_after():

@@ -163,6 +163,22 @@ def test_n_choices_get_their_own_seeds():
     assert len(CompletionRequest(model="m", prompt="a").choice_samplings(16)) == 1
 
 
+def test_best_of_generates_more_candidates_and_ranks_them_by_their_logprobs():
+    r = CompletionRequest(model="m", prompt="a", n=2, best_of=4, seed=7, temperature=1)
+    samplings = r.choice_samplings(16)
+    assert [s["seed"] for s in samplings] == [7, 8, 9, 10] and r.ranks_candidates()
+    assert all(s["logprobs"] == 0 for s in samplings)  # the ranking needs the sampled tokens' log-probabilities
+    assert CompletionRequest(model="m", prompt="a", best_of=2, logprobs=3).sampling(16)["logprobs"] == 3
+    same = CompletionRequest(model="m", prompt="a", n=2, best_of=2)
+    assert not same.ranks_candidates() and same.sampling(16)["logprobs"] is None
+    for body, says in [({"n": 3, "best_of": 2}, "best_of=2 must be in [n=3, 16]"),
+                       ({"best_of": 17}, "best_of=17 must be in"),
+                       ({"best_of": 2, "stream": True}, "cannot stream")]:
+        with pytest.raises(ValidationError, match=says.replace("[", r"\[")):
+            CompletionRequest(model="m", prompt="a", **body)
+    assert CompletionRequest(model="m", prompt="a", best_of=1, stream=True).candidates == 1
+
+
 def test_logit_bias_maps_token_id_strings_to_the_runtime():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                  logit_bias={"7": 5, "12": -100})
@@ -189,6 +205,48 @@ def test_tokenize_messages_as_chat_completions_renders_them():
     assert r.generation_prompt() is False and r.special_tokens() is True
 
 
+def test_chat_template_options():
+    user = [{"role": "user", "content": "hi"}]
+    prefill = [*user, {"role": "assistant", "content": "Sure", "reasoning_content": "think"}]
+    r = ChatCompletionRequest(model="m", messages=user)
+    assert r.template_options() == {"add_generation_prompt": True, "continue_final_message": False,
+                                    "template_kwargs": {}}
+    # Continuing the last message opens no new turn unless asked (and asking for both is refused).
+    r = ChatCompletionRequest(model="m", messages=prefill, continue_final_message=True,
+                              chat_template_kwargs={"enable_thinking": False})
+    assert r.template_options() == {"add_generation_prompt": False, "continue_final_message": True,
+                                    "template_kwargs": {"enable_thinking": False}}
+    assert r.chat_messages()[-1] == {"role": "assistant", "content": "Sure", "reasoning_content": "think",
+                                     "thinking": "think"}
+    with pytest.raises(ValidationError, match="continue_final_message and add_generation_prompt both true"):
+        ChatCompletionRequest(model="m", messages=prefill, continue_final_message=True, add_generation_prompt=True)
+    with pytest.raises(ValidationError, match="may not set add_generation_prompt, messages"):
+        ChatCompletionRequest(model="m", messages=user, chat_template_kwargs={"messages": [],
+                                                                             "add_generation_prompt": True})
+    assert TokenizeRequest(model="m", messages=prefill, continue_final_message=True).template_options()[
+        "add_generation_prompt"] is False
+
+
+def test_openai_chat_fields_that_change_nothing_are_taken_and_the_unserved_ones_named():
+    user = [{"role": "user", "content": "hi"}]
+    taken = {"store": False, "metadata": {"k": "v"}, "service_tier": "auto", "safety_identifier": "u",
+             "prompt_cache_key": "p", "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
+             "verbosity": "low", "modalities": ["text"], "audio": None, "functions": None}
+    r = ChatCompletionRequest(model="m", messages=user, max_tokens=3, **taken)
+    assert r.sampling(None) == ChatCompletionRequest(model="m", messages=user, max_tokens=3).sampling(None)
+    for field, value, says in [("audio", {"voice": "alloy", "format": "wav"}, "audio output is not supported"),
+                               ("modalities", ["text", "audio"], "modalities.1"),
+                               ("web_search_options", {}, "does not search the web"),
+                               ("functions", [{"name": "f"}], "send tools and tool_choice"),
+                               ("function_call", "auto", "function_call (deprecated"),
+                               ("reasoning_effort", "extreme", "reasoning_effort")]:
+        with pytest.raises(ValidationError, match=says.replace("(", r"\(")) as e:
+            ChatCompletionRequest(model="m", messages=user, **{field: value})
+        err = e.value.errors()[0]
+        cause = err.get("ctx", {}).get("error")
+        assert (getattr(cause, "param", None) or err["loc"][0]) == field
+
+
 @pytest.mark.parametrize(
     "body, match",
     [
@@ -196,6 +254,10 @@ def test_tokenize_messages_as_chat_completions_renders_them():
          "exactly one of prompt and messages is required; both given"),
         ({}, "exactly one of prompt and messages is required; neither given"),
         ({"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt applies to messages only"),
+        ({"prompt": "a", "continue_final_message": True}, "continue_final_message applies to messages only"),
+        ({"prompt": "a", "chat_template_kwargs": {}}, "chat_template_kwargs applies to messages only"),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}},
+         "chat_template_kwargs may not set tools"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "image_url"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),

@@ -267,6 +267,29 @@ def test_chat_completions_match_the_runtime(app, files, reference):
         assert "".join(c.choices[0].delta.content or "" for c in stream) == want
 
 
+def test_chat_continues_a_given_answer_and_tokenize_agrees(app, files, reference):
+    """continue_final_message: the prompt ends inside the assistant turn's given beginning,
+    and the answer is what follows it, as the runtime gives for that prompt; /tokenize renders
+    the same prompt. Fields of OpenAI's API that change nothing here are taken."""
+    client = _client(app)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "HE"}]
+    tokenizer = reference.engine.tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    assert text.endswith("HE")
+    got = client.chat.completions.create(
+        model="upper", messages=messages, max_tokens=MAX_TOKENS, temperature=0, store=False,
+        metadata={"team": "a"}, extra_body={"continue_final_message": True, "chat_template_kwargs": {"x": 1}})
+    assert got.choices[0].message.content == reference(tuple(prompt), "upper")
+    assert got.usage.prompt_tokens == len(prompt)
+    r = httpx.post(f"{app.base_url}/tokenize", json={"model": "upper", "messages": messages,
+                                                      "continue_final_message": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["tokens"] == prompt, r.text
+    r = httpx.post(f"{app.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "upper", "messages": messages, "continue_final_message": True, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_retrieve_model_returns_what_the_list_holds(app, files):
     listed = {m["id"]: m for m in httpx.get(f"{app.base_url}/v1/models", timeout=30).json()["data"]}
     for model in (BASE, "reverse"):  # the base model and a demo adapter
@@ -356,6 +379,15 @@ def test_bad_tokenizer_requests_use_the_openai_format(app, path, body, status, p
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
+def test_a_wrong_method_names_the_allowed_ones_through_serve(app):
+    """Serve mounts the ingress's routes under a router of its own: the 405 still lists them."""
+    r = httpx.get(f"{app.base_url}/v1/completions", timeout=60)
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+    assert r.json()["error"]["message"] == "GET is not a method of /v1/completions; it takes POST"
+    r = httpx.delete(f"{app.base_url}/v1/adapters", timeout=60)
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST", r.text
+
+
 def test_logprobs_over_http_match_the_runtime(app, files, reference):
     """Completions (logprobs=N) and chat (logprobs, top_logprobs), whole and streamed."""
     from lora_runtime.engine.sampling import SamplingParams
@@ -421,6 +453,30 @@ def test_n_choices_whole_and_streamed(app, files, reference):
                                            max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, n=2)
     assert texts == [c.message.content for c in whole.choices]
     assert all(finished) and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_best_of_returns_the_likeliest_of_its_candidates(app, files, reference):
+    """best_of=4, n=2: the candidates are the seeded samples seed..seed+3 (as n=4 gives them);
+    the two with the highest mean log-probability per token come back, best first, and usage
+    counts all four."""
+    from lora_runtime.engine.sampling import SamplingParams
+
+    client = _client(app)
+    name, seed, best_of = "upper", 5, 4
+    want = reference.engine.generate_batch(
+        [PROMPTS[2]] * best_of, [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.5, seed=seed + i, logprobs=0)
+                                 for i in range(best_of)], [name] * best_of)
+    ranked = sorted(want, key=lambda w: sum(lp.logprob for lp in w.logprobs) / max(1, len(w.logprobs)),
+                    reverse=True)
+    got = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=1.5,
+                                    seed=seed, n=2, best_of=best_of)
+    assert [c.text for c in got.choices] == [w.text for w in ranked[:2]]
+    assert [c.index for c in got.choices] == [0, 1] and all(c.logprobs is None for c in got.choices)
+    assert got.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    with_logprobs = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                              temperature=1.5, seed=seed, best_of=best_of, logprobs=1)
+    [best] = with_logprobs.choices
+    assert best.text == ranked[0].text and len(best.logprobs.token_logprobs) == len(ranked[0].token_ids)
 
 
 def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(app, reference):
@@ -680,7 +736,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "reverse", "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
-    ("/v1/completions", {"model": "reverse", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {"model": "reverse", "prompt": ["x"] * 40, "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/chat/completions", {"model": "reverse", "messages": []}, 400, "messages"),

@@ -153,6 +153,50 @@ def test_chat_template_matches_transformers(pair, add_generation_prompt):
     assert got.endswith("<|assistant|>\n") == add_generation_prompt
 
 
+@pytest.mark.parametrize("last", ["猫 (ne", "  The answer is ", "You are terse. 🤖"])
+def test_continue_final_message_matches_transformers(pair, last):
+    """The text ends where the last message's content ends, also where the template trims it
+    and where the same text came earlier (the system turn's)."""
+    ours, hf = pair
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": last}]
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True)
+    got = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert got == expected and got.endswith(last.strip())
+    assert messages[-1]["content"] == last  # the caller's messages are left as they were
+
+
+THINKING_TEMPLATE = """{% for m in messages %}<|{{ m['role'] }}|>
+{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] }}
+{% endfor %}{% if add_generation_prompt %}<|assistant|>
+{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}"""
+
+
+def test_template_kwargs_and_reasoning_reach_the_template_as_in_transformers(tmp_path):
+    config = {**BASE_CONFIG, "chat_template": THINKING_TEMPLATE}
+    folder = _write_checkpoint(tmp_path, post_processor=True, config=config)
+    ours, hf = Tokenizer.from_pretrained(str(folder)), PreTrainedTokenizerFast.from_pretrained(str(folder))
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "reasoning_content": "add them"},
+                {"role": "user", "content": "and 3+3?"}]
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        got = ours.apply_chat_template(messages, template_kwargs=kwargs)
+        assert got == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert "<think>add them</think>4" in got
+        assert got.endswith("<think></think>") == (kwargs.get("enable_thinking") is False)
+    # The request's own variables win over a kwarg of the same name.
+    assert ours.apply_chat_template(messages, template_kwargs={"messages": []}) == ours.apply_chat_template(messages)
+
+
+def test_continue_final_message_needs_a_template_that_writes_the_content(tmp_path):
+    config = {**BASE_CONFIG, "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{% endfor %}"}
+    ours = Tokenizer.from_pretrained(str(_write_checkpoint(tmp_path, post_processor=True, config=config)))
+    with pytest.raises(InvalidRequestError, match="continue_final_message"):
+        ours.apply_chat_template(MESSAGES, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="continue_final_message needs a last message"):
+        ours.apply_chat_template([], continue_final_message=True)
+
+
 def test_chat_template_raise_exception_is_an_invalid_request(pair):
     ours, _ = pair
     with pytest.raises(InvalidRequestError, match="Unknown role: tool"):
