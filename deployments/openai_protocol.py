@@ -109,6 +109,8 @@ class _Request(_Body):
     temperature: float = Field(1.0, description="0 is greedy.")
     top_p: float = Field(1.0)
     top_k: int = Field(0, description="Extension: 0 disables the top-k cut.")
+    min_p: float = Field(0.0, description="Extension (vLLM): drop tokens less likely than min_p times the "
+                         "likeliest, in [0, 1]; 0 disables it.")
     seed: int | None = None
     stop: str | list[str] | None = Field(
         None, description=f"Up to {MAX_STOP} strings (each 1-{MAX_STOP_CHARS} characters) that end the text.")
@@ -222,6 +224,7 @@ class _Request(_Body):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            "min_p": self.min_p,
             "seed": self.seed,
             "stop": tuple(stop),
             "stop_token_ids": tuple(self.stop_token_ids or ()),

@@ -26,6 +26,7 @@ class SamplingBatch:
     temperature: jax.Array  # f32[B]
     top_k: jax.Array  # i32[B]
     top_p: jax.Array  # f32[B]
+    min_p: jax.Array  # f32[B]: 0 keeps every token
     seed: jax.Array  # u32[B, 2]: the request seed split into two 32-bit words
     step: jax.Array  # i32[B]: tokens generated so far, so each step draws fresh noise
     presence: jax.Array  # f32[B]
@@ -52,6 +53,7 @@ class SamplingBatch:
         temperature = np.zeros(n, np.float32)
         top_k = np.zeros(n, np.int32)
         top_p = np.ones(n, np.float32)
+        min_p = np.zeros(n, np.float32)
         seed = np.zeros((n, 2), np.uint32)
         step = np.zeros(n, np.int32)
         presence = np.zeros(n, np.float32)
@@ -70,6 +72,7 @@ class SamplingBatch:
             temperature[i] = params.temperature
             top_k[i] = params.top_k
             top_p[i] = params.top_p
+            min_p[i] = params.min_p
             seed[i] = (s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF
             step[i] = generated
             presence[i] = params.presence_penalty
@@ -82,8 +85,9 @@ class SamplingBatch:
             for j, (token, value) in enumerate(params.logit_bias):
                 bias_ids[i, j], bias[i, j] = token, value
             want_logprobs[i] = params.logprobs is not None
-        return cls(temperature, top_k, top_p, seed, step, presence, frequency, repetition, held_back, min_tokens,
-                   bias_ids, bias, want_logprobs)
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step,
+                   presence=presence, frequency=frequency, repetition=repetition, held_back=held_back,
+                   min_tokens=min_tokens, bias_ids=bias_ids, bias=bias, want_logprobs=want_logprobs)
 
 
 def apply_penalties(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, batch: SamplingBatch,
@@ -218,8 +222,16 @@ def _filter_sorted(scaled, sorted_desc, k, top_p, normalizer):
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def _min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:  # f32[B, V]
+    """-inf where a token's probability is below min_p times the row's likeliest: a ratio of
+    probabilities, so a difference of logits, with no normalizer (log 0 = -inf keeps all)."""
+    threshold = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
 def sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V] -> i32[B]
-    """Greedy where temperature is 0; otherwise temperature, top-k, then top-p sampling.
+    """Greedy where temperature is 0; otherwise temperature, min-p, top-k, then top-p
+    sampling (min-p before top-p, as vLLM orders them: the nucleus is of what min-p kept).
 
     A row's draw depends only on its own seed and step, not on the rest of the batch,
     so a seeded request gives the same tokens however it is batched. The vocabulary sort
@@ -231,6 +243,7 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:  # f32[B, V] -
 
     def draw(logits):
         scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
+        scaled = lax.cond(jnp.any(batch.min_p > 0), lambda s: _min_p(s, batch.min_p), lambda s: s, scaled)
         filtering = jnp.any((batch.top_k > 0) | (batch.top_p < 1.0))
         masked = lax.cond(filtering, lambda s: _top_k_top_p(s, batch), lambda s: s, scaled)
         keys = jax.vmap(_row_key)(batch.seed, batch.step)

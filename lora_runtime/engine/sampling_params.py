@@ -24,6 +24,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
+    min_p: float = 0.0  # vLLM's: drop tokens less likely than min_p times the likeliest (0 = off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -50,6 +51,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature={self.temperature} must be in [0, 100]", param="temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]", param="top_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p={self.min_p} must be in [0, 1] (0 disables it)", param="min_p")
         if not 0 <= self.top_k < 2**31:
             raise InvalidRequestError(f"top_k={self.top_k} must be in [0, 2**31) (0 disables it)", param="top_k")
         if self.seed is not None and not 0 <= self.seed < 2**63:

@@ -23,6 +23,7 @@ def test_completion_sampling_fields():
     s = r.sampling(default_max_tokens=16)
     assert s["max_tokens"] == 5 and s["temperature"] == 0 and s["stop"] == ("x",) and s["seed"] == 3
     assert CompletionRequest(model="m", prompt="hi").sampling(16)["max_tokens"] == 16
+    assert s["min_p"] == 0.0 and CompletionRequest(model="m", prompt="hi", min_p=0.1).sampling(16)["min_p"] == 0.1
     pen = CompletionRequest(model="m", prompt="hi", presence_penalty=0.5, frequency_penalty=-1).sampling(16)
     assert pen["presence_penalty"] == 0.5 and pen["frequency_penalty"] == -1.0
 

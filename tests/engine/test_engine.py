@@ -82,6 +82,7 @@ def test_nothing_compiles_after_warmup(engine):
     prompt log-probabilities and prefix-cache hits (extend steps) run on warmed programs."""
     options = [SamplingParams(max_tokens=n, temperature=0.7, seed=n) for n in (1, 3, 5, 7, 9, 11)] + [
         SamplingParams(max_tokens=4, top_p=0.5, top_k=3, seed=1),
+        SamplingParams(max_tokens=4, min_p=0.2, seed=2),
         SamplingParams(max_tokens=4, logprobs=3, prompt_logprobs=2),
         SamplingParams(max_tokens=4, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
                        logit_bias=((5, 3.0),)),

@@ -52,6 +52,29 @@ def test_top_p_draws_stay_in_the_nucleus():
     assert seen == {0, 1}
 
 
+def test_min_p_draws_stay_above_min_p_times_the_likeliest():
+    # Probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1: min_p=0.5 keeps 0.5 and 0.3 (>= 0.25), and
+    # top_p=0.5 then keeps the first of those alone (vLLM's order: the nucleus of what min-p kept).
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.asarray(np.log(probs)[None].repeat(4, 0), jnp.float32)
+    fn = jax.jit(sample)
+    seen, nucleus = set(), set()
+    for step in range(40):
+        seen |= set(np.asarray(fn(logits, _batch(*[(SamplingParams(temperature=1.0, min_p=0.5), s, step)
+                                                    for s in range(4)]))).tolist())
+        nucleus |= set(np.asarray(fn(logits, _batch(*[(SamplingParams(temperature=1.0, min_p=0.5, top_p=0.55), s,
+                                                        step) for s in range(4)]))).tolist())
+    assert seen == {0, 1} and nucleus == {0}
+    # min_p=1 keeps the likeliest alone; other rows of the batch are not filtered by it.
+    rows = [(SamplingParams(temperature=3.0, min_p=1.0), 1, 0), (SamplingParams(temperature=3.0), 2, 0)]
+    wide = set()
+    for step in range(40):
+        drawn = np.asarray(fn(logits[:2], _batch(*[(p, s, step) for p, s, _ in rows])))
+        assert drawn[0] == 0
+        wide.add(int(drawn[1]))
+    assert len(wide) > 2
+
+
 def test_seeded_draw_depends_only_on_seed_and_step(logits):
     p = SamplingParams(temperature=1.0)
     a = sample(logits, _batch((p, 11, 5), (p, 12, 5), (p, 13, 5), (p, 14, 5)))
@@ -77,6 +100,8 @@ def test_sampling_follows_the_distribution():
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=-2), "top_k"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.5), "min_p"),
         (dict(top_k=2**31), "top_k"),  # would not fit the sampler's int32 rows
         (dict(max_tokens=2**40), "max_tokens"),
         (dict(stop=("",)), "stop"),
@@ -99,10 +124,10 @@ def test_the_field_an_error_concerns_survives_pickling():
 
 
 def test_a_row_draws_the_same_whatever_its_neighbours_ask_for(logits):
-    """The sort (top-k/top-p) and the draw run only when some row needs them; a row's token
+    """The sort (top-k/top-p), min-p and the draw run only when some row needs them; a row's token
     must not depend on whether they ran for its neighbours."""
     plain, greedy = SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)
-    filtered = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    filtered = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05)
     for seed in range(20):
         alone = sample(logits, _batch((plain, seed, 3), (plain, 7, 0), (plain, 8, 0), (plain, 9, 0)))
         mixed = sample(logits, _batch((plain, seed, 3), (filtered, 7, 0), (greedy, 8, 0), (plain, 9, 0)))

@@ -723,6 +723,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "reverse", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "min_tokens": 20, "max_tokens": 4}, 400, "min_tokens"),
     ("/v1/completions", {"model": "reverse", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "reverse", "prompt": []}, 400, "prompt"),
