@@ -624,7 +624,7 @@ class OpenAIIngress:
                               f"{len(jobs)} sequences; at most {MAX_PROMPTS} in one request", param=field)
         payloads = [
             {"kind": "completion", "prompt": prompt, "sampling": sp, "echo": body.echo,
-             "request_id": _choice_id(rid, k, len(jobs))}
+             "truncate_prompt_tokens": body.truncate_prompt_tokens, "request_id": _choice_id(rid, k, len(jobs))}
             for k, (_, prompt, sp) in enumerate(jobs)
         ]
         return await self._respond(body, caller, rid, payloads, [i for i, _, _ in jobs], chat=False)
@@ -637,8 +637,8 @@ class OpenAIIngress:
         self._check_sampling(samplings[0])
         tools = body.tool_request()
         payloads = [{"kind": "chat", "messages": body.chat_messages(), "template": body.template_options(),
-                     "sampling": sp, "tools": tools, "request_id": _choice_id(rid, k, len(samplings))}
-                    for k, sp in enumerate(samplings)]
+                     "sampling": sp, "tools": tools, "truncate_prompt_tokens": body.truncate_prompt_tokens,
+                     "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
         return await self._respond(body, caller, rid, payloads, [0] * len(payloads), chat=True)
 
     def _charge(self, caller: Caller, last_items: list[dict], prompt_of: list[int]) -> None:

@@ -126,9 +126,17 @@ class LoRAModelServer:
     def _prompt(self, request: dict) -> str | list[int]:
         if request["kind"] == "chat":
             tools = request.get("tools")
-            return self._chat_tokens(request["messages"], template=request.get("template"),
-                                     tools=tools and tools["tools"])
-        return request["prompt"]
+            prompt = self._chat_tokens(request["messages"], template=request.get("template"),
+                                       tools=tools and tools["tools"])
+        else:
+            prompt = request["prompt"]
+        keep = request.get("truncate_prompt_tokens")
+        if keep is None:
+            return prompt
+        if keep == -1:  # as many as leave room for max_tokens (one token when it fills the context)
+            keep = max(1, self._args.max_seq_len - (request["sampling"]["max_tokens"] or 1))
+        ids = prompt if isinstance(prompt, list) else self._engine.tokenizer.encode(prompt)
+        return ids[-keep:]
 
     def _sampling(self, request: dict, prompt: str | list[int]):
         from lora_runtime.engine.sampling import SamplingParams

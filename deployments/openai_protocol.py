@@ -129,6 +129,9 @@ class _Request(_Body):
     skip_special_tokens: bool = Field(True, description="Extension (vLLM): leave special tokens out of the text.")
     include_stop_str_in_output: bool = Field(False, description="Extension (vLLM): keep the stop string that ended it.")
     user: str | None = Field(None, description="End-user id, recorded in logs only.")
+    truncate_prompt_tokens: int | None = Field(
+        None, description="Extension (vLLM): keep only the prompt's last k tokens (after the chat template); -1: "
+        "as many as leave room for max_tokens within max_seq_len.")
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> value in [-100, 100] added to its logit before sampling."
     )
@@ -160,6 +163,13 @@ class _Request(_Body):
         long = [s for s in stops if len(s) > MAX_STOP_CHARS]
         if long:
             raise ValueError(f"stop string of {len(long[0])} characters; at most {MAX_STOP_CHARS}")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and not 1 <= v < 2**31:
+            raise ValueError(f"truncate_prompt_tokens={v} must be -1 or in [1, 2**31)")
         return v
 
     @field_validator("n")

@@ -24,6 +24,12 @@ def test_completion_sampling_fields():
     assert s["max_tokens"] == 5 and s["temperature"] == 0 and s["stop"] == ("x",) and s["seed"] == 3
     assert CompletionRequest(model="m", prompt="hi").sampling(16)["max_tokens"] == 16
     assert s["min_p"] == 0.0 and CompletionRequest(model="m", prompt="hi", min_p=0.1).sampling(16)["min_p"] == 0.1
+    for keep in (-1, 1, 4096):
+        assert CompletionRequest(model="m", prompt="hi", truncate_prompt_tokens=keep).truncate_prompt_tokens == keep
+    for keep in (0, -2):
+        with pytest.raises(ValidationError, match=f"truncate_prompt_tokens={keep} must be -1 or in"):
+            ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                  truncate_prompt_tokens=keep)
     pen = CompletionRequest(model="m", prompt="hi", presence_penalty=0.5, frequency_penalty=-1).sampling(16)
     assert pen["presence_penalty"] == 0.5 and pen["frequency_penalty"] == -1.0
 

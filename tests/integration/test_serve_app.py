@@ -479,6 +479,25 @@ def test_best_of_returns_the_likeliest_of_its_candidates(app, files, reference):
     assert best.text == ranked[0].text and len(best.logprobs.token_logprobs) == len(ranked[0].token_ids)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(app, files, reference):
+    """A prompt longer than max_seq_len is served from its last k tokens (after the chat
+    template for a chat); -1 keeps as many as leave room for max_tokens."""
+    client = _client(app)
+    tokenizer = reference.engine.tokenizer
+    ids = tokenizer.encode(_LONG + PROMPTS[0])
+    assert len(ids) > ARGS["max_seq_len"]
+    for keep, kept in ((10, 10), (-1, ARGS["max_seq_len"] - MAX_TOKENS)):
+        got = client.completions.create(model="reverse", prompt=_LONG + PROMPTS[0], max_tokens=MAX_TOKENS,
+                                        temperature=0, extra_body={"truncate_prompt_tokens": keep})
+        assert got.usage.prompt_tokens == kept
+        assert got.choices[0].text == reference(tuple(ids[-kept:]), "reverse")
+    messages = [{"role": "user", "content": _LONG + "hello"}]
+    chat = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    got = client.chat.completions.create(model="upper", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 12})
+    assert got.usage.prompt_tokens == 12 and got.choices[0].message.content == reference(tuple(chat[-12:]), "upper")
+
+
 def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(app, reference):
     """A request whose prompt starts like a finished one's reuses that row's K/V: usage's
     prompt_tokens_details.cached_tokens says how many prompt tokens, whole and streamed."""
@@ -724,6 +743,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "reverse", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "min_tokens": 20, "max_tokens": 4}, 400, "min_tokens"),
     ("/v1/completions", {"model": "reverse", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "reverse", "prompt": []}, 400, "prompt"),
