@@ -37,6 +37,7 @@ from deployments.config import AppArgs
 from deployments.openapi_docs import (
     ADMIN,
     ADMIN_LIST,
+    ADMIN_ONE,
     HEALTH,
     INFERENCE,
     MODEL,
@@ -882,6 +883,17 @@ class OpenAIIngress:
         snap = await self._call_admin("snapshot", self._base.fingerprint)
         data = [dict(e, name=n) for n, e in sorted(snap["adapters"].items()) if caller.may_admin(n)]
         return {"object": "list", "version": snap["version"], "data": data}
+
+    @app.get("/v1/adapters/{name}", responses=ADMIN_ONE)
+    async def get_adapter(self, name: str, authorization: str | None = Header(None)):
+        """One registered adapter's entry, as the list holds it."""
+        self._admin_caller(authorization, name)
+        snap = await self._call_admin("snapshot", self._base.fingerprint)
+        entry = snap["adapters"].get(name)
+        if entry is None:
+            raise OpenAIError(f"adapter {name!r} is not registered", status_code=404, error_type="not_found_error",
+                              param="name")
+        return dict(entry, name=name)
 
     @app.delete("/v1/adapters/{name}", responses=ADMIN)
     async def unregister_adapter(self, name: str, authorization: str | None = Header(None)):

@@ -57,6 +57,7 @@ MODELS = errors(401, 403, 429, 503)
 MODEL = errors(401, 403, 404, 429, 503)
 ADMIN = errors(400, 401, 403, 404, 409, 413, 503)
 ADMIN_LIST = errors(401, 403, 503)
+ADMIN_ONE = errors(401, 403, 404, 503)
 
 STREAMABLE = {200: {"description": "The response; with stream=true, server-sent events (data: {chunk}, ending "
                                    "data: [DONE]).",

@@ -236,6 +236,12 @@ def test_two_names_for_one_adapter_share_its_content_id(app, files):
         assert _register(app, name, str(files["adapters"][source])).status_code == 201
     listed = {e["name"]: e for e in httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH).json()["data"]}
     assert listed["ad1"]["content_id"] == listed["ad1_alias"]["content_id"] != listed["ad2"]["content_id"]
+    for name in ("ad1", "ad1_alias"):  # one entry, as the list holds it
+        r = httpx.get(f"{app.base_url}/v1/adapters/{name}", headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json() == listed[name], r.text
+    r = httpx.get(f"{app.base_url}/v1/adapters/no-such-adapter", headers=AUTH, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "name", r.text
+    assert httpx.get(f"{app.base_url}/v1/adapters/ad1", timeout=60).status_code == 401
     r = httpx.delete(f"{app.base_url}/v1/adapters/ad1_alias", headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
 
