@@ -593,6 +593,11 @@ class ChatCompletionRequest(_Request, _ChatTemplateOptions):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise FieldError(f"tool_choice names function {choice.function.name!r}, which tools do not hold",
                              "tool_choice")
+        constrained = self.guided() is not None or (self.calls_tools and self.tool_choice not in (None, "auto"))
+        if self.continue_final_message and constrained:
+            raise FieldError("continue_final_message with a constrained answer (response_format, guided_*, or "
+                             "tool_choice required or a named function) is not supported: the constraint would "
+                             "start over after the given beginning", "continue_final_message")
         if self.calls_tools and self.tool_choice not in (None, "auto") and self.guided() is not None:
             raise FieldError("tool_choice required or a named function constrains the output already; drop "
                              "response_format", "response_format")

@@ -232,6 +232,13 @@ def test_chat_template_options():
                                                                              "add_generation_prompt": True})
     assert TokenizeRequest(model="m", messages=prefill, continue_final_message=True).template_options()[
         "add_generation_prompt"] is False
+    # A grammar would start over after the given beginning: refused, not served wrong.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for constraint in ({"response_format": {"type": "json_object"}}, {"guided_regex": "a+"},
+                       {"tools": tools, "tool_choice": "required"}):
+        with pytest.raises(ValidationError, match="continue_final_message with a constrained answer"):
+            ChatCompletionRequest(model="m", messages=prefill, continue_final_message=True, **constraint)
+    ChatCompletionRequest(model="m", messages=prefill, continue_final_message=True, tools=tools)  # auto: free text
 
 
 def test_openai_chat_fields_that_change_nothing_are_taken_and_the_unserved_ones_named():
