@@ -73,6 +73,7 @@ from deployments.openai_protocol import (
     usage,
     usage_chunk,
 )
+from deployments.responses_api import ResponseBuilder, ResponsesRequest, responses_param
 from deployments.tool_calls import ToolCallStream, parse_tool_calls
 from lora_runtime.engine.grammar import GuidedSpec
 from lora_runtime.engine.sampling_params import SamplingParams
@@ -634,13 +635,33 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, authorization: str | None = Header(None)):
         caller = await self._inference_caller(authorization)
         rid = new_id("chatcmpl")
+        payloads = self._chat_payloads(body, rid)
+        return await self._respond(body, caller, rid, payloads, [0] * len(payloads), chat=True)
+
+    def _chat_payloads(self, body: ChatCompletionRequest, rid: str) -> list[dict]:
+        """The replica payload of each of a chat request's choices (its sampling checked)."""
         samplings = body.choice_samplings(default_max_tokens=None)
         self._check_sampling(samplings[0])
         tools = body.tool_request()
-        payloads = [{"kind": "chat", "messages": body.chat_messages(), "template": body.template_options(),
-                     "sampling": sp, "tools": tools, "truncate_prompt_tokens": body.truncate_prompt_tokens,
-                     "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
-        return await self._respond(body, caller, rid, payloads, [0] * len(payloads), chat=True)
+        return [{"kind": "chat", "messages": body.chat_messages(), "template": body.template_options(),
+                 "sampling": sp, "tools": tools, "truncate_prompt_tokens": body.truncate_prompt_tokens,
+                 "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
+
+    @app.post("/v1/responses", responses={**STREAMABLE, **INFERENCE})
+    async def responses(self, body: ResponsesRequest, authorization: str | None = Header(None)):
+        """OpenAI's Responses API, stateless, computed as one chat choice (deployments/responses_api.py)."""
+        caller = await self._inference_caller(authorization)
+        chat = body.chat_request()
+        builder = ResponseBuilder(body, new_id("resp").replace("-", "_", 1))
+        try:
+            payloads = self._chat_payloads(chat, builder.id)
+        except OpenAIError as e:  # named as the client sent it (text, not response_format)
+            e.param = responses_param(e.param)
+            raise
+        answer = await self._respond(chat, caller, builder.id, payloads, [0], chat=True)
+        if not chat.stream:
+            return builder.from_chat(answer)
+        return StreamingResponse(builder.events(answer.body_iterator), media_type="text/event-stream")
 
     def _charge(self, caller: Caller, last_items: list[dict], prompt_of: list[int]) -> None:
         """The tokens a response computed, against its key's token rate."""

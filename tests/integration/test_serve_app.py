@@ -296,6 +296,44 @@ def test_chat_continues_a_given_answer_and_tokenize_agrees(app, files, reference
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+def test_the_responses_api_answers_as_chat_does(app, files, reference):
+    """POST /v1/responses through the openai client: the same answer as the chat endpoint gives
+    for the same messages, whole and streamed; a required function call comes back as a
+    function_call item; a bad field is a 400 naming it as the client sent it."""
+    client = _client(app)
+    chat = client.chat.completions.create(model="upper", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    got = client.responses.create(model="upper", input="hello", max_output_tokens=MAX_TOKENS, temperature=0)
+    assert got.output_text == chat.choices[0].message.content and got.status == "completed"
+    assert got.usage.input_tokens == chat.usage.prompt_tokens and got.usage.output_tokens == chat.usage.completion_tokens
+    events = list(client.responses.create(model="upper", input=[{"role": "user", "content": "hello"}],
+                                          max_output_tokens=MAX_TOKENS, temperature=0, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == got.output_text
+    assert events[-1].response.output_text == got.output_text
+
+    tools = [{"type": "function", "name": "shout", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string", "maxLength": 4}}, "required": ["word"]}}]
+    # 56: room for the whole call, one character a token.
+    called = client.responses.create(model=BASE, input="hello", tools=tools, tool_choice="required",
+                                     max_output_tokens=56, temperature=0)
+    [call] = [o for o in called.output if o.type == "function_call"]
+    assert call.name == "shout" and set(json.loads(call.arguments)) == {"word"}
+    streamed = list(client.responses.create(model=BASE, input="hello", tools=tools, tool_choice="required",
+                                            max_output_tokens=56, temperature=0, stream=True))
+    pieces = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    [done] = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert pieces == done.arguments == call.arguments
+
+    r = httpx.post(f"{app.base_url}/v1/responses", timeout=60, json={
+        "model": "upper", "input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {
+            "type": "objekt"}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
+    r = httpx.post(f"{app.base_url}/v1/responses", json={"model": "upper", "input": "x", "previous_response_id": "r"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
+
+
 def test_retrieve_model_returns_what_the_list_holds(app, files):
     listed = {m["id"]: m for m in httpx.get(f"{app.base_url}/v1/models", timeout=30).json()["data"]}
     for model in (BASE, "reverse"):  # the base model and a demo adapter
