@@ -4,13 +4,13 @@
 
 Times the sampler of a step as the runner runs it (penalties, `sample`, log-probabilities)
 over a batch of random logits: all rows greedy, all at a temperature, all with top-p, all
-greedy with a frequency penalty, all greedy asking for log-probabilities. Penalties and
-log-probabilities run only in steps where some row asks for them. Logits are normal with
-std 4 ("peaked", a language model's spread: the top-p nucleus lies among the likeliest
-candidates) and std 1 ("flat": it does not, so that row's top-p sorts the whole
+with min-p, all greedy with a frequency penalty, all greedy asking for log-probabilities.
+Penalties, min-p and log-probabilities run only in steps where some row asks for them.
+Logits are normal with std 4 ("peaked", a language model's spread: the top-p nucleus lies
+among the likeliest candidates) and std 1 ("flat": it does not, so that row's top-p sorts the whole
 vocabulary); `top_p_one_flat` has one flat row among peaked ones, which sorts that row
-alone. Last line: `greedy_ms=<f> temperature_ms=<f> top_p_ms=<f> top_p_flat_ms=<f>
-top_p_one_flat_ms=<f> penalties_ms=<f> logprobs_ms=<f>` for the largest vocabulary.
+alone. Last line: `greedy_ms=<f> temperature_ms=<f> top_p_ms=<f> min_p_ms=<f> penalties_ms=<f>
+logprobs_ms=<f> top_p_flat_ms=<f> top_p_one_flat_ms=<f>` for the largest vocabulary.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ MODES = {
     "greedy": SamplingParams(temperature=0.0),
     "temperature": SamplingParams(temperature=0.7),
     "top_p": SamplingParams(temperature=0.7, top_p=0.9),
+    "min_p": SamplingParams(temperature=0.7, min_p=0.05),
     "penalties": SamplingParams(temperature=0.0, frequency_penalty=0.5),
     "logprobs": SamplingParams(temperature=0.0, logprobs=5),
 }
