@@ -73,6 +73,7 @@ from deployments.openai_protocol import (
     usage,
     usage_chunk,
 )
+from deployments.reasoning import ReasoningSplitter, split_reasoning
 from deployments.responses_api import ResponseBuilder, ResponsesRequest, responses_param
 from deployments.tool_calls import ToolCallStream, parse_tool_calls
 from lora_runtime.engine.grammar import GuidedSpec
@@ -703,7 +704,6 @@ class OpenAIIngress:
                        chat: bool, tools: dict | None = None) -> dict:
         """Each choice's items (none an error) in order, and the response's usage; `tools`: the
         request's tool_request() when its answers may hold tool calls."""
-        choice = chat_choice if chat else completion_choice
         choices = []
         for index, items in enumerate(results):
             last = items[-1]
@@ -712,12 +712,16 @@ class OpenAIIngress:
             if prompt_entries is not None:  # echo with logprobs: the prompt's tokens come first
                 logprobs = prompt_entries + (logprobs or [])
             text = (items[0].get("prompt_text") or "") + "".join(i["text"] for i in items)
+            if not chat:
+                choices.append(completion_choice(index, text, last["finish_reason"], logprobs))
+                continue
+            reasoning, text = split_reasoning(items[0].get("reasoning_mode"), text)
             if tools is not None:
                 content, calls = parse_tool_calls(items[0]["tool_format"], text, tools["tools"])
                 choices.append(chat_choice(index, content, _tool_finish(last["finish_reason"], calls, tools),
-                                           logprobs, tool_calls=calls))
+                                           logprobs, tool_calls=calls, reasoning=reasoning))
                 continue
-            choices.append(choice(index, text, last["finish_reason"], logprobs))
+            choices.append(chat_choice(index, text, last["finish_reason"], logprobs, reasoning=reasoning))
         build = chat_response if chat else completion_response
         return build(rid, model, choices, use)
 
@@ -754,6 +758,9 @@ class OpenAIIngress:
         # With tools: each choice's output split into content and tool calls as it streams.
         splitters = [None if tools is None else ToolCallStream(first["tool_format"], tools["tools"])
                      for _, first in streams]
+        # A chat answer's reasoning, split from its content as it streams.
+        reasoners = [ReasoningSplitter(first["reasoning_mode"]) if chat and first.get("reasoning_mode") else None
+                     for _, first in streams]
         try:
             if chat:
                 for index in range(len(streams)):
@@ -773,6 +780,11 @@ class OpenAIIngress:
                 last[index] = item
                 text = (item.get("prompt_text") or "") + item["text"]  # echo: the prompt first
                 finish_reason = item["finish_reason"]
+                if reasoners[index] is not None:
+                    reasoning, text = reasoners[index].feed(text, item["finished"])
+                    if reasoning:
+                        yield _sse(chat_chunk(rid, model, created, {"reasoning_content": reasoning}, None,
+                                              index=index))
                 splitter = splitters[index]
                 if splitter is not None:
                     text, call_deltas = splitter.feed(text, item["finished"])

@@ -20,6 +20,7 @@ from cluster.serve_router import routing_stats
 from deployments.config import AppArgs
 from deployments.hosts import ReplicaHosts
 from deployments.placement import check_devices
+from deployments.reasoning import reasoning_mode
 from deployments.tool_calls import tool_format, tool_grammar, with_tools_described
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 
@@ -111,32 +112,41 @@ class LoRAModelServer:
     async def model_info(self) -> dict:
         return {"model_name": self._engine.model_name, "max_seq_len": self._args.max_seq_len}
 
-    def _chat_tokens(self, messages: list[dict], *, template: dict | None = None,
-                     add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
-        """A chat's prompt token ids: the model's chat template rendered (with the request's
-        tools and its template options, ChatCompletionRequest.template_options()), then
-        tokenized."""
+    def _chat_text(self, messages: list[dict], *, template: dict | None = None,
+                   tools: list[dict] | None = None) -> str:
+        """A chat's prompt text: the model's chat template rendered with the request's tools and
+        its template options (ChatCompletionRequest.template_options())."""
         tokenizer = self._engine.tokenizer
         if tools and "tools" not in (tokenizer.chat_template or ""):
             messages = with_tools_described(messages, tools)  # a template that knows no tools
-        text = tokenizer.apply_chat_template(messages, tools=tools, **(template or {}))
-        # Chat templates write BOS themselves: by default no second one from the tokenizer.
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return tokenizer.apply_chat_template(messages, tools=tools, **(template or {}))
 
-    def _prompt(self, request: dict) -> str | list[int]:
+    def _chat_tokens(self, messages: list[dict], *, template: dict | None = None,
+                     add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """A chat's prompt token ids (chat templates write BOS themselves: by default no second
+        one from the tokenizer)."""
+        text = self._chat_text(messages, template=template, tools=tools)
+        return self._engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _prompt(self, request: dict) -> tuple[str | list[int], str | None]:
+        """The request's prompt, and for a chat how its answer's reasoning splits off
+        (deployments/reasoning.py)."""
+        mode = None
         if request["kind"] == "chat":
             tools = request.get("tools")
-            prompt = self._chat_tokens(request["messages"], template=request.get("template"),
-                                       tools=tools and tools["tools"])
+            text = self._chat_text(request["messages"], template=request.get("template"),
+                                   tools=tools and tools["tools"])
+            mode = reasoning_mode(self._engine.tokenizer.chat_template, text)
+            prompt = self._engine.tokenizer.encode(text, add_special_tokens=False)
         else:
             prompt = request["prompt"]
         keep = request.get("truncate_prompt_tokens")
         if keep is None:
-            return prompt
+            return prompt, mode
         if keep == -1:  # as many as leave room for max_tokens (one token when it fills the context)
             keep = max(1, self._args.max_seq_len - (request["sampling"]["max_tokens"] or 1))
         ids = prompt if isinstance(prompt, list) else self._engine.tokenizer.encode(prompt)
-        return ids[-keep:]
+        return ids[-keep:], mode
 
     def _sampling(self, request: dict, prompt: str | list[int]):
         from lora_runtime.engine.sampling import SamplingParams
@@ -177,8 +187,9 @@ class LoRAModelServer:
 
     async def generate(self, request: dict):
         """Streams ``{"text", "token_ids", "finished", "finish_reason", "prompt_tokens",
-        "completion_tokens", "cached_tokens", "logprobs", "prompt_logprobs", "prompt_text"}``
-        items, or one ``{"error": ...}`` item for a bad request."""
+        "completion_tokens", "cached_tokens", "logprobs", "prompt_logprobs", "prompt_text",
+        "tool_format", "reasoning_mode"}`` items (the last two on the first item), or one
+        ``{"error": ...}`` item for a bad request."""
         adapter = serve.get_multiplexed_model_id() or None
         rid = request["request_id"]
         trace = self._metrics.start(adapter)
@@ -189,7 +200,7 @@ class LoRAModelServer:
                 self._hosts.mirror.check()  # a replica that lost a host takes nothing new
             if adapter is not None:
                 await self._load_adapter(adapter)
-            prompt = self._prompt(request)
+            prompt, reasoning = self._prompt(request)
             params = self._sampling(request, prompt)
             echo_text = self._echo_text(prompt) if request.get("echo") else None
             stream = self._engine.generate(prompt, params, request_id=rid, adapter=adapter)
@@ -222,6 +233,7 @@ class LoRAModelServer:
                     # Echo: the prompt's text goes ahead of the first output.
                     "prompt_text": echo_text if out is first else None,
                     "tool_format": self._tool_format if out is first and request.get("tools") else None,
+                    "reasoning_mode": reasoning if out is first else None,
                 }
                 if finished:
                     break

@@ -753,8 +753,10 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: list[dict] | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
+                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
     message = {"role": "assistant", "content": text}
+    if reasoning is not None:  # what the answer reasoned, as vLLM's reasoning parsers return it
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {

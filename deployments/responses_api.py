@@ -3,8 +3,9 @@
 A request becomes a chat request: ``instructions`` a system message, ``input`` items messages
 (function calls and their outputs the assistant ``tool_calls`` and ``tool`` messages a chat
 template reads), function ``tools`` chat tools, ``text.format`` a ``response_format``. The
-chat's answer becomes the response's output items (a message with ``output_text``, then one
-``function_call`` item per call), whole or as the Responses stream's typed events.
+chat's answer becomes the response's output items (a reasoning item for a reasoning model's
+``reasoning_content``, a message with ``output_text``, then one ``function_call`` item per
+call), whole or as the Responses stream's typed events.
 
 Nothing is stored: a request that refers to a stored response, conversation or prompt is
 refused by name, and every response says ``store: false``.
@@ -242,6 +243,8 @@ class ResponseBuilder:
         message = choice["message"]
         logprobs = (choice.get("logprobs") or {}).get("content") if self.request.wants_logprobs else None
         output = []
+        if message.get("reasoning_content") is not None:
+            output.append(_reasoning_item(_new_id("rs"), message["reasoning_content"], "completed"))
         if message.get("content") or not message.get("tool_calls"):
             output.append(_message_item(_new_id("msg"), message.get("content") or "", logprobs, "completed"))
         for call in message.get("tool_calls") or ():
@@ -271,7 +274,10 @@ class ResponseBuilder:
             for index, item in enumerate(output):
                 if item["status"] == "completed":
                     continue
-                if item["type"] == "message":
+                if item["type"] == "reasoning":
+                    out.append(event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                     content_index=0, text=item["content"][0]["text"]))
+                elif item["type"] == "message":
                     part = item["content"][0]
                     out.append(event("response.output_text.done", item_id=item["id"], output_index=index,
                                      content_index=0, text=part["text"], logprobs=part["logprobs"] or []))
@@ -317,8 +323,20 @@ class ResponseBuilder:
         lines: list[str] = []
         for choice in chunk.get("choices") or ():
             delta = choice["delta"]
+            if delta.get("reasoning_content"):
+                item = output[-1] if output and output[-1]["type"] == "reasoning" else None
+                if item is None:
+                    item = _reasoning_item(_new_id("rs"), "", "in_progress")
+                    output.append(item)
+                    lines.append(event("response.output_item.added", output_index=len(output) - 1,
+                                       item={**item, "content": []}))
+                item["content"][0]["text"] += delta["reasoning_content"]
+                lines.append(event("response.reasoning_text.delta", item_id=item["id"], output_index=len(output) - 1,
+                                   content_index=0, delta=delta["reasoning_content"]))
             text = delta.get("content")
             if text:
+                if output and output[-1]["type"] == "reasoning":
+                    lines += close()  # the reasoning is whole once the answer starts
                 message = self._open_message(output)
                 if message is None:
                     message = _message_item(_new_id("msg"), "", [] if self.request.wants_logprobs else None,
@@ -358,6 +376,11 @@ class ResponseBuilder:
         """The message item still being written, if any (the last item, in progress)."""
         last = output[-1] if output else None
         return last if last is not None and last["type"] == "message" and last["status"] == "in_progress" else None
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _message_item(item_id: str, text: str, logprobs: list[dict] | None, status: str) -> dict:

@@ -144,3 +144,21 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete_and_an_error_ends_it(
                          {"error": {"message": "replica died", "type": "server_error", "param": None,
                                     "code": "replica_failed"}}])
     assert failed[-1]["type"] == "error" and failed[-1]["code"] == "replica_failed"
+
+
+def test_reasoning_becomes_a_reasoning_item_whole_and_streamed():
+    r = ResponsesRequest(model="ad", input="2+2?", stream=True)
+    chat = chat_response("x", "ad", [chat_choice(0, "4", "stop", reasoning="add them")], usage(5, 3, 0))
+    whole = Response.model_validate(ResponseBuilder(r, "resp_1").from_chat(chat))
+    assert [o.type for o in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "add them" and whole.output_text == "4"
+    events = _events(r, [chat_chunk("x", "ad", 1, {"reasoning_content": "add "}, None),
+                         chat_chunk("x", "ad", 1, {"reasoning_content": "them"}, None),
+                         chat_chunk("x", "ad", 1, {"content": "4"}, "stop"),
+                         usage_chunk("x", "ad", 1, "chat.completion.chunk", usage(5, 3, 0))])
+    kinds = [e["type"] for e in events]
+    assert kinds[:7] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.reasoning_text.delta", "response.reasoning_text.delta",
+                         "response.reasoning_text.done", "response.output_item.done"]
+    final = Response.model_validate(events[-1]["response"])
+    assert final.output[0].content[0].text == "add them" and final.output_text == "4"
