@@ -13,6 +13,8 @@ it), the rest to ``content``, whole or streamed delta by delta.
 
 from __future__ import annotations
 
+from deployments.tool_calls import held_tail
+
 START, END = "<think>", "</think>"
 OPEN, TAGGED = "open", "tagged"  # the answer starts as reasoning / reasons if it opens with START
 
@@ -22,14 +24,6 @@ def reasoning_mode(chat_template: str | None, prompt_text: str) -> str | None:
     if END not in (chat_template or ""):
         return None
     return OPEN if prompt_text.rfind(START) > prompt_text.rfind(END) else TAGGED
-
-
-def _held_tail(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningSplitter:
@@ -59,7 +53,7 @@ class ReasoningSplitter:
             if at >= 0:
                 reasoning, held, self._state = held[:at].rstrip("\n"), held[at + len(END):], "after"
             else:
-                keep = 0 if finished else _held_tail(held, END)
+                keep = 0 if finished else held_tail(held, END)
                 reasoning, self._held = held[:len(held) - keep], held[len(held) - keep:]
                 if not finished:  # newlines that may end the block wait for what follows them
                     newlines = len(reasoning) - len(reasoning.rstrip("\n"))

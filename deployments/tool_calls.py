@@ -222,7 +222,7 @@ class ToolCallStream:
             if at >= 0:
                 self._calls_at, self._sent = at, at
                 return text[sent:at]
-            keep = 0 if finished else _held_tail(text, "<tool_call>")
+            keep = 0 if finished else held_tail(text, "<tool_call>")
             self._sent = len(text) - keep
             return text[sent:self._sent]
         head = text.lstrip()
@@ -275,7 +275,7 @@ class ToolCallStream:
         return "", deltas
 
 
-def _held_tail(text: str, marker: str) -> int:
+def held_tail(text: str, marker: str) -> int:
     """How many characters at the end of `text` could be the start of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
