@@ -20,7 +20,7 @@ from cluster.serve_router import routing_stats
 from deployments.config import AppArgs
 from deployments.hosts import ReplicaHosts
 from deployments.placement import check_devices
-from deployments.reasoning import reasoning_mode
+from deployments.reasoning import OPEN, TAGGED, closed_think_block, reasoning_mode
 from deployments.tool_calls import tool_format, tool_grammar, with_tools_described
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
 
@@ -137,6 +137,12 @@ class LoRAModelServer:
             text = self._chat_text(request["messages"], template=request.get("template"),
                                    tools=tools and tools["tools"])
             mode = reasoning_mode(self._engine.tokenizer.chat_template, text)
+            constrained = request["sampling"].get("guided") is not None or (
+                tools is not None and tools["choice"] not in ("auto", "none"))
+            if mode == OPEN and constrained:
+                # A grammar binds from the answer's first token, which would be inside the block:
+                # close it empty, as a template writes it with thinking off, so it binds the answer.
+                text, mode = closed_think_block(text), TAGGED
             prompt = self._engine.tokenizer.encode(text, add_special_tokens=False)
         else:
             prompt = request["prompt"]

@@ -8,7 +8,9 @@ the model) makes the answer reasoning up to ``</think>``; otherwise an answer th
 whose template has no ``</think>`` is never split.
 
 The reasoning goes to the message's ``reasoning_content`` (as vLLM's reasoning parsers put
-it), the rest to ``content``, whole or streamed delta by delta.
+it), the rest to ``content``, whole or streamed delta by delta. A constrained answer (a
+grammar, a required tool call) to a prompt that opens the block gets the block closed empty
+in its prompt: the grammar binds from the first token, which must be the answer's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from deployments.tool_calls import held_tail
 
 START, END = "<think>", "</think>"
 OPEN, TAGGED = "open", "tagged"  # the answer starts as reasoning / reasons if it opens with START
+
+
+def closed_think_block(prompt_text: str) -> str:
+    """A prompt that ends in an open block, with the block closed empty (Qwen3's form with
+    thinking off): the answer starts after it."""
+    return prompt_text[:prompt_text.rfind(START)] + f"{START}\n\n{END}\n\n"
 
 
 def reasoning_mode(chat_template: str | None, prompt_text: str) -> str | None:
@@ -81,4 +89,4 @@ def split_reasoning(mode: str | None, text: str) -> tuple[str | None, str]:
     return (reasoning if opened else None), content
 
 
-__all__ = ["OPEN", "TAGGED", "ReasoningSplitter", "reasoning_mode", "split_reasoning"]
+__all__ = ["OPEN", "TAGGED", "ReasoningSplitter", "closed_think_block", "reasoning_mode", "split_reasoning"]

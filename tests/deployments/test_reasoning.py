@@ -60,6 +60,11 @@ def test_the_replica_reads_the_mode_from_the_rendered_prompt():
     assert mode == OPEN and tokenizer.decode(prompt, skip_special_tokens=False).endswith("hello=<think>")
     _, mode = replica._prompt({**chat, "template": {"template_kwargs": {"enable_thinking": False}}})
     assert mode == TAGGED
+    # A grammar binds from the first token: the block is closed empty ahead of a constrained answer.
+    guided = {**chat, "sampling": {"max_tokens": 4, "guided": {"kind": "json_object"}}}
+    prompt, mode = replica._prompt({**guided, "template": {"add_generation_prompt": True}})
+    assert mode == TAGGED
+    assert tokenizer.decode(prompt, skip_special_tokens=False).endswith("hello=<think>\n\n</think>\n\n")
     _, mode = replica._prompt({"kind": "completion", "prompt": "hello=", "sampling": {"max_tokens": 4}})
     assert mode is None
 
