@@ -830,12 +830,13 @@ class OpenAIIngress:
         data = []
         if caller.may_use(base, is_base=True):
             data.append({"id": base, "object": "model", "created": self._created, "owned_by": "multilora-serve",
-                         "root": base, "parent": None})
+                         "root": base, "parent": None, "max_model_len": self._args.max_seq_len})
         for name, entry in sorted(snap["adapters"].items()):
             if not caller.may_use(name, is_base=False):
                 continue
             data.append({"id": name, "object": "model", "created": entry.get("created", self._created),
-                         "owned_by": "multilora-serve", "root": entry["source"], "parent": base})
+                         "owned_by": "multilora-serve", "root": entry["source"], "parent": base,
+                         "max_model_len": self._args.max_seq_len})  # vLLM's field: clients size prompts by it
         return data
 
     @app.get("/v1/models", responses=MODELS)

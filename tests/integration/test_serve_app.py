@@ -250,6 +250,7 @@ def test_demo_adapters_are_registered_at_start(app, files, reference):
     models = {m["id"]: m for m in httpx.get(f"{app.base_url}/v1/models").json()["data"]}
     for name in files["demo"]:
         assert models[name]["parent"] == BASE
+    assert {m["max_model_len"] for m in models.values()} == {ARGS["max_seq_len"]}  # vLLM's field, every card
     client = _client(app)
     for name in files["demo"]:
         got = client.completions.create(model=name, prompt="hello=", max_tokens=MAX_TOKENS, temperature=0)
