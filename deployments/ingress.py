@@ -55,7 +55,6 @@ from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    FieldError,
     LoadLoRAAdapterRequest,
     OpenAIError,
     TokenizeRequest,
@@ -72,6 +71,7 @@ from deployments.openai_protocol import (
     new_id,
     usage,
     usage_chunk,
+    validation_error,
 )
 from deployments.reasoning import ReasoningSplitter, split_reasoning
 from deployments.responses_api import ResponseBuilder, ResponsesRequest, responses_param
@@ -180,12 +180,7 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
         where = first.get("loc", ("body", None))[-1]
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error')} (at character {where})"
         return JSONResponse(error_body(message, "invalid_request_error"), status_code=400)
-    cause = first.get("ctx", {}).get("error")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = cause.param if isinstance(cause, FieldError) else ".".join(loc) or None
-    msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's prefix of our messages
-    message = f"{param}: {msg}" if loc else msg
-    return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+    return JSONResponse(validation_error(first).body(), status_code=400)
 
 
 @app.exception_handler(StarletteHTTPException)

@@ -72,6 +72,16 @@ class FieldError(ValueError):
         self.param = param
 
 
+def validation_error(error: dict) -> OpenAIError:
+    """One of a pydantic ValidationError's errors() as the 400 naming its field: our checks'
+    FieldError names it, else the error's location in the body."""
+    cause = error.get("ctx", {}).get("error")
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    param = cause.param if isinstance(cause, FieldError) else ".".join(loc) or None
+    msg = error.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's prefix of our messages
+    return OpenAIError(f"{param}: {msg}" if loc else msg, param=param)
+
+
 def _surrogate_path(value, path: str) -> str | None:
     """Where in a parsed JSON body a string holds a lone UTF-16 surrogate (JSON's "\\ud800"
     escapes parse to one): no tokenizer or response can encode it."""

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from deployments.openai_protocol import ChatCompletionRequest, FieldError, OpenAIError, _Body
+from deployments.openai_protocol import ChatCompletionRequest, FieldError, OpenAIError, _Body, validation_error
 
 # Chat request fields -> the Responses field a client sent them as (for error params).
 _PARAM_OF_CHAT = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens",
@@ -113,12 +113,9 @@ class ResponsesRequest(_Body):
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
-            first = e.errors()[0]
-            cause = first.get("ctx", {}).get("error")
-            loc = [str(p) for p in first.get("loc", ())]
-            param = cause.param if isinstance(cause, FieldError) else (loc[0] if loc else None)
-            message = first.get("msg", "invalid request").removeprefix("Value error, ")
-            raise OpenAIError(message, param=responses_param(param)) from None
+            error = validation_error(e.errors()[0])
+            error.param = responses_param(error.param)
+            raise error from None
 
     def _messages(self) -> list[dict]:
         messages: list[dict] = []
@@ -156,8 +153,12 @@ class ResponsesRequest(_Body):
 
 
 def responses_param(param: str | None) -> str | None:
-    """The Responses field a chat request's field came from (for an error's param)."""
-    return _PARAM_OF_CHAT.get(param, param)
+    """The Responses field a chat request's field (or a path in it) came from, for an error's
+    param."""
+    if param is None:
+        return None
+    head = param.split(".")[0]
+    return _PARAM_OF_CHAT.get(head, head)
 
 
 def _string(item: dict, field: str, where: str) -> str:
