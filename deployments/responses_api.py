@@ -200,7 +200,9 @@ def _chat_tool_choice(choice: str | dict) -> str | dict:
                       "{type: function, name}", param="tool_choice")
 
 
-def _response_format(fmt: dict) -> dict:
+def _response_format(fmt) -> dict:
+    if not isinstance(fmt, dict):
+        raise OpenAIError(f"text.format must be an object with a type, not {fmt!r}", param="text")
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
         return {"type": kind}
