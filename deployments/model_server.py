@@ -42,6 +42,14 @@ def error_item(e: ServingError, param: str | None = None) -> dict:
     return {"error": item}
 
 
+def _forced_tools(tools: dict | None) -> list[dict]:
+    """The tools a request's answer must call one of (tool_choice required: all of them; a
+    named function: that one); none where it may answer in text."""
+    if not tools or tools["choice"] in ("auto", "none"):
+        return []
+    return [t for t in tools["tools"] if tools["choice"] == "required" or t["function"]["name"] == tools["choice"]]
+
+
 class LoRAModelServer:
     """A Serve replica: engine, registry view, multiplexed adapter routing, drain on stop."""
 
@@ -137,9 +145,7 @@ class LoRAModelServer:
             text = self._chat_text(request["messages"], template=request.get("template"),
                                    tools=tools and tools["tools"])
             mode = reasoning_mode(self._engine.tokenizer.chat_template, text)
-            constrained = request["sampling"].get("guided") is not None or (
-                tools is not None and tools["choice"] not in ("auto", "none"))
-            if mode == OPEN and constrained:
+            if mode == OPEN and (request["sampling"].get("guided") is not None or _forced_tools(tools)):
                 # A grammar binds from the answer's first token, which would be inside the block:
                 # close it empty, as a template writes it with thinking off, so it binds the answer.
                 text, mode = closed_think_block(text), TAGGED
@@ -162,10 +168,10 @@ class LoRAModelServer:
             n_prompt = len(prompt) if isinstance(prompt, list) else len(self._engine.tokenizer.encode(prompt))
             fields["max_tokens"] = max(1, self._args.max_seq_len - n_prompt)
         tools = request.get("tools")
-        if tools and tools["choice"] not in ("auto", "none"):  # required, or a named function: a grammar
-            required = tools["choice"] == "required"
-            chosen = [t for t in tools["tools"] if required or t["function"]["name"] == tools["choice"]]
-            fields["guided"] = tool_grammar(self._tool_format, chosen, parallel=tools["parallel"] and required)
+        chosen = _forced_tools(tools)
+        if chosen:  # required, or a named function: a grammar
+            fields["guided"] = tool_grammar(self._tool_format, chosen,
+                                            parallel=tools["parallel"] and tools["choice"] == "required")
         return SamplingParams(**fields).validate()
 
     @property

@@ -603,12 +603,11 @@ class ChatCompletionRequest(_Request, _ChatTemplateOptions):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise FieldError(f"tool_choice names function {choice.function.name!r}, which tools do not hold",
                              "tool_choice")
-        constrained = self.guided() is not None or (self.calls_tools and self.tool_choice not in (None, "auto"))
-        if self.continue_final_message and constrained:
+        if self.continue_final_message and (self.guided() is not None or self.forces_tool_call):
             raise FieldError("continue_final_message with a constrained answer (response_format, guided_*, or "
                              "tool_choice required or a named function) is not supported: the constraint would "
                              "start over after the given beginning", "continue_final_message")
-        if self.calls_tools and self.tool_choice not in (None, "auto") and self.guided() is not None:
+        if self.forces_tool_call and self.guided() is not None:
             raise FieldError("tool_choice required or a named function constrains the output already; drop "
                              "response_format", "response_format")
         for i, t in enumerate(self.tools or ()):
@@ -621,6 +620,11 @@ class ChatCompletionRequest(_Request, _ChatTemplateOptions):
                     GuidedSpec("json_schema", json.dumps(params), param="tools").check()
                 except ServingError as e:  # llguidance's message
                     raise FieldError(f"tools[{i}].function.parameters: {e}", "tools") from None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """Whether the answer must be a call (tool_choice required or a named function): a grammar."""
+        return self.calls_tools and self.tool_choice not in (None, "auto")
 
     @property
     def calls_tools(self) -> bool:
