@@ -6,7 +6,7 @@ against; a deployment serves and lists only its own base model's entries.
 
 The fingerprint is a sha256 over the ``ModelConfig`` fields that fix the weights' shapes
 and what they mean: architecture, sizes, heads, RoPE, norms, biases, tied embeddings,
-attention windows. Not the dtype (the same checkpoint served in float32 or bfloat16 takes
+attention windows, the feed-forward's activation. Not the dtype (the same checkpoint served in float32 or bfloat16 takes
 the same adapters), nor the special token ids. Two checkpoints with the same architecture
 config (a base model and its instruct fine-tune) share a fingerprint: an adapter's tensors
 fit both, and which one it was trained on is the registrant's call.
@@ -43,6 +43,9 @@ FINGERPRINT_FIELDS = (
     "sliding_window",
     "sliding_layers",
 )
+# Fields that joined the fingerprint later, in it only where they differ from their default,
+# so fingerprints recorded before they joined stay the same for every model they described.
+FINGERPRINT_FIELDS_UNLESS_DEFAULT = {"hidden_act": "silu"}
 # The keys a registry entry records its base model under.
 NAME_KEY = "base_model"
 FINGERPRINT_KEY = "base_fingerprint"
@@ -71,6 +74,8 @@ def short(fingerprint: str) -> str:
 def config_fingerprint(config: Any) -> str:
     """The fingerprint of a ``ModelConfig`` (see the module docstring for what it covers)."""
     fields = {name: _canonical(getattr(config, name)) for name in FINGERPRINT_FIELDS}
+    fields.update({name: _canonical(getattr(config, name)) for name, default in FINGERPRINT_FIELDS_UNLESS_DEFAULT.items()
+                   if getattr(config, name) != default})
     # The checkpoint's kv heads, whatever copies a wide mesh holds (ModelConfig.for_tensor_parallel).
     fields["num_kv_heads"] = config.checkpoint_kv_heads
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from lora_runtime.errors import CheckpointError
+from lora_runtime.model.activations import ACTIVATIONS
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -181,8 +182,11 @@ class ModelConfig:
     # Copies of each checkpoint kv head the model holds (for_tensor_parallel): num_kv_heads
     # counts them all, so every device of a mesh wider than the checkpoint's kv heads has one.
     kv_head_copies: int = 1
+    hidden_act: str = "silu"  # the gate's activation in the feed-forward (model/activations.py)
 
     def __post_init__(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise CheckpointError(f"unsupported hidden_act={self.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
         if self.dtype not in DTYPES:
             raise CheckpointError(f"unsupported dtype={self.dtype!r}; supported: {DTYPES}")
         if self.num_heads % self.num_kv_heads:
@@ -291,6 +295,7 @@ class ModelConfig:
             attention_out_bias=architecture in ("llama", "qwen3") and attention_bias,
             mlp_bias=architecture == "llama" and bool(d.get("mlp_bias", False)),
             sliding_layers=sliding_layers,
+            hidden_act=str(d.get("hidden_act") or "silu"),
         )
 
     @classmethod

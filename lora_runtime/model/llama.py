@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lora_runtime.model.activations import activation
 from lora_runtime.model.attention import paged_layer_attention, prefill_attention, write_kv
 from lora_runtime.model.kv_cache import AttentionMetadata, KVCache, layer_pages, layer_slots
 from lora_runtime.model.config import ModelConfig, RopeScaling
@@ -176,19 +177,21 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), act = silu (SwiGLU) unless the
+    checkpoint's hidden_act names another."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
         self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs)
         self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs)
+        self.hidden_act = c.hidden_act
 
     def __call__(self, h: jax.Array, lora: LoRAHook | None, layer: jax.Array | int) -> jax.Array:  # [T, H] -> [T, H]
         g, u = self.gate_proj(h), self.up_proj(h)
         if lora is not None:
             g, u = lora("gate_up", layer, h, (g, u))
-        act = jax.nn.silu(g) * u
+        act = activation(self.hidden_act)(g) * u
         d = self.down_proj(act)
         if lora is not None:
             (d,) = lora("down", layer, act, (d,))

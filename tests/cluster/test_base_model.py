@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from cluster.base_model import FINGERPRINT_FIELDS, BaseModel, census, config_fingerprint, entry_base, short
+from cluster.base_model import FINGERPRINT_FIELDS, FINGERPRINT_FIELDS_UNLESS_DEFAULT, BaseModel, census, config_fingerprint, entry_base, short
 from lora_runtime.model.config import ModelConfig
 
 LLAMA = {
@@ -43,6 +43,12 @@ def test_fingerprint_is_a_sha256_that_ignores_dtype_and_special_tokens():
     assert short(fp) == fp[7:19]
 
 
+def test_a_field_that_joined_later_leaves_the_fingerprints_recorded_before_it_alone():
+    # This config's fingerprint before hidden_act joined: registries written then still match.
+    assert config_fingerprint(_config()) == "sha256:9a45924bdbcd196e5b08d1201d5cba457e45f60ce5821a90a9374978335975c8"
+    assert config_fingerprint(_config(hidden_act="silu")) == config_fingerprint(_config())
+
+
 @pytest.mark.parametrize(
     "changes",
     [
@@ -56,6 +62,7 @@ def test_fingerprint_is_a_sha256_that_ignores_dtype_and_special_tokens():
         {"tie_word_embeddings": True},
         {"architectures": ["Qwen2ForCausalLM"]},
         {"head_dim": 32},
+        {"hidden_act": "gelu"},
     ],
 )
 def test_fingerprint_changes_with_what_fixes_shapes_and_meaning(changes):
@@ -66,8 +73,9 @@ def test_every_model_config_field_is_either_fingerprinted_or_deliberately_left_o
     # A new ModelConfig field must be classified here: does it change which adapters fit?
     left_out = {"dtype", "bos_token_id", "eos_token_ids", "kv_head_copies"}  # a copy count: how it is served
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    assert set(FINGERPRINT_FIELDS) | left_out == fields, fields ^ (set(FINGERPRINT_FIELDS) | left_out)
-    assert not set(FINGERPRINT_FIELDS) & left_out
+    fingerprinted = set(FINGERPRINT_FIELDS) | set(FINGERPRINT_FIELDS_UNLESS_DEFAULT)
+    assert fingerprinted | left_out == fields, fields ^ (fingerprinted | left_out)
+    assert not fingerprinted & left_out
 
 
 def test_entry_base_and_census_split_entries_by_base_model():

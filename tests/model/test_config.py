@@ -181,6 +181,7 @@ def test_dtype_from_config_and_override():
         (dict(rope_scaling=dict(type="su", factor=2.0)), "'su'"),
         (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "low_freq_factor"),
         (dict(num_key_value_heads=3), "num_key_value_heads=3"),
+        (dict(hidden_act="xielu"), "hidden_act='xielu'"),
     ],
 )
 def test_bad_config_names_the_field(overrides, culprit):
@@ -189,6 +190,12 @@ def test_bad_config_names_the_field(overrides, culprit):
         d.pop("architectures")
     with pytest.raises(CheckpointError, match=culprit):
         ModelConfig.from_hf_dict(d)
+
+
+def test_hidden_act_is_read_and_silu_by_default(hf_dicts):
+    assert ModelConfig.from_hf_dict(hf_dicts["llama"]).hidden_act == "silu"
+    assert ModelConfig.from_hf_dict(llama_dict()).hidden_act == "silu"
+    assert ModelConfig.from_hf_dict(llama_dict(hidden_act="gelu_pytorch_tanh")).hidden_act == "gelu_pytorch_tanh"
 
 
 def test_dtype_override_must_be_supported():

@@ -202,3 +202,11 @@ def test_rope_scaling_matches_transformers_past_the_original_context(tmp_path, n
     else:
         config.check_max_seq_len(LONG_MAX_SEQ)
     check_prefill_and_decode(hf_model, path, make_mesh(1), LONG_PROMPT_LENS, LONG_MAX_SEQ)
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu_pytorch_tanh", "relu2"])
+def test_a_checkpoints_hidden_act_is_the_one_computed(tmp_path, hidden_act):
+    hf_model = build_hf_model("llama", hidden_act=hidden_act)
+    path = save_checkpoint(hf_model, tmp_path)
+    assert ModelConfig.from_pretrained(str(path)).hidden_act == hidden_act
+    check_prefill_and_decode(hf_model, path, make_mesh(1))
