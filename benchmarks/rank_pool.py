@@ -80,7 +80,7 @@ def capacity() -> tuple[dict, dict]:
     model_config = synthetic_config(vocab=1024, dtype="bfloat16", hidden=4096, layers=1, heads=32, kv_heads=8,
                                     intermediate=14336)
     padded = EngineConfig(max_batch=slots, max_loras_per_batch=slots, max_lora_rank=64, lora_dora=False,
-                          lora_embedding_modules=False)
+                          lora_bias=False, lora_embedding_modules=False)
     ranked = padded.model_copy(update={"lora_rank_classes": CLASSES})
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -54,12 +54,13 @@ class AdapterValidator:
     """Checks an adapter's files against the base model and the server's limits."""
 
     def __init__(self, model: str, max_lora_rank: int, adapter_roots: list[str] | None,
-                 max_adapter_bytes: int, *, base_name: str, lora_dora: bool = True,
+                 max_adapter_bytes: int, *, base_name: str, lora_dora: bool = True, lora_bias: bool = True,
                  lora_embedding_modules: bool = True, modules_to_save_max_bytes: int = 0, dtype: str | None = None):
         self.model = model
         self.modules_to_save_max_bytes = modules_to_save_max_bytes
         self.dtype = dtype  # the served dtype (None: the checkpoint's), which sizes modules_to_save copies
         self.lora_dora = lora_dora
+        self.lora_bias = lora_bias
         self.lora_embedding_modules = lora_embedding_modules
         self.base_name = base_name
         self.max_lora_rank = max_lora_rank
@@ -87,9 +88,9 @@ class AdapterValidator:
 
         policy = SourcePolicy(allowed_roots=self.adapter_roots, max_adapter_bytes=self.max_adapter_bytes)
         adapter = load_adapter(name, source, policy, self.model_config(), self.max_lora_rank)
-        check_room(adapter, dora=self.lora_dora, outer=self.lora_embedding_modules,
+        check_room(adapter, dora=self.lora_dora, bias=self.lora_bias, outer=self.lora_embedding_modules,
                    saved_max_bytes=self.modules_to_save_max_bytes, dtype=self.dtype or self.model_config().dtype)
-        return {"rank": int(adapter.rank), "use_dora": adapter.use_dora,
+        return {"rank": int(adapter.rank), "use_dora": adapter.use_dora, "lora_bias": adapter.has_bias,
                 "target_modules": sorted({m for _, m in adapter.modules}),
                 "modules_to_save": sorted(adapter.saved_modules),
                 "content_id": adapter.content_id.hex(), **self.base().entry_fields()}

@@ -84,6 +84,9 @@ class AppArgs(BaseModel):
         "its own width; an adapter takes the narrowest class it fits. None: every slot max_lora_rank wide.")
     lora_dora: bool = Field(
         True, description="Serve DoRA adapters (use_dora): each slot holds f32 per-output scales for them.")
+    lora_bias: bool = Field(
+        True, description="Serve adapters trained with PEFT's lora_bias: each slot holds an f32 shift per output of "
+        "its target modules.")
     lora_embedding_modules: bool = Field(
         True, description="Serve adapters of embed_tokens and lm_head: each slot holds rank x vocab rows for each.")
     lora_modules_to_save_max_bytes: int = Field(
@@ -384,6 +387,7 @@ class AppArgs(BaseModel):
             max_lora_rank=self.max_lora_rank,
             lora_rank_classes=self.lora_rank_classes,
             lora_dora=self.lora_dora,
+            lora_bias=self.lora_bias,
             lora_embedding_modules=self.lora_embedding_modules,
             lora_modules_to_save_max_bytes=self.lora_modules_to_save_max_bytes,
             lora_modules_to_save_slots=self.lora_modules_to_save_slots,
@@ -404,7 +408,7 @@ class AppArgs(BaseModel):
         from cluster.admin import AdapterValidator
 
         return AdapterValidator(self.model, self.max_lora_rank, self.adapter_roots, self.max_adapter_bytes,
-                                base_name=self.served_model_name, lora_dora=self.lora_dora,
+                                base_name=self.served_model_name, lora_dora=self.lora_dora, lora_bias=self.lora_bias,
                                 lora_embedding_modules=self.lora_embedding_modules,
                                 modules_to_save_max_bytes=self.lora_modules_to_save_max_bytes, dtype=self.dtype)
 

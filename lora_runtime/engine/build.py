@@ -106,6 +106,7 @@ def assemble_engine(
             base_weights=BaseWeights(model),
             outer=config.lora_embedding_modules,
             dora=config.lora_dora,
+            bias=config.lora_bias,
             saved_module_bytes=config.lora_modules_to_save_max_bytes,
             saved_slots=config.lora_modules_to_save_slots,
             load_timeout_s=config.adapter_load_timeout_s,

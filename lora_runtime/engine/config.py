@@ -60,6 +60,10 @@ class EngineConfig(BaseModel):
     lora_dora: bool = Field(
         True, description="Slots hold DoRA's per-output scales (f32, one per output of every target module), so "
         "DoRA adapters (use_dora) are served; off saves that memory and refuses them.")
+    lora_bias: bool = Field(
+        True, description="Slots hold the per-output shift of adapters trained with PEFT's lora_bias (f32, one per "
+        "output of every target module but the embedding), so they are served; off saves that memory and refuses "
+        "them.")
     lora_embedding_modules: bool = Field(
         True, description="Slots hold embed_tokens and lm_head adapters (rank x vocab each); off saves that "
         "memory and refuses adapters that target them.")

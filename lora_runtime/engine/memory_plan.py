@@ -99,7 +99,7 @@ def weights_bytes(model_config: ModelConfig, mesh: jax.sharding.Mesh) -> int:
 
 
 def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_lora_rank: int, *,
-                       outer: bool = False, dora: bool = False,
+                       outer: bool = False, dora: bool = False, bias: bool = False,
                        classes: Sequence[tuple[int, int]] | None = None) -> int:
     """Bytes of the adapter pool on one device (its layout: lora_runtime/lora/memory_pool.py):
     `num_slots` slots of rank `max_lora_rank`, or the rank `classes` ((rank, slots) pairs)."""
@@ -108,22 +108,27 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
     if classes is None:
         classes = ((max_lora_rank, num_slots),) if num_slots else ()
     itemsize = jnp.dtype(model_config.dtype).itemsize
-    layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora)
+    layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora, bias=bias)
 
     def per_device(shape, spec) -> int:
         return math.prod(n // tp if i < len(spec) and spec[i] == POOL_AXIS else n for i, n in enumerate(shape))
 
     total = 0
     for rank, slots in classes:
-        for g, biased in zip(layout.groups, layout.biased):
+        for g, shifted in zip(layout.groups, layout.shifted):
             depth, fan_in, outs = group_dims(model_config, g)
             a_spec, b_spec, s_spec = layout.specs(g)
             total += per_device((depth, slots, len(outs) * rank, fan_in), a_spec) * itemsize
             total += sum(per_device((depth, slots, rank, o), b_spec) for o in outs) * itemsize
-            if layout.has_scale(g):
-                terms = 2 if biased else 1  # f32 scale, and shift where the base layer has a bias
-                total += terms * sum(per_device((depth, slots, o), s_spec) for o in outs) * 4
+            terms = int(layout.has_scale(g)) + int(shifted)  # f32 scale and shift where held
+            total += terms * sum(per_device((depth, slots, o), s_spec) for o in outs) * 4
     return total
+
+
+def pool_options(config: EngineConfig) -> dict[str, bool]:
+    """What the engine's adapter slots hold beside A and B, as adapter_pool_bytes and the
+    pool take it."""
+    return dict(outer=config.lora_embedding_modules, dora=config.lora_dora, bias=config.lora_bias)
 
 
 def saved_module_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
@@ -147,7 +152,7 @@ def pool_classes(model_config: ModelConfig, config: EngineConfig, tp: int) -> tu
     spec = config.rank_class_shares()
     if spec is None or not config.max_loras_per_batch:
         return None
-    kw = dict(outer=config.lora_embedding_modules, dora=config.lora_dora)
+    kw = pool_options(config)
     budget = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank, **kw)
     total = sum(spec.values())
     out = []
@@ -165,8 +170,7 @@ def staging_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> i
     if not config.max_loras_per_batch:
         return 0
     slots = min(config.max_loras_per_batch, MAX_STAGED) + 1
-    return adapter_pool_bytes(model_config, tp, slots, config.max_lora_rank, outer=config.lora_embedding_modules,
-                              dora=config.lora_dora)
+    return adapter_pool_bytes(model_config, tp, slots, config.max_lora_rank, **pool_options(config))
 
 
 def workspace_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
@@ -211,8 +215,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
     tp = mesh.shape.get(TENSOR_AXIS, 1)
     weights = weights_bytes(model_config, mesh)
     pool = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank,
-                              outer=config.lora_embedding_modules, dora=config.lora_dora,
-                              classes=pool_classes(model_config, config, tp))
+                              **pool_options(config), classes=pool_classes(model_config, config, tp))
     pool += saved_module_bytes(model_config, config, tp)
     staging = staging_bytes(model_config, config, tp)
     workspace = workspace_bytes(model_config, config, tp)

@@ -27,6 +27,10 @@ DoRA (`use_dora: true`) adds a magnitude vector per module
     y = g * (W x + scale * B A x) + (1 - g) * bias,   g = magnitude / ||W + scale * B A||_row
 with the row norms of the merged weight; `g` needs the base weights, so the manager
 derives it once per load (lora_runtime/lora/dora.py) and the step only multiplies.
+
+`lora_bias: true` gives each lora_B a bias (`...{module}.lora_B.bias`, [out]), so a module
+adds scale * (B A x + bias): a fixed shift per output, held beside the slot (PEFT allows it
+on Linear targets, the projections and lm_head, and not with DoRA).
 """
 
 from __future__ import annotations
@@ -56,16 +60,18 @@ _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _PREFIX = r"^(?:base_model\.model\.)?"
 _KEY = re.compile(
-    _PREFIX + r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(lora_A\.weight|lora_B\.weight|"
+    _PREFIX + r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(lora_A\.weight|lora_B\.weight|lora_B\.bias|"
     r"lora_magnitude_vector(?:\.weight)?)$"
 )
 _OUTER_KEY = re.compile(
     _PREFIX + r"(?:model\.(embed_tokens)\.(lora_embedding_A|lora_embedding_B|base_layer\.weight|weight)"
-    r"|(lm_head)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector(?:\.weight)?|base_layer\.weight|weight))$"
+    r"|(lm_head)\.(lora_A\.weight|lora_B\.weight|lora_B\.bias|lora_magnitude_vector(?:\.weight)?"
+    r"|base_layer\.weight|weight))$"
 )
-# Parts: A, B, DoRA magnitude M, the base weight W PEFT saves beside an embed/head LoRA, and
-# the whole trained copy S of a module in modules_to_save.
-_PART = {"lora_A.weight": "A", "lora_B.weight": "B", "lora_embedding_A": "A", "lora_embedding_B": "B",
+# Parts: A, B, lora_B's bias C (lora_bias), DoRA magnitude M, the base weight W PEFT saves
+# beside an embed/head LoRA, and the whole trained copy S of a module in modules_to_save.
+_PART = {"lora_A.weight": "A", "lora_B.weight": "B", "lora_B.bias": "C", "lora_embedding_A": "A",
+         "lora_embedding_B": "B",
          "lora_magnitude_vector": "M", "lora_magnitude_vector.weight": "M", "base_layer.weight": "W",
          "weight": "S"}
 _SUPPORTED_CONFIG = {"bias": "none"}
@@ -124,6 +130,7 @@ class ModuleWeights:
     b: np.ndarray  # [out, r]
     ratio: float  # module scaling / adapter slot scaling, folded into B in the pool
     magnitude: np.ndarray | None = None  # DoRA's [out] magnitude vector; None for plain LoRA
+    bias: np.ndarray | None = None  # lora_B's [out] bias (lora_bias); None without
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +151,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes + (0 if w.magnitude is None else w.magnitude.nbytes)
+        return sum(w.a.nbytes + w.b.nbytes + sum(x.nbytes for x in (w.magnitude, w.bias) if x is not None)
                    for w in self.weights.values()) + sum(t.nbytes for t in self.saved_modules.values())
 
     def saved_nbytes(self, dtype) -> int:
@@ -158,6 +165,11 @@ class LoRAAdapter:
     @property
     def use_dora(self) -> bool:
         return any(w.magnitude is not None for w in self.weights.values())
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether its lora_B layers have a bias (PEFT's lora_bias)."""
+        return any(w.bias is not None for w in self.weights.values())
 
     def outer(self, module: str) -> ModuleWeights | None:
         """The adapter's embed_tokens or lm_head weights, if it targets that module."""
@@ -173,6 +185,10 @@ class LoRAAdapter:
             raise InvalidAdapterError(
                 f"adapter {name!r}: use_dora=True with target module 'model.embed_tokens' is not supported "
                 "(DoRA on the projections and lm_head is)")
+        if cfg["lora_bias"] and (NO_LAYER, EMBED) in targets:
+            raise InvalidAdapterError(
+                f"adapter {name!r}: lora_bias=True with target module 'model.embed_tokens' is not supported (PEFT "
+                "has no bias for an embedding's LoRA)")
         rank_of, scale_of = _module_ranks_and_scalings(name, cfg, targets, max_lora_rank)
         to_save = _resolve_saved(name, cfg, model_config.num_layers)
         for module in sorted(to_save & {m for _, m in targets}):
@@ -200,14 +216,20 @@ class LoRAAdapter:
             wants = {"A": (r, fan_in), "B": (fan_out, r)}
             if cfg["use_dora"]:
                 wants["M"] = (fan_out,)
+            if cfg["lora_bias"]:
+                wants["C"] = (fan_out,)
             for part in wants:
                 if part not in parts:
                     raise InvalidAdapterError(
                         f"adapter {name!r}: tensor {_expected_key(key, part)!r} is missing"
-                        + (" (use_dora=True needs a magnitude vector per module)" if part == "M" else ""))
+                        + {"M": " (use_dora=True needs a magnitude vector per module)",
+                           "C": " (lora_bias=True needs a bias per module)"}.get(part, ""))
             if "M" in parts and not cfg["use_dora"]:
                 raise InvalidAdapterError(
                     f"adapter {name!r}: tensor {parts['M'][0]!r} is a DoRA magnitude but use_dora is not true")
+            if "C" in parts and not cfg["lora_bias"]:
+                raise InvalidAdapterError(
+                    f"adapter {name!r}: tensor {parts['C'][0]!r} is a lora_B bias but lora_bias is not true")
             for part, (k, t) in parts.items():
                 if t.shape != wants[part]:
                     raise InvalidAdapterError(
@@ -215,9 +237,9 @@ class LoRAAdapter:
                     )
                 if not np.isfinite(t.astype(np.float32)).all():
                     raise InvalidAdapterError(f"adapter {name!r}: tensor {k!r} has non-finite values")
-            magnitude = parts["M"][1] if "M" in parts else None
             weights[key] = ModuleWeights(a=parts["A"][1], b=parts["B"][1], ratio=scale_of[key] / slot_scaling,
-                                         magnitude=magnitude)
+                                         magnitude=parts["M"][1] if "M" in parts else None,
+                                         bias=parts["C"][1] if "C" in parts else None)
         for module, (k, t) in saved_base.items():
             fan_in, fan_out = _shape_of(model_config, module)
             want = (fan_out, fan_in) if module == HEAD else (fan_in, fan_out)  # HF: lm_head [V, H], embed [V, H]
@@ -266,9 +288,11 @@ class LoRAAdapter:
         return out
 
 
-def check_room(adapter: LoRAAdapter, *, dora: bool, outer: bool, saved_max_bytes: int = 0, dtype=None) -> None:
+def check_room(adapter: LoRAAdapter, *, dora: bool, outer: bool, bias: bool = False, saved_max_bytes: int = 0,
+               dtype=None) -> None:
     """InvalidAdapterError, naming the option, if the adapter needs room the slots lack:
-    DoRA scales (`lora_dora`), embedding and lm_head adapters (`lora_embedding_modules`), or
+    DoRA scales (`lora_dora`), lora_bias shifts (`lora_bias`), embedding and lm_head adapters
+    (`lora_embedding_modules`), or
     modules_to_save copies of more than `saved_max_bytes` in the served `dtype`
     (`lora_modules_to_save_max_bytes`)."""
     if adapter.saved_modules:
@@ -287,6 +311,10 @@ def check_room(adapter: LoRAAdapter, *, dora: bool, outer: bool, saved_max_bytes
         raise InvalidAdapterError(
             f"adapter {adapter.name!r} uses DoRA (use_dora=True), but this server's adapter slots have no room "
             "for DoRA scales (lora_dora is off)")
+    if adapter.has_bias and not bias:
+        raise InvalidAdapterError(
+            f"adapter {adapter.name!r} has biases in its lora_B layers (lora_bias=True), but this server's adapter "
+            "slots have no room for them (lora_bias is off)")
 
 
 def content_id(scaling: float, weights: Mapping[tuple[int, str], ModuleWeights],
@@ -310,6 +338,9 @@ def content_id(scaling: float, weights: Mapping[tuple[int, str], ModuleWeights],
         if w.magnitude is not None:
             h.update(f"dora:{w.magnitude.dtype.str}".encode())
             h.update(np.ascontiguousarray(w.magnitude).tobytes())
+        if w.bias is not None:
+            h.update(f"bias:{w.bias.dtype.str}".encode())
+            h.update(np.ascontiguousarray(w.bias).tobytes())
     return h.digest()
 
 
@@ -347,8 +378,6 @@ def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
     for field in ("target_parameters", "layer_replication", "trainable_token_indices"):
         if cfg.get(field):
             raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported")
-    if cfg.get("lora_bias"):
-        raise InvalidAdapterError(f"adapter {name!r}: lora_bias={cfg['lora_bias']!r} is not supported")
     r = cfg.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
         raise InvalidAdapterError(f"adapter {name!r}: r={r!r} must be a positive integer")
@@ -358,11 +387,15 @@ def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
     targets = cfg.get("target_modules")
     if not targets:
         raise InvalidAdapterError(f"adapter {name!r}: target_modules={targets!r} selects nothing")
-    use_dora = cfg.get("use_dora", False)
-    if use_dora not in (True, False, None):
-        raise InvalidAdapterError(f"adapter {name!r}: use_dora={use_dora!r} must be true or false")
+    use_dora, lora_bias = cfg.get("use_dora", False), cfg.get("lora_bias", False)
+    for field, value in (("use_dora", use_dora), ("lora_bias", lora_bias)):
+        if value not in (True, False, None):
+            raise InvalidAdapterError(f"adapter {name!r}: {field}={value!r} must be true or false")
+    if use_dora and lora_bias:
+        raise InvalidAdapterError(f"adapter {name!r}: lora_bias=True with use_dora=True is not supported (PEFT "
+                                  "refuses the pair)")
     return {**cfg, "r": r, "lora_alpha": alpha, "use_rslora": bool(cfg.get("use_rslora", False)),
-            "use_dora": bool(use_dora),
+            "use_dora": bool(use_dora), "lora_bias": bool(lora_bias),
             "rank_pattern": cfg.get("rank_pattern") or {}, "alpha_pattern": cfg.get("alpha_pattern") or {}}
 
 
@@ -521,7 +554,7 @@ def _expected_key(key: tuple[int, str], part: str) -> str:
     layer, module = key
     if module == EMBED:
         return f"base_model.model.model.embed_tokens.lora_embedding_{part}"
-    suffix = {"A": "lora_A.weight", "B": "lora_B.weight", "M": "lora_magnitude_vector"}[part]
+    suffix = {"A": "lora_A.weight", "B": "lora_B.weight", "C": "lora_B.bias", "M": "lora_magnitude_vector"}[part]
     prefix = "base_model.model.lm_head" if module == HEAD else f"base_model.model.{module_path(layer, module)}"
     return f"{prefix}.{suffix}"
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Bits of LoRABatchInfo.slot_flags: what a slot's adapter holds beside the projections' A and B.
-SLOT_DORA, SLOT_EMBED, SLOT_HEAD = 1, 2, 4
+SLOT_DORA, SLOT_EMBED, SLOT_HEAD, SLOT_BIAS = 1, 2, 4, 8
 # Columns of LoRABatchInfo.slot_saved: the saved-module slot (modules_to_save) of each module.
 SAVED_COLUMNS = {"embed_tokens": 0, "lm_head": 1}
 
@@ -34,7 +34,7 @@ class LoRABatchInfo:
     segment_starts: jax.Array  # i32[N + 1]
     segment_slots: jax.Array  # i32[N]
     num_segments: jax.Array  # i32[]
-    slot_flags: jax.Array | None = None  # i32[S]: SLOT_DORA | SLOT_EMBED | SLOT_HEAD bits of each slot
+    slot_flags: jax.Array | None = None  # i32[S]: SLOT_* bits of each slot
     # i32[S, 2]: each slot's saved-module slot per SAVED_COLUMNS module (memory_pool), -1 for none
     slot_saved: jax.Array | None = None
 

@@ -1,4 +1,5 @@
-"""DoRA at load time: each module's per-output scale from its magnitude and the base weights.
+"""An adapter's per-output terms at load time: DoRA's scale from its magnitude and the base
+weights, and the shift of DoRA on a biased layer or of PEFT's lora_bias.
 
 PEFT applies a DoRA module as y = g * (W x + s * B A x) + (1 - g) * bias with
 g = magnitude / ||W + s * B A||_row (the row norms of the merged weight, [out]). The
@@ -9,6 +10,9 @@ are read-only), without forming the [in, out] merged matrix:
     ||W_o + s (BA)_o||² = ||W_o||² + 2 s B_o · (A W)_o + s² B_o (A Aᵀ) B_oᵀ
 
 Each module shape compiles once (A and B arrive padded to the slot rank).
+
+With lora_bias, lora_B is a Linear with a bias c, so the module adds s * (B A x + c): the
+shift s * c of each output, fixed per adapter (PEFT allows it without DoRA only).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lora_runtime.lora.adapter import EMBED, NO_LAYER, LoRAAdapter, module_shapes, outer_shapes, served_rows
 from lora_runtime.lora.base_weights import BaseWeights
-from lora_runtime.lora.memory_pool import DoraTerms, LoRAMemoryPool, plain_terms
+from lora_runtime.lora.memory_pool import LoRAMemoryPool, OutputTerms, plain_terms
 from lora_runtime.model.lora_hook import GROUP_SLICES
 from lora_runtime.model.sharding import host_value
 
@@ -61,23 +65,30 @@ def module_scale(base: BaseWeights, adapter: LoRAAdapter, layer: int, module: st
     return _scale_fn(out_in, kernel.sharding.mesh)(kernel, a, b, np.float32(adapter.scaling * w.ratio), magnitude)
 
 
-def dora_terms(pool: LoRAMemoryPool, base: BaseWeights, adapter: LoRAAdapter) -> DoraTerms | None:
-    """The adapter's DoRA scale (and shift where the base layer has a bias) per pool group;
-    scale 1 and shift 0 for the modules and layers without DoRA. None for a pool without DoRA."""
+def output_terms(pool: LoRAMemoryPool, model_config, base: BaseWeights | None,
+                 adapter: LoRAAdapter) -> OutputTerms | None:
+    """The adapter's per-output terms per pool group: DoRA's scale (and shift where the base
+    layer has a bias), or lora_bias's shift (lora_B's bias times the module's scaling); scale 1
+    and shift 0 for the modules and layers without them. None for a pool without terms."""
     terms = plain_terms(pool)
-    if terms is None or not adapter.use_dora:
+    if terms is None or not (adapter.use_dora or adapter.has_bias):
         return terms
     rank = pool.classes[pool.class_for_rank(adapter.rank)].rank  # what its weights are padded to
     for g, scales, shifts in zip(pool.groups, *pool.term_shapes()):
-        if not scales:
+        if not scales and not shifts:
             continue
         modules = GROUP_SLICES.get(g, (g,))
-        depth = scales[0][0]
-        layers = range(depth) if g in GROUP_SLICES else (NO_LAYER,)
+        layers = range(pool.num_layers) if g in GROUP_SLICES else (NO_LAYER,)
         new_scale = [x.copy() for x in terms.scale[g]]
         new_shift = [x.copy() for x in terms.shift[g]]
         for i, module in enumerate(modules):
             for row, layer in enumerate(layers):
+                w = adapter.weights.get((layer, module))
+                if w is not None and w.bias is not None and shifts:
+                    bias = served_rows(model_config, module, w.bias)
+                    new_shift[i][row] = np.float32(adapter.scaling * w.ratio) * bias.astype(np.float32)
+                if not scales:
+                    continue
                 g_vec = module_scale(base, adapter, layer, module, rank)
                 if g_vec is None:
                     continue

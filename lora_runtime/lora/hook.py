@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from lora_runtime.lora.adapter import EMBED, HEAD
 from lora_runtime.lora.backend.base import BaseLoRABackend
-from lora_runtime.lora.batch_info import SLOT_DORA, SLOT_EMBED, SLOT_HEAD, LoRABatchInfo
+from lora_runtime.lora.batch_info import SLOT_BIAS, SLOT_DORA, SLOT_EMBED, SLOT_HEAD, LoRABatchInfo
 from lora_runtime.lora.memory_pool import LoRAMemoryPool
 from lora_runtime.model.lora_hook import GROUP_SLICES
 
@@ -18,8 +18,8 @@ class PoolLoRAHook:
     """Adds each token's adapter to a projection group, the embedding and the head; build it
     inside the jitted step. Each rank class of the pool runs the backend's op on its own
     tokens at its own width (the others see slot -1), adding into the same outputs. Work an
-    adapter of the step does not need (DoRA scales, embedding or head deltas) is skipped by
-    a branch on the step's slot flags. A token whose adapter saved a trained copy of the
+    adapter of the step does not need (DoRA scales, lora_bias shifts, embedding or head
+    deltas) is skipped by a branch on the step's slot flags. A token whose adapter saved a trained copy of the
     embedding or the head (modules_to_save) reads that copy instead of the base module's,
     each saved-module slot behind a branch on whether any token of the step uses it."""
 
@@ -54,7 +54,7 @@ class PoolLoRAHook:
             else:
                 ys = self.backend.run_lora(x, a, b, ys, info, parallel="row", **kw)
             ys = tuple(ys)
-        return self._dora(group, layer, ys, self.class_infos, self.info.token_slots)
+        return self._terms(group, layer, ys, self.class_infos, self.info.token_slots)
 
     def embed(self, tokens: jax.Array, x: jax.Array) -> jax.Array:  # i32[T], [T, H] -> [T, H]
         """The embeddings with each token's embed_tokens adapter added, or its saved copy's
@@ -110,7 +110,7 @@ class PoolLoRAHook:
             return logits
 
         logits = jax.lax.cond(_uses(self.info, SLOT_HEAD, slots), add, lambda y: y, logits)
-        return self._dora(HEAD, 0, (logits,), infos, slots)[0]
+        return self._terms(HEAD, 0, (logits,), infos, slots)[0]
 
     def _saved_head(self, hidden: jax.Array, logits: jax.Array, saved: jax.Array) -> jax.Array:
         """Rows whose adapter has saved-module slot k of lm_head (saved[i] == k) get their
@@ -124,14 +124,15 @@ class PoolLoRAHook:
             logits = jax.lax.cond(jnp.any(saved == k), replace, lambda y: y, logits)
         return logits
 
-    def _dora(self, group: str, layer: int, ys: tuple[jax.Array, ...], infos: tuple[LoRABatchInfo, ...],
-              slots: jax.Array) -> tuple[jax.Array, ...]:
-        """y = scale * y + shift for tokens whose adapter is DoRA (pool.scale is 1 elsewhere);
-        `infos` are the class views of those tokens, `slots` their global slots."""
-        if not self.pool.dora:
+    def _terms(self, group: str, layer: int, ys: tuple[jax.Array, ...], infos: tuple[LoRABatchInfo, ...],
+               slots: jax.Array) -> tuple[jax.Array, ...]:
+        """y = scale * y + shift for tokens whose adapter has output terms (DoRA, lora_bias; the
+        pool holds scale 1 and shift 0 elsewhere); `infos` are the class views of those tokens,
+        `slots` their global slots."""
+        if not self.pool.has_terms:
             return ys
-        terms = [self.pool.dora_terms(group, c) for c in range(len(infos))]
-        if not terms[0][0]:
+        terms = [self.pool.output_terms(group, c) for c in range(len(infos))]
+        if not terms[0][0] and not terms[0][1]:
             return ys
 
         def apply(ys):
@@ -141,14 +142,16 @@ class PoolLoRAHook:
                 for info, (scales, shifts) in zip(infos, terms):
                     local = info.token_slots
                     safe, on = jnp.maximum(local, 0), (local >= 0)[:, None]
-                    scale = jnp.where(on, scales[i][layer][safe], 1.0 if scale is None else scale)
+                    if scales:
+                        scale = jnp.where(on, scales[i][layer][safe], 1.0 if scale is None else scale)
                     if shifts:
                         shift = jnp.where(on, shifts[i][layer][safe], 0.0 if shift is None else shift)
-                z = y.astype(jnp.float32) * scale
+                z = y.astype(jnp.float32)
+                z = z if scale is None else z * scale
                 out.append((z if shift is None else z + shift).astype(y.dtype))
             return tuple(out)
 
-        return jax.lax.cond(_uses(self.info, SLOT_DORA, slots), apply, lambda ys: ys, ys)
+        return jax.lax.cond(_uses(self.info, SLOT_DORA | SLOT_BIAS, slots), apply, lambda ys: ys, ys)
 
 
 def _uses(info: LoRABatchInfo, flag: int, token_slots: jax.Array) -> jax.Array:

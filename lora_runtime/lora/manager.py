@@ -34,14 +34,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lora_runtime.errors import (AdapterNotFoundError, AdapterUnavailableError, CapacityError, InvalidAdapterError,
                                  ServingError)
 from lora_runtime.lora.adapter import EMBED, HEAD, LoRAAdapter, check_room
-from lora_runtime.lora.batch_info import (SAVED_COLUMNS, SLOT_DORA, SLOT_EMBED, SLOT_HEAD, LoRABatchInfo,
-                                          build_batch_info)
+from lora_runtime.lora.batch_info import (SAVED_COLUMNS, SLOT_BIAS, SLOT_DORA, SLOT_EMBED, SLOT_HEAD,
+                                          LoRABatchInfo, build_batch_info)
 from lora_runtime.lora.base_weights import BaseWeights, same_weights
-from lora_runtime.lora.dora import dora_terms, warm_up_scales
+from lora_runtime.lora.dora import output_terms, warm_up_scales
 from lora_runtime.lora.eviction import HALF_LIFE_PER_SLOT, UseScores
 from lora_runtime.lora.host_cache import HostAdapterCache
 from lora_runtime.lora.memory_pool import (
-    DoraTerms, LoRAMemoryPool, StagedSlot, saved_modules_within, stage_slot, write_saved, write_slot,
+    LoRAMemoryPool, OutputTerms, StagedSlot, saved_modules_within, stage_slot, write_saved, write_slot,
 )
 from lora_runtime.lora.sources import SourcePolicy, load_adapter
 from lora_runtime.native_thread import name_native_thread
@@ -52,7 +52,7 @@ Key = tuple[str, int]  # (adapter name, version)
 #  pool's dtype (LoRAAdapter.pool_weights),
 #  None, or those hosts' DoRA terms once computed with the write,
 #  the modules_to_save copies in the pool's dtype: module -> [vocab, hidden])
-Weights = tuple[StagedSlot | dict, DoraTerms | None, dict[str, np.ndarray]]
+Weights = tuple[StagedSlot | dict, OutputTerms | None, dict[str, np.ndarray]]
 STAGED_TTL_S = 5.0  # a staged adapter nobody took for this long may make room for another
 # Adapters staged on the devices at once, waiting for their slot writes (the memory plan
 # keeps room for them and one more being written: lora_runtime/engine/memory_plan.py).
@@ -117,13 +117,14 @@ class LoRAManager:
                  max_cpu_bytes: int, source_policy: SourcePolicy, dtype, num_slots: int | None = None,
                  rank_classes: Sequence[tuple[int, int]] | None = None, fetch_workers: int = 2,
                  base_weights: BaseWeights | None = None, outer: bool = False, dora: bool = False,
-                 saved_module_bytes: int = 0, saved_slots: int = 1, load_timeout_s: float = 30.0):
+                 bias: bool = False, saved_module_bytes: int = 0, saved_slots: int = 1, load_timeout_s: float = 30.0):
         """`num_slots` slots of rank `max_lora_rank`, or the `rank_classes` ((rank, slots)
         pairs, the widest `max_lora_rank`; memory_plan.pool_classes sizes them): an adapter
         takes a slot of the narrowest class it fits, a wider one's free slot before evicting.
         `base_weights`: the served model's weights, which DoRA adapters and the base weights
         PEFT saves with embed/head adapters are checked against; `outer`: the pool holds
         embed_tokens and lm_head adapters; `dora`: it holds DoRA scales (needs base_weights);
+        `bias`: it holds the shifts of lora_bias adapters;
         `saved_module_bytes`: the most bytes of modules_to_save copies one adapter may bring
         (0 refuses them), held in `saved_slots` saved-module slots per module that fits.
         `load_timeout_s`: how long requests wait for an adapter's fetch from its storage; past
@@ -145,7 +146,7 @@ class LoRAManager:
         self.base_weights = base_weights
         self.saved_module_bytes = saved_module_bytes
         saved = saved_modules_within(model_config, saved_module_bytes, dtype)
-        self._pool = LoRAMemoryPool.create(model_config, mesh, dtype=dtype, outer=outer, dora=dora,
+        self._pool = LoRAMemoryPool.create(model_config, mesh, dtype=dtype, outer=outer, dora=dora, bias=bias,
                                            saved_modules=saved, saved_slots=saved_slots if saved else 0, **shape)
         self._host = HostAdapterCache(max_bytes=max_cpu_bytes, max_count=max_cpu_loras)
         self._slots = [_Slot() for _ in range(self._pool.num_slots)]
@@ -679,12 +680,12 @@ class LoRAManager:
         if self._spans_hosts:  # DoRA's terms and the transfer go with the slot write (_write_local)
             return weights, None, saved
         # On the devices now, so the slot write on the engine thread moves no bytes.
-        return stage_slot(pool, weights, dora_terms(pool, self.base_weights, adapter)), None, saved
+        return stage_slot(pool, weights, output_terms(pool, self.model_config, self.base_weights, adapter)), None, saved
 
     def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """Refuses what this pool cannot hold (naming the option) and the base weights PEFT
         saved that differ from the served model's; returns the adapter without them."""
-        check_room(adapter, dora=self._pool.dora, outer=self._pool.holds(EMBED),
+        check_room(adapter, dora=self._pool.dora, bias=self._pool.layout.bias, outer=self._pool.holds(EMBED),
                    saved_max_bytes=self.saved_module_bytes, dtype=self._pool.dtype)
         if self._spans_hosts:
             return adapter  # its saved base weights are checked with its slot write (_write_local)
@@ -757,7 +758,7 @@ class LoRAManager:
         lora, terms, copies = weights
         if self._spans_hosts:  # the device work fetch threads leave to the write across hosts
             self._check_saved_base(adapter)
-            terms = dora_terms(self._pool, self.base_weights, adapter)
+            terms = output_terms(self._pool, self.model_config, self.base_weights, adapter)
         self._pool = write_slot(self._pool, slot, lora, terms)
         for module, index in saved.items():
             self._pool = write_saved(self._pool, module, index, copies[module])
@@ -924,6 +925,8 @@ class LoRAManager:
 def _flags(adapter: LoRAAdapter) -> int:
     """The SLOT_* bits of what an adapter holds beside the projections."""
     flags = SLOT_DORA if adapter.use_dora else 0
+    if adapter.has_bias:
+        flags |= SLOT_BIAS
     if adapter.outer(EMBED) is not None:
         flags |= SLOT_EMBED
     if adapter.outer(HEAD) is not None:

@@ -19,8 +19,11 @@ B [1, S, R, hidden]; A sharded on vocab like the base embedding) and "lm_head" (
 [1, S, R, hidden], B [1, S, R, vocab]; column-parallel on vocab like the base head, or
 row-parallel when the mesh does not divide the vocabulary). With `dora=True` it holds
 DoRA's per-output scale of every slot, `scale[c][g]`: n × [L, S_c, out_i] f32 (1 for a
-plain adapter), sharded like the outputs, and for groups whose base layer has a bias,
-`shift[c][g]` = (1 - scale) * bias; the step computes y = scale * (base + delta) + shift.
+plain adapter), sharded like the outputs. A per-output shift `shift[c][g]` (same layout, 0
+for an adapter without one) is held for the groups whose base layer has a bias when
+`dora=True` (DoRA's (1 - scale) * bias), and for every group but the embedding when
+`bias=True` (PEFT's lora_bias: lora_B's bias times the module's scaling); the step computes
+y = scale * (base + delta) + shift. These are the slots' output terms (OutputTerms).
 
 Adapters whose modules_to_save hold a trained embed_tokens or lm_head get a saved-module
 slot beside their adapter slot: `saved[m]` per module the pool has room for (embed_tokens
@@ -60,21 +63,29 @@ class PoolLayout:
     parallel: tuple[str, ...]  # per group: "column" or "row"
     vocab_sharded: bool  # the embedding's A is sharded on vocab (the mesh divides it)
     dora: bool
-    biased: tuple[bool, ...]  # per group: a DoRA shift is held (its base layer has a bias)
+    shifted: tuple[bool, ...]  # per group: a shift is held (see the module docstring)
     saved: tuple[str, ...] = ()  # modules (OUTER_MODULES order) with saved-module slots
+    bias: bool = False  # slots hold lora_bias shifts
 
     @classmethod
-    def of(cls, model_config, tp: int, *, outer: bool, dora: bool, saved: Sequence[str] = ()) -> PoolLayout:
+    def of(cls, model_config, tp: int, *, outer: bool, dora: bool, bias: bool = False,
+           saved: Sequence[str] = ()) -> PoolLayout:
         groups = GROUPS + (OUTER_MODULES if outer else ())
         vocab_ok = model_config.vocab_size % tp == 0
         parallel = tuple("column" if g in COLUMN_GROUPS or (g == HEAD and vocab_ok) else "row" for g in groups)
-        biased = tuple(dora and bool(getattr(model_config, _BIAS_FIELD[g], False)) if g in _BIAS_FIELD else False
-                       for g in groups)
+        base_biased = tuple(bool(getattr(model_config, _BIAS_FIELD[g], False)) if g in _BIAS_FIELD else False
+                            for g in groups)
+        shifted = tuple((dora and b) or (bias and g != EMBED) for g, b in zip(groups, base_biased))
         unknown = set(saved) - set(OUTER_MODULES)
         if unknown:
             raise ValueError(f"saved modules {sorted(unknown)}: only {list(OUTER_MODULES)} can be saved")
-        return cls(groups=groups, parallel=parallel, vocab_sharded=vocab_ok, dora=dora, biased=biased,
-                   saved=tuple(m for m in OUTER_MODULES if m in saved))
+        return cls(groups=groups, parallel=parallel, vocab_sharded=vocab_ok, dora=dora, shifted=shifted,
+                   saved=tuple(m for m in OUTER_MODULES if m in saved), bias=bias)
+
+    @property
+    def has_terms(self) -> bool:
+        """Whether slots hold output terms (DoRA scales or shifts)."""
+        return self.dora or self.bias
 
     def saved_spec(self, module: str) -> P:
         """PartitionSpec of a saved-module table: embed_tokens [S', vocab, hidden], lm_head
@@ -151,19 +162,20 @@ class LoRAMemoryPool:
     mesh: jax.sharding.Mesh
     classes: tuple[RankClass, ...]
     layout: PoolLayout
-    scale: tuple = ()  # per class, per group: n × f32[L, S_c, out_i] (DoRA); () without
-    shift: tuple = ()  # per class, per group: n × f32[L, S_c, out_i] where biased, else ()
+    scale: tuple = ()  # per class, per group: n × f32[L, S_c, out_i] with DoRA, else (); () without terms
+    shift: tuple = ()  # per class, per group: n × f32[L, S_c, out_i] where shifted, else (); () without terms
     saved: tuple = ()  # per module of layout.saved: its saved-module table (see the module docstring)
 
     @classmethod
     def create(cls, model_config, mesh: jax.sharding.Mesh, *, dtype, num_slots: int | None = None,
                max_lora_rank: int | None = None, classes: Sequence[tuple[int, int]] | None = None,
-               outer: bool = False, dora: bool = False, saved_modules: Sequence[str] = (),
+               outer: bool = False, dora: bool = False, bias: bool = False, saved_modules: Sequence[str] = (),
                saved_slots: int = 0) -> LoRAMemoryPool:
         """An empty pool sharded on `mesh`: `num_slots` slots of rank `max_lora_rank`, or the
         rank `classes` ((rank, slots) pairs); `outer`: room for embed_tokens and lm_head
-        adapters, `dora`: for DoRA scales; `saved_slots` saved-module slots for each of
-        `saved_modules` (modules_to_save copies of embed_tokens and lm_head)."""
+        adapters, `dora`: for DoRA scales, `bias`: for lora_bias shifts; `saved_slots`
+        saved-module slots for each of `saved_modules` (modules_to_save copies of embed_tokens
+        and lm_head)."""
         if classes is None:
             if num_slots is None or max_lora_rank is None:
                 raise ValueError("a pool needs num_slots and max_lora_rank, or rank classes")
@@ -178,7 +190,7 @@ class LoRAMemoryPool:
         tp = mesh.shape.get(TENSOR_AXIS, 1)
         if saved_modules and saved_slots <= 0:
             raise ValueError(f"saved modules {list(saved_modules)} need saved_slots > 0, got {saved_slots}")
-        layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora, saved=saved_modules)
+        layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora, bias=bias, saved=saved_modules)
         for g, parallel in zip(layout.groups, layout.parallel):
             _, fan_in, outs = group_dims(model_config, g)
             # The dimensions the mesh splits (the embedding's vocab only where it divides it).
@@ -198,8 +210,9 @@ class LoRAMemoryPool:
             shift.append(parts[3])
         saved = tuple(zeros_on((saved_slots,) + saved_shape(model_config, m), dtype,
                                NamedSharding(mesh, layout.saved_spec(m))) for m in layout.saved)
+        terms = layout.has_terms
         return cls(a=tuple(a), b=tuple(b), mesh=mesh, classes=classes, layout=layout,
-                   scale=tuple(scale) if dora else (), shift=tuple(shift) if dora else (), saved=saved)
+                   scale=tuple(scale) if terms else (), shift=tuple(shift) if terms else (), saved=saved)
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -211,6 +224,11 @@ class LoRAMemoryPool:
     @property
     def dora(self) -> bool:
         return self.layout.dora
+
+    @property
+    def has_terms(self) -> bool:
+        """Whether slots hold output terms (DoRA scales, DoRA or lora_bias shifts)."""
+        return self.layout.has_terms
 
     def has_saved(self, module: str) -> bool:
         """Whether the pool has saved-module slots for `module` (modules_to_save copies)."""
@@ -262,8 +280,8 @@ class LoRAMemoryPool:
         g = self.groups.index(group)
         return self.a[c][g], self.b[c][g]
 
-    def dora_terms(self, group: str, c: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        """(scale, shift) of a group and class, each n × f32[L, S_c, out_i] (shift () without a bias)."""
+    def output_terms(self, group: str, c: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """(scale, shift) of a group and class, each n × f32[L, S_c, out_i], or () where not held."""
         g = self.groups.index(group)
         return self.scale[c][g], self.shift[c][g]
 
@@ -280,9 +298,9 @@ class LoRAMemoryPool:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
 
     def slot_nbytes(self, c: int = 0) -> int:
-        """Bytes of one slot of class `c` (an adapter's padded layout, DoRA terms included)."""
-        leaves = jax.tree_util.tree_leaves((self.a[c], self.b[c], self.scale[c] if self.dora else (),
-                                            self.shift[c] if self.dora else ()))
+        """Bytes of one slot of class `c` (an adapter's padded layout, output terms included)."""
+        leaves = jax.tree_util.tree_leaves((self.a[c], self.b[c], self.scale[c] if self.has_terms else (),
+                                            self.shift[c] if self.has_terms else ()))
         return sum(x.nbytes for x in leaves) // self.classes[c].num_slots
 
     def _specs(self, group: str) -> tuple[P, P, P]:
@@ -298,8 +316,8 @@ class LoRAMemoryPool:
         return tuple(out)
 
     def term_shapes(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-        """Per group, the [L, out_i] shapes of one slot's DoRA scales and shifts."""
-        if not self.dora:
+        """Per group, the [L, out_i] shapes of one slot's scales and shifts."""
+        if not self.has_terms:
             return (), ()
         return tuple(tuple((x.shape[0], x.shape[2]) for x in ts) for ts in self.scale[0]), \
             tuple(tuple((x.shape[0], x.shape[2]) for x in ts) for ts in self.shift[0])
@@ -321,17 +339,16 @@ def saved_shape(model_config, module: str) -> tuple[int, int]:
 def _class_buffers(model_config, mesh, layout: PoolLayout, rc: RankClass, dtype):
     """(A, B, scale, shift) per group of one empty rank class."""
     a, b, scale, shift = [], [], [], []
-    for g, biased in zip(layout.groups, layout.biased):
+    for g, shifted in zip(layout.groups, layout.shifted):
         depth, fan_in, outs = group_dims(model_config, g)
         a_spec, b_spec, s_spec = layout.specs(g)
         a.append(zeros_on((depth, rc.num_slots, len(outs) * rc.rank, fan_in), dtype, NamedSharding(mesh, a_spec)))
         b.append(tuple(zeros_on((depth, rc.num_slots, rc.rank, o), dtype, NamedSharding(mesh, b_spec))
                        for o in outs))
-        on = layout.has_scale(g)
         scale.append(tuple(_ones_on((depth, rc.num_slots, o), NamedSharding(mesh, s_spec)) for o in outs)
-                     if on else ())
+                     if layout.has_scale(g) else ())
         shift.append(tuple(zeros_on((depth, rc.num_slots, o), jnp.float32, NamedSharding(mesh, s_spec))
-                           for o in outs) if on and biased else ())
+                           for o in outs) if shifted else ())
     return tuple(a), tuple(b), tuple(scale), tuple(shift)
 
 
@@ -344,20 +361,21 @@ def _ones_on(shape, sharding) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class DoraTerms:
-    """One adapter's DoRA scale and shift per group (n × f32[L, out_i]; shift only where
-    the pool holds one); lora_runtime/lora/dora.py computes them."""
+class OutputTerms:
+    """One adapter's per-output scale and shift per group (n × f32[L, out_i], each only
+    where the pool holds it); lora_runtime/lora/dora.py computes them."""
 
     scale: dict[str, tuple[np.ndarray, ...]]
     shift: dict[str, tuple[np.ndarray, ...]]
 
 
-def plain_terms(pool: LoRAMemoryPool) -> DoraTerms | None:
-    """The DoRA terms of an adapter without DoRA (scale 1, shift 0), for a pool that holds them."""
-    if not pool.dora:
+def plain_terms(pool: LoRAMemoryPool) -> OutputTerms | None:
+    """The output terms of an adapter without DoRA or lora_bias (scale 1, shift 0), for a
+    pool that holds them."""
+    if not pool.has_terms:
         return None
     scales, shifts = pool.term_shapes()
-    return DoraTerms(scale={g: tuple(np.ones(s, np.float32) for s in ss) for g, ss in zip(pool.groups, scales)},
+    return OutputTerms(scale={g: tuple(np.ones(s, np.float32) for s in ss) for g, ss in zip(pool.groups, scales)},
                      shift={g: tuple(np.zeros(s, np.float32) for s in ss) for g, ss in zip(pool.groups, shifts)})
 
 
@@ -387,15 +405,15 @@ def slot_rank(pool: LoRAMemoryPool, weights: dict[str, tuple[np.ndarray, tuple[n
 
 
 def put_slot_weights(pool: LoRAMemoryPool,
-                     weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]], terms: DoraTerms | None = None):
-    """Moves one adapter's pool layout (LoRAAdapter.pool_weights, and its DoRA terms for a
+                     weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]], terms: OutputTerms | None = None):
+    """Moves one adapter's pool layout (LoRAAdapter.pool_weights, and its output terms for a
     pool that holds them) to the devices, sharded like the pool."""
     out = []
     for g, (a_sh, b_sh) in zip(pool.groups, pool.slot_shardings()):
         a, bs = weights[g]
         out.append((jax.device_put(np.asarray(a, pool.dtype), a_sh),
                     tuple(jax.device_put(np.asarray(b, pool.dtype), s) for b, s in zip(bs, b_sh))))
-    if not pool.dora:
+    if not pool.has_terms:
         return tuple(out), (), ()
     terms = terms or plain_terms(pool)
     scale_shapes, shift_shapes = pool.term_shapes()
@@ -405,7 +423,7 @@ def put_slot_weights(pool: LoRAMemoryPool,
         for g, held in zip(pool.groups, shapes):
             xs = values.get(g, ())
             if len(xs) != len(held) or any(x.shape != h for x, h in zip(xs, held)):
-                raise ValueError(f"DoRA terms for group {g!r} have shapes {[x.shape for x in xs]}; the pool "
+                raise ValueError(f"output terms for group {g!r} have shapes {[x.shape for x in xs]}; the pool "
                                  f"wants {list(held)}")
             sharding = NamedSharding(pool.mesh, _without_slot_axis(pool._specs(g)[2]))
             out.append(tuple(jax.device_put(np.asarray(x, np.float32), sharding) for x in xs))
@@ -427,7 +445,7 @@ def _widen(x: jax.Array, n: int, rank: int, axis: int) -> jax.Array:
 
 def _set_slot(part, slot: jax.Array, weights, scale=(), shift=(), *, rank: int):
     """One class's buffers with `slot` holding `weights[g] = (A, B_tuple)` (padded to the
-    class's `rank` here, on the device) and its DoRA scale/shift, or scalars to fill it with."""
+    class's `rank` here, on the device) and its output scale/shift, or scalars to fill it with."""
     a_buf, b_buf, sc_buf, sh_buf = part
     a = tuple(buf.at[:, slot].set(w[0] if jnp.ndim(w[0]) == 0 else _widen(w[0], len(w[1]), rank, 1))
               for buf, w in zip(a_buf, weights))
@@ -462,7 +480,7 @@ def updater(kind: str, rank: int, out_shardings):
 
 def _part(pool: LoRAMemoryPool, c: int):
     """Class c's buffers as the updater takes them: (A, B, scale, shift) per group."""
-    if pool.dora:
+    if pool.has_terms:
         return pool.a[c], pool.b[c], pool.scale[c], pool.shift[c]
     return pool.a[c], pool.b[c], (), ()
 
@@ -478,8 +496,8 @@ def _with_part(pool: LoRAMemoryPool, c: int, part) -> LoRAMemoryPool:
         return xs[:c] + (x,) + xs[c + 1:]
 
     return dataclasses.replace(pool, a=put(pool.a, a), b=put(pool.b, b),
-                               scale=put(pool.scale, sc) if pool.dora else (),
-                               shift=put(pool.shift, sh) if pool.dora else ())
+                               scale=put(pool.scale, sc) if pool.has_terms else (),
+                               shift=put(pool.shift, sh) if pool.has_terms else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,8 +512,8 @@ class StagedSlot:
 
 
 def stage_slot(pool: LoRAMemoryPool, weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]],
-               terms: DoraTerms | None = None) -> StagedSlot:
-    """Checks `weights` (LoRAAdapter.pool_weights) against the pool, moves them and the DoRA
+               terms: OutputTerms | None = None) -> StagedSlot:
+    """Checks `weights` (LoRAAdapter.pool_weights) against the pool, moves them and the output
     `terms` to the devices, and waits until they are there: call it off the device owner's
     thread, so that a step never waits on an adapter's transfer."""
     rank = slot_rank(pool, weights)
@@ -506,10 +524,10 @@ def stage_slot(pool: LoRAMemoryPool, weights: dict[str, tuple[np.ndarray, tuple[
 
 def write_slot(pool: LoRAMemoryPool, slot: int,
                weights: dict[str, tuple[np.ndarray, tuple[np.ndarray, ...]]] | StagedSlot,
-               terms: DoraTerms | None = None) -> LoRAMemoryPool:
+               terms: OutputTerms | None = None) -> LoRAMemoryPool:
     """A pool with `slot` holding `weights` (LoRAAdapter.pool_weights at any rank up to the
-    slot's class, or those staged on the devices by stage_slot) and, for a pool with DoRA
-    room, the adapter's DoRA `terms` (None: a plain adapter; staged weights carry theirs);
+    slot's class, or those staged on the devices by stage_slot) and, for a pool with room
+    for output terms, the adapter's `terms` (None: a plain adapter; staged weights carry theirs);
     the slot's class buffers are donated.
 
     The slot index is traced, so every slot of a class shares one compiled update, and the
@@ -519,7 +537,7 @@ def write_slot(pool: LoRAMemoryPool, slot: int,
     rc = pool.classes[c]
     if isinstance(weights, StagedSlot):
         if terms is not None:
-            raise ValueError("staged slot weights carry their DoRA terms; pass none beside them")
+            raise ValueError("staged slot weights carry their output terms; pass none beside them")
         rank, arrays = weights.rank, weights.arrays
     else:
         rank, arrays = slot_rank(pool, weights), None

@@ -245,6 +245,8 @@ def test_entries_record_content_and_targets_and_room_is_checked(files, tmp_path)
 
     dora = save_peft_adapter(files["base"], tmp_path / "dora", seed=5, rank=4, targets=("q_proj", "lm_head"),
                              use_dora=True)
+    biased = save_peft_adapter(files["base"], tmp_path / "biased", seed=6, rank=4, targets=("v_proj",),
+                               lora_bias=True)
 
     async def run():
         actor, v = _actor(tmp_path / "r.json"), _validator(files)
@@ -252,14 +254,18 @@ def test_entries_record_content_and_targets_and_room_is_checked(files, tmp_path)
         b = await actor.register("good_again", str(files["good"]), False, v)
         c = await actor.register("good2", str(files["good2"]), False, v)
         assert a["content_id"] == b["content_id"] != c["content_id"] and len(a["content_id"]) == 32
-        assert c["target_modules"] == ["q_proj", "v_proj"] and c["use_dora"] is False
+        assert c["target_modules"] == ["q_proj", "v_proj"] and c["use_dora"] is False and c["lora_bias"] is False
+        e = await actor.register("biased", str(biased), False, v)
+        assert e["lora_bias"] is True and e["use_dora"] is False
         d = await actor.register("dora", str(dora), False, v)
         assert d["use_dora"] is True and d["target_modules"] == ["lm_head", "q_proj"]
         narrow = AdapterValidator(str(files["base"]), 16, None, 1 << 30, base_name="base", lora_dora=False,
-                                  lora_embedding_modules=False)
+                                  lora_bias=False, lora_embedding_modules=False)
         with pytest.raises(InvalidAdapterError, match="lora_embedding_modules is off"):
             await actor.register("dora2", str(dora), False, narrow)
-        assert "dora2" not in actor.snapshot(None)["adapters"]
+        with pytest.raises(InvalidAdapterError, match="lora_bias is off"):
+            await actor.register("biased2", str(biased), False, narrow)
+        assert "dora2" not in actor.snapshot(None)["adapters"] and "biased2" not in actor.snapshot(None)["adapters"]
 
     asyncio.run(run())
 

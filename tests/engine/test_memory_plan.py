@@ -20,7 +20,7 @@ from lora_runtime.engine.build import assemble_engine
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.memory_plan import (
-    MemoryPlanError, adapter_pool_bytes, plan_memory, pool_classes, saved_module_bytes, weights_bytes,
+    MemoryPlanError, adapter_pool_bytes, plan_memory, pool_classes, pool_options, saved_module_bytes, weights_bytes,
     workspace_bytes,
 )
 from lora_runtime.lora.memory_pool import LoRAMemoryPool
@@ -45,8 +45,9 @@ def test_rank_classes_split_the_padded_pool_bytes(tp):
     """Classes share the bytes of max_loras_per_batch padded slots (equally, or by the given
     shares), each in slots of its own rank; what the plan counts is what gets allocated."""
     mesh = make_mesh(tp)
-    kw = dict(outer=True, dora=True)
     config = EngineConfig(max_batch=8, max_loras_per_batch=8, max_lora_rank=64, lora_rank_classes=[8, 16, 64])
+    kw = pool_options(config)
+    assert kw == dict(outer=True, dora=True, bias=True)  # the defaults: every PEFT adapter served
     classes = pool_classes(MODEL, config, tp)
     assert [r for r, _ in classes] == [8, 16, 64]
     budget = adapter_pool_bytes(MODEL, tp, 8, 64, **kw)
@@ -74,7 +75,8 @@ def test_saved_module_slots_are_counted_as_allocated(tp):
     mesh = make_mesh(tp)
     one = MODEL.vocab_size * MODEL.hidden_size * np.dtype(MODEL.dtype).itemsize
     config = EngineConfig(max_batch=8, max_loras_per_batch=3, max_lora_rank=8, lora_embedding_modules=False,
-                          lora_dora=False, lora_modules_to_save_max_bytes=one, lora_modules_to_save_slots=2)
+                          lora_dora=False, lora_bias=False, lora_modules_to_save_max_bytes=one,
+                          lora_modules_to_save_slots=2)
     assert saved_module_bytes(MODEL, config, tp) == 2 * 2 * one // tp
     pool = LoRAMemoryPool.create(MODEL, mesh, num_slots=3, max_lora_rank=8, dtype=MODEL.dtype,
                                  saved_modules=("embed_tokens", "lm_head"), saved_slots=2)
@@ -110,6 +112,13 @@ def test_weights_and_pool_are_what_gets_allocated(tp):
         pool = LoRAMemoryPool.create(odd, mesh, num_slots=3, max_lora_rank=8, dtype=odd.dtype, outer=True, dora=True)
         assert pool.parallel("lm_head") == "row"
         assert adapter_pool_bytes(odd, tp, 3, 8, outer=True, dora=True) == _device_bytes(pool)
+    # lora_bias shifts: every group but the embedding, with and without DoRA, on a biased model too.
+    for config in (MODEL, dataclasses.replace(MODEL, attention_bias=True)):
+        for dora in (False, True):
+            kw = dict(outer=True, dora=dora, bias=True)
+            biased = LoRAMemoryPool.create(config, mesh, num_slots=3, max_lora_rank=8, dtype=config.dtype, **kw)
+            assert adapter_pool_bytes(config, tp, 3, 8, **kw) == _device_bytes(biased)
+            assert _device_bytes(biased) > adapter_pool_bytes(config, tp, 3, 8, outer=True, dora=dora)
 
 
 def _temp_bytes(jitted, *args) -> int:
@@ -154,8 +163,7 @@ def test_the_cache_takes_what_the_budget_leaves():
     plan = plan_memory(MODEL, config, mesh, platform="gpu", block_size=16, device_bytes=GIB)
     parts = plan.weights_bytes + plan.adapter_pool_bytes + plan.staging_bytes + plan.workspace_bytes
     # room for the adapters staged for their writes: MAX_STAGED waiting and one being written
-    assert plan.staging_bytes == adapter_pool_bytes(MODEL, 2, 4 + 1, 16, outer=config.lora_embedding_modules,
-                                                    dora=config.lora_dora) > 0
+    assert plan.staging_bytes == adapter_pool_bytes(MODEL, 2, 4 + 1, 16, **pool_options(config)) > 0
     per_block = block_bytes(MODEL, 16) // 2
     assert plan.block_bytes == per_block and plan.budget_bytes == GIB // 2
     assert plan.num_blocks == (GIB // 2 - parts) // per_block

@@ -198,9 +198,9 @@ def _peft_greedy(base_dir, adapter_dir, ids: list[int], steps: int, eos: tuple[i
     return out
 
 
-def test_dora_embedding_and_head_adapters_over_http_match_peft(app, files, reference):
+def test_dora_embedding_head_and_bias_adapters_over_http_match_peft(app, files, reference):
     """Adapters other servers refuse (DoRA, embed_tokens and lm_head targets, modules_to_save
-    copies of both) register over the admin API and serve what PEFT computes; the registry
+    copies of both, lora_bias) register over the admin API and serve what PEFT computes; the registry
     shows what each one targets and saves."""
     root, base = files["root"], files["base"]
     dirs = {
@@ -210,6 +210,8 @@ def test_dora_embedding_and_head_adapters_over_http_match_peft(app, files, refer
                                              targets=("embed_tokens", "lm_head", "k_proj")),
         "saved_head_http": save_peft_adapter(base, root / "saved_head_http", seed=43, rank=4,
                                              targets=("q_proj",), modules_to_save=["lm_head", "embed_tokens"]),
+        "bias_http": save_peft_adapter(base, root / "bias_http", seed=44, rank=4,
+                                       targets=("q_proj", "down_proj", "lm_head"), lora_bias=True),
     }
     for name, path in dirs.items():
         r = _register(app, name, str(path))
@@ -218,6 +220,7 @@ def test_dora_embedding_and_head_adapters_over_http_match_peft(app, files, refer
     assert listed["dora_http"]["use_dora"] is True and "lm_head" in listed["dora_http"]["target_modules"]
     assert {"embed_tokens", "lm_head"} <= set(listed["embed_head_http"]["target_modules"])
     assert listed["saved_head_http"]["modules_to_save"] == ["embed_tokens", "lm_head"]
+    assert listed["bias_http"]["lora_bias"] is True and listed["dora_http"]["lora_bias"] is False
     tokenizer = reference.engine.tokenizer
     client = _client(app)
     for name, path in dirs.items():

@@ -41,13 +41,16 @@ def adapter_dirs(base_dir, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def extra_adapter_dirs(base_dir, tmp_path_factory) -> dict[str, Path]:
-    """Adapters only a pool with room for DoRA scales and embedding/head adapters serves."""
+    """Adapters only a pool with room for DoRA scales, lora_bias shifts and embedding/head adapters serves."""
     root = tmp_path_factory.mktemp("extra_adapters")
     specs = {
         "dora": dict(r=8, alpha=16, target_modules=ALL, use_dora=True, seed=5, rank_pattern={"o_proj": 4}),
         "embed_head": dict(r=4, alpha=8, target_modules=["embed_tokens", "lm_head", "v_proj"], seed=6),
         "dora_head": dict(r=16, alpha=8, target_modules=["lm_head", "gate_proj", "q_proj"], use_dora=True,
                           use_rslora=True, seed=7),
+        # PEFT's lora_bias: lora_B has a bias, on column (q, k) and row (down) groups and the head.
+        "bias": dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "down_proj", "lm_head"], lora_bias=True,
+                     seed=9, rank_pattern={"k_proj": 2}),
     }
     return {name: make_peft_adapter(base_dir, root / name, **spec) for name, spec in specs.items()}
 

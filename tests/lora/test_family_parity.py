@@ -20,6 +20,9 @@ ADAPTERS = {
     # DoRA on biased (q, v on the biased families) and unbiased projections and on the head.
     "dora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"], use_dora=True),
     "embed_head": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "k_proj"]),
+    # PEFT's lora_bias: a bias in each lora_B, on biased (q, v on the biased families) and unbiased layers.
+    "lora_bias": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj", "lm_head"],
+                      lora_bias=True),
 }
 STEPS = 6
 PROMPTS = [[1, 5, 9, 17, 33], [1, 40, 41, 42], [1, 7, 7, 100, 3, 64, 12]]

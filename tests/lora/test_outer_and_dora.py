@@ -1,6 +1,6 @@
-"""Embedding and lm_head adapters and DoRA scales through every backend, against the
-reference backend (itself checked against PEFT in test_peft_parity), on 1 and 4 devices;
-and what a pool without room for them refuses."""
+"""Embedding and lm_head adapters, DoRA scales and lora_bias shifts through every backend,
+against the reference backend (itself checked against PEFT in test_peft_parity), on 1 and 4
+devices; and what a pool without room for them refuses."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ POLICY = SourcePolicy(allowed_roots=None, max_adapter_bytes=1 << 24)
 
 
 def _manager(config, mesh, model, **kw):
-    return LoRAManager(config, mesh, num_slots=4, max_lora_rank=16, max_cpu_loras=8, max_cpu_bytes=1 << 24,
+    return LoRAManager(config, mesh, num_slots=5, max_lora_rank=16, max_cpu_loras=8, max_cpu_bytes=1 << 24,
                        source_policy=POLICY, dtype=config.dtype, base_weights=BaseWeights(model), **kw)
 
 
@@ -39,14 +39,14 @@ def _manager(config, mesh, model, **kw):
 def test_backends_agree_with_the_reference(kind, tp, prefill, base_dir, adapter_dirs, extra_adapter_dirs):
     mesh = make_mesh(tp, jax.devices()[:tp])
     config, model = load_model(str(base_dir), mesh)
-    manager = _manager(config, mesh, model, outer=True, dora=True)
-    names = ["dora", "embed_head", "dora_head", "r4"]
+    manager = _manager(config, mesh, model, outer=True, dora=True, bias=True)
+    names = ["dora", "embed_head", "dora_head", "r4", "bias"]
     for name in names:
         manager.register(name, str({**adapter_dirs, **extra_adapter_dirs}[name]))
     slots = [manager.acquire_slot(n) for n in names]
     rng = np.random.default_rng(3)
     t = 12
-    token_slots = np.array([slots[i % 4] if i % 5 else -1 for i in range(t)], np.int32)
+    token_slots = np.array([slots[i % 5] if i % 6 else -1 for i in range(t)], np.int32)
     info = manager.prepare_lora_batch(token_slots)
     tokens = rng.integers(0, config.vocab_size, t).astype(np.int32)
     x = rng.normal(size=(t, config.hidden_size)).astype(np.float32)
@@ -121,6 +121,11 @@ def test_pool_without_room_refuses_with_the_option_named(base_dir, extra_adapter
         manager.register("e", str(extra_adapter_dirs["embed_head"]))
     assert manager.list_adapters() == []
     manager.close()
+    manager = _manager(config, mesh, model, outer=True)
+    with pytest.raises(InvalidAdapterError, match=r"lora_bias=True.*lora_bias is off"):
+        manager.register("b", str(extra_adapter_dirs["bias"]))
+    assert manager.list_adapters() == []
+    manager.close()
 
 
 def test_saved_base_weights_must_be_the_served_models(base_dir, extra_adapter_dirs, tmp_path):
@@ -162,3 +167,32 @@ def test_dora_refusals_name_the_field(base_dir, extra_adapter_dirs, tmp_path, mo
         parse({**cfg, "target_modules": ["embed_tokens", "q_proj"]}, tensors)
     adapter = parse(cfg, tensors)
     assert adapter.use_dora and adapter.content_id != parse(cfg, {**tensors, mag: tensors[mag] * 2}).content_id
+
+
+def test_lora_bias_refusals_name_the_field(base_dir, extra_adapter_dirs, tmp_path, model_config):
+    from lora_runtime.lora.adapter import LoRAAdapter
+
+    cfg, tensors = read_adapter(extra_adapter_dirs["bias"])
+
+    def parse(cfg, tensors):
+        d = write_adapter(tmp_path / f"case{len(list(tmp_path.iterdir()))}", cfg, tensors)
+        return LoRAAdapter.parse("x", (d / "adapter_config.json").read_bytes(),
+                                 (d / "adapter_model.safetensors").read_bytes(), model_config, 16)
+
+    bias = next(k for k in tensors if k.endswith("lora_B.bias"))
+    adapter = parse(cfg, tensors)
+    assert adapter.has_bias and not parse({**cfg, "lora_bias": False},
+                                          {k: v for k, v in tensors.items() if "bias" not in k}).has_bias
+    assert adapter.content_id != parse(cfg, {**tensors, bias: tensors[bias] + 1}).content_id
+    with pytest.raises(InvalidAdapterError, match=r"lora_B\.bias' is missing .*lora_bias=True"):
+        parse(cfg, {k: v for k, v in tensors.items() if k != bias})
+    with pytest.raises(InvalidAdapterError, match="lora_B bias but lora_bias is not true"):
+        parse({**cfg, "lora_bias": False}, tensors)
+    with pytest.raises(InvalidAdapterError, match=r"has shape \(3,\), expected"):
+        parse(cfg, {**tensors, bias: np.ones(3, np.float32)})
+    with pytest.raises(InvalidAdapterError, match="lora_bias='yes' must be true or false"):
+        parse({**cfg, "lora_bias": "yes"}, tensors)
+    with pytest.raises(InvalidAdapterError, match="lora_bias=True with use_dora=True"):
+        parse({**cfg, "use_dora": True}, tensors)
+    with pytest.raises(InvalidAdapterError, match="lora_bias=True with target module 'model.embed_tokens'"):
+        parse({**cfg, "target_modules": [*cfg["target_modules"], "embed_tokens"]}, tensors)

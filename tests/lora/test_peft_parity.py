@@ -24,7 +24,7 @@ from tests.lora.peft_adapters import peft_logits
 TOL = 1e-4
 # (adapter or None, prompt length); two requests share "r4", two use no adapter.
 REQUESTS = [("r4", 6), (None, 5), ("r8_rslora", 7), ("r16_pattern", 4), ("r8_layer1", 6), ("r4", 3), (None, 4),
-            ("dora", 5), ("embed_head", 6), ("dora_head", 4), ("dora", 3)]
+            ("dora", 5), ("embed_head", 6), ("dora_head", 4), ("dora", 3), ("bias", 5)]
 PAD = 3
 
 
@@ -57,7 +57,7 @@ def test_adapters_change_the_logits(base_dir, reference, prompts):
 
 
 # A rank-aware pool: ranks 4 / 8 / 16 in classes too small for some, so adapters spill wider.
-RANK_CLASSES = ((4, 1), (8, 2), (16, 4))
+RANK_CLASSES = ((4, 1), (8, 2), (16, 5))
 
 
 @pytest.mark.parametrize("tp,classes", [(1, None), (4, None), (1, RANK_CLASSES), (4, RANK_CLASSES)])
@@ -68,7 +68,8 @@ def test_mixed_adapter_prefill_matches_peft(tp, classes, base_dir, all_dirs, pro
     manager = LoRAManager(config, mesh, **shape, max_lora_rank=16, max_cpu_loras=8,
                           max_cpu_bytes=1 << 24,
                           source_policy=SourcePolicy(allowed_roots=None, max_adapter_bytes=1 << 24),
-                          dtype=config.dtype, base_weights=BaseWeights(model), outer=True, dora=True)
+                          dtype=config.dtype, base_weights=BaseWeights(model), outer=True, dora=True,
+                          bias=True)
     for name, path in all_dirs.items():
         manager.register(name, str(path))
     tokens, positions, rows, token_slots = [], [], [], []

@@ -19,7 +19,7 @@ from lora_runtime.lora.backend.kernel import KernelLoRABackend
 from lora_runtime.lora.backend.xla import XlaLoRABackend
 from lora_runtime.lora.base_weights import BaseWeights
 from lora_runtime.lora.batch_info import SLOT_DORA, SLOT_EMBED, SLOT_HEAD, build_batch_info
-from lora_runtime.lora.dora import dora_terms
+from lora_runtime.lora.dora import output_terms
 from lora_runtime.lora.hook import PoolLoRAHook
 from lora_runtime.lora.manager import LoRAManager, RegistryEntry
 from lora_runtime.lora.memory_pool import LoRAMemoryPool, write_slot
@@ -76,7 +76,7 @@ def class_pool(model_config, placed, mesh, *, classes=CLASSES, outer=False, dora
     pool = LoRAMemoryPool.create(model_config, mesh, dtype=dtype, outer=outer, dora=dora, **kw)
     for slot, adapter in placed.items():
         rank = pool.classes[pool.class_for_rank(adapter.rank)].rank
-        terms = dora_terms(pool, base, adapter) if dora else None
+        terms = output_terms(pool, model_config, base, adapter) if dora else None
         pool = write_slot(pool, slot, adapter.pool_weights(model_config, rank, np.float32, outer), terms)
     return pool
 
