@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -104,6 +105,11 @@ class AppArgs(BaseModel):
     stream_interval: int = Field(
         1, ge=1, description="Least new tokens in a streamed chunk after the first (see "
         "EngineConfig.stream_interval).")
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto", description="Where a request's unset temperature, top_p, top_k, min_p, repetition_penalty and "
+        "max_tokens come from: 'auto', the checkpoint's generation_config.json (its creator's recommendation, "
+        "as vLLM's default), else the neutral values; 'vllm', the neutral values only (1, 1, off, off, 1, the "
+        "context left).")
     scan_layers: bool = Field(
         True, description="Run the layers as one loop over stacked weights, so compile time (a replica's "
         "start) does not grow with depth; False unrolls them (see EngineConfig.scan_layers).")

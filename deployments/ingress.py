@@ -78,6 +78,7 @@ from deployments.responses_api import ResponseBuilder, ResponsesRequest, respons
 from deployments.tool_calls import ToolCallStream, parse_tool_calls
 from lora_runtime.engine.grammar import GuidedSpec
 from lora_runtime.engine.sampling_params import SamplingParams
+from lora_runtime.model.generation_defaults import with_defaults
 from lora_runtime.errors import ServingError
 
 app = FastAPI(title="multilora-serve")
@@ -601,7 +602,9 @@ class OpenAIIngress:
             raise OpenAIError(f"max_tokens={max_tokens} leaves no room for a prompt within max_seq_len={limit}",
                               param="max_tokens")
         try:
-            params = SamplingParams(**{**sampling, "max_tokens": limit - 1 if max_tokens is None else max_tokens})
+            # Fields the request left unset take values the replica's checkpoint holds, checked at its start.
+            params = SamplingParams(**{**with_defaults(sampling, {}),
+                                       "max_tokens": limit - 1 if max_tokens is None else max_tokens})
             params.validate()
             if params.guided is not None:
                 _check_grammar(params.guided)

@@ -23,6 +23,7 @@ from deployments.placement import check_devices
 from deployments.reasoning import OPEN, TAGGED, closed_think_block, reasoning_mode
 from deployments.tool_calls import tool_format, tool_grammar, with_tools_described
 from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
+from lora_runtime.model.generation_defaults import default_max_tokens, with_defaults
 
 logger = logging.getLogger("ray.serve")
 
@@ -163,10 +164,11 @@ class LoRAModelServer:
     def _sampling(self, request: dict, prompt: str | list[int]):
         from lora_runtime.engine.sampling import SamplingParams
 
-        fields = dict(request["sampling"])
+        defaults = self._engine.generation_defaults if self._args.generation_config == "auto" else {}
+        fields = with_defaults(request["sampling"], defaults)
         if fields["max_tokens"] is None:
             n_prompt = len(prompt) if isinstance(prompt, list) else len(self._engine.tokenizer.encode(prompt))
-            fields["max_tokens"] = max(1, self._args.max_seq_len - n_prompt)
+            fields["max_tokens"] = default_max_tokens(self._args.max_seq_len - n_prompt, defaults)
         tools = request.get("tools")
         chosen = _forced_tools(tools)
         if chosen:  # required, or a named function: a grammar

@@ -116,11 +116,14 @@ class _Request(_Body):
 
     model: str = Field(..., min_length=1, description="Base model name or adapter name.")
     max_tokens: int | None = Field(None, description="Most tokens to generate.")
-    temperature: float = Field(1.0, description="0 is greedy.")
-    top_p: float = Field(1.0)
-    top_k: int = Field(0, description="Extension: 0 disables the top-k cut.")
-    min_p: float = Field(0.0, description="Extension (vLLM): drop tokens less likely than min_p times the "
-                         "likeliest, in [0, 1]; 0 disables it.")
+    # Unset sampling fields take the checkpoint's generation_config.json values, else the
+    # neutral ones (lora_runtime/model/generation_defaults.py; the generation_config arg).
+    temperature: float | None = Field(None, description="0 is greedy. Unset: the model's default, else 1.")
+    top_p: float | None = Field(None, description="Unset: the model's default, else 1.")
+    top_k: int | None = Field(None, description="Extension: 0 (or -1) disables the top-k cut. Unset: the model's "
+                              "default, else off.")
+    min_p: float | None = Field(None, description="Extension (vLLM): drop tokens less likely than min_p times the "
+                                "likeliest, in [0, 1]; 0 disables it. Unset: the model's default, else off.")
     seed: int | None = None
     stop: str | list[str] | None = Field(
         None, description=f"Up to {MAX_STOP} strings (each 1-{MAX_STOP_CHARS} characters) that end the text.")
@@ -131,9 +134,9 @@ class _Request(_Body):
     n: int = Field(1, description=f"Choices to generate, 1-{MAX_CHOICES} (each its own sequence).")
     presence_penalty: float = Field(0.0, description="Subtracted from each generated token's logit (-2 to 2).")
     frequency_penalty: float = Field(0.0, description="Subtracted per earlier occurrence of a token (-2 to 2).")
-    repetition_penalty: float = Field(
-        1.0, description="Extension (vLLM, HF): divides positive, multiplies negative logits of prompt and output "
-        "tokens, in (0, 2]."
+    repetition_penalty: float | None = Field(
+        None, description="Extension (vLLM, HF): divides positive, multiplies negative logits of prompt and output "
+        "tokens, in (0, 2]. Unset: the model's default, else 1."
     )
     min_tokens: int = Field(0, description="Extension (vLLM): EOS and stop_token_ids are held back until this many.")
     skip_special_tokens: bool = Field(True, description="Extension (vLLM): leave special tokens out of the text.")

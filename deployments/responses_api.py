@@ -37,8 +37,8 @@ class ResponsesRequest(_Body):
                                     "messages, function_call and function_call_output items.")
     instructions: str | None = Field(None, description="A system message ahead of the input.")
     max_output_tokens: int | None = Field(None, description="Most tokens to generate.")
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = Field(None, description="0 is greedy. Unset: the model's default, else 1.")
+    top_p: float | None = Field(None, description="Unset: the model's default, else 1.")
     stream: bool = False
     tools: list[dict] | None = Field(None, description="Function tools: {type: function, name, description, "
                                      "parameters, strict}.")

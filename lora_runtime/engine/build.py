@@ -14,6 +14,7 @@ from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.memory_plan import MemoryPlan, device_memory_bytes, plan_memory, pool_classes
 from lora_runtime.engine.runner import ModelRunner
 from lora_runtime.model.config import ModelConfig
+from lora_runtime.model.generation_defaults import read_generation_defaults
 from lora_runtime.model.llama import LlamaModel
 from lora_runtime.model.loader import load_model
 from lora_runtime.model.sharding import make_mesh
@@ -41,8 +42,11 @@ def build_engine(
     plan = plan or make_plan(model_config, config, mesh)
     model_config, model = load_model(model_path, mesh, dtype=config.dtype, scan_layers=config.scan_layers)
     tokenizer = Tokenizer.from_pretrained(tokenizer_path or model_path, generation_config_dir=model_path)
+    generation_defaults = read_generation_defaults(model_path)
     name = model_name or os.path.basename(os.path.normpath(model_path))
-    return assemble_engine(model, model_config, tokenizer, config, mesh, model_name=name, plan=plan)
+    engine = assemble_engine(model, model_config, tokenizer, config, mesh, model_name=name, plan=plan)
+    engine.generation_defaults = generation_defaults
+    return engine
 
 
 def make_plan(model_config: ModelConfig, config: EngineConfig, mesh) -> MemoryPlan:

@@ -95,6 +95,8 @@ class Engine:
             "mask_seconds": 0.0,  # host time computing their allowed-token masks
         }
         self.memory_plan = None  # the MemoryPlan the cache was sized by (set by the builder)
+        # The checkpoint's recommended sampling values (model/generation_defaults.py; set by the builder).
+        self.generation_defaults: dict[str, float | int] = {}
         # What warm-up built (JAX's compile events: executables, of which cache hits, seconds).
         self.warm_counts: compile_events.CompileCounts | None = None
         self.warm_seconds: float | None = None  # the warm-up's wall time

@@ -23,7 +23,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
+    top_k: int = 0  # 0 (or vLLM's -1) = no top-k cut
     min_p: float = 0.0  # vLLM's: drop tokens less likely than min_p times the likeliest (0 = off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -53,8 +53,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]", param="top_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p={self.min_p} must be in [0, 1] (0 disables it)", param="min_p")
-        if not 0 <= self.top_k < 2**31:
-            raise InvalidRequestError(f"top_k={self.top_k} must be in [0, 2**31) (0 disables it)", param="top_k")
+        if not -1 <= self.top_k < 2**31:
+            raise InvalidRequestError(f"top_k={self.top_k} must be in [-1, 2**31) (0 or -1 disables it)",
+                                      param="top_k")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed={self.seed} must be in [0, 2**63)", param="seed")
         for name in ("logprobs", "prompt_logprobs"):

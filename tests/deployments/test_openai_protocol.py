@@ -23,7 +23,10 @@ def test_completion_sampling_fields():
     s = r.sampling(default_max_tokens=16)
     assert s["max_tokens"] == 5 and s["temperature"] == 0 and s["stop"] == ("x",) and s["seed"] == 3
     assert CompletionRequest(model="m", prompt="hi").sampling(16)["max_tokens"] == 16
-    assert s["min_p"] == 0.0 and CompletionRequest(model="m", prompt="hi", min_p=0.1).sampling(16)["min_p"] == 0.1
+    assert CompletionRequest(model="m", prompt="hi", min_p=0.1).sampling(16)["min_p"] == 0.1
+    # Unset sampling fields stay unset: the replica fills them from its checkpoint, else neutral values.
+    assert all(s[k] is None for k in ("min_p", "top_p", "top_k", "repetition_penalty"))
+    assert CompletionRequest(model="m", prompt="hi", top_k=-1).sampling(16)["top_k"] == -1  # vLLM's "off"
     for keep in (-1, 1, 4096):
         assert CompletionRequest(model="m", prompt="hi", truncate_prompt_tokens=keep).truncate_prompt_tokens == keep
     for keep in (0, -2):
