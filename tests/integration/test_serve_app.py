@@ -786,7 +786,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "reverse", "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"model": "reverse", "prompt": "x", "top_k": -1}, 400, "top_k"),
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
