@@ -148,6 +148,9 @@ class _Request(_Body):
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> value in [-100, 100] added to its logit before sampling."
     )
+    allowed_token_ids: list[int] | None = Field(
+        None, description="Extension (vLLM): only these token ids may be generated (the end-of-sequence token "
+        "too only if listed); with a grammar, what both allow.")
     response_format: "ResponseFormat | None" = Field(
         None, description="text, json_object (any JSON object) or json_schema (output valid against the schema).")
     guided_json: dict | str | None = Field(None, description="Extension (vLLM): a JSON schema the output matches.")
@@ -261,6 +264,7 @@ class _Request(_Body):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             "guided": None if (spec := self.guided()) is None else spec.to_dict(),
         }
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
-from lora_runtime.engine.grammar import GrammarCompiler, GrammarMatcher
+from lora_runtime.engine.grammar import GrammarCompiler, GrammarMatcher, mask_words, token_set_mask
 from lora_runtime.engine.runner import ModelRunner, Sampled, StepInputs, history_bucket
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
 from lora_runtime.engine.scheduler import Admission, Scheduler
@@ -91,7 +91,7 @@ class Engine:
             "extend_steps": 0,  # chunks of prompts computed over a cached prefix or earlier chunks
             "failed_steps": 0,  # steps that raised (their requests failed, or were run alone to tell)
             "isolated_steps": 0,  # steps run with one suspect alone
-            "masked_rows": 0,  # sampled rows constrained by a grammar
+            "masked_rows": 0,  # sampled rows constrained by a grammar or allowed_token_ids
             "mask_seconds": 0.0,  # host time computing their allowed-token masks
         }
         self.memory_plan = None  # the MemoryPlan the cache was sized by (set by the builder)
@@ -318,6 +318,8 @@ class Engine:
             ),
             eos_token_ids=self._eos,
             grammar=grammar,
+            allowed_mask=None if params.allowed_token_ids is None else token_set_mask(
+                params.allowed_token_ids, self.model_config.vocab_size),
         )
         self._inbox.put(("add", seq))
         self._wake.set()
@@ -338,14 +340,25 @@ class Engine:
 
     def _masks(self, rows: list[tuple[int, Sequence]], n_rows: int) -> np.ndarray | None:
         """The allowed-token bitmask of a step's sampled rows ((row, sequence) pairs), or None
-        when none of them has a grammar (the step samples with the unmasked program)."""
-        guided = [(i, seq.grammar) for i, seq in rows if seq.grammar is not None and not seq.finished]
-        if not guided:
+        when none of them has a grammar or allowed_token_ids (the step samples with the unmasked
+        program). A row with both may take what both allow; where nothing is, the grammar wins
+        (it alone knows how the output may end)."""
+        live = [(i, seq) for i, seq in rows if not seq.finished]
+        guided = [(i, seq.grammar) for i, seq in live if seq.grammar is not None]
+        limited = [(i, seq.allowed_mask) for i, seq in live if seq.allowed_mask is not None]
+        if not guided and not limited:
             return None
         start = time.perf_counter()
-        mask = self.grammars.fill_masks(guided, n_rows)
+        if guided:
+            mask = self.grammars.fill_masks(guided, n_rows)
+        else:
+            mask = np.full((n_rows, mask_words(self.model_config.vocab_size)), -1, np.int32)
+        for i, allowed in limited:
+            both = mask[i] & allowed
+            if both.any():
+                mask[i] = both
         self.counters["mask_seconds"] += time.perf_counter() - start
-        self.counters["masked_rows"] += len(guided)
+        self.counters["masked_rows"] += len(guided) + len(limited)
         return mask
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:

@@ -170,6 +170,19 @@ class GrammarMatcher:
         return self._matcher
 
 
+def token_set_mask(token_ids, vocab_size: int) -> np.ndarray:
+    """The bitmask (i32[ceil(vocab_size / 32)], fill_masks's layout) allowing `token_ids` only."""
+    mask = np.zeros(mask_words(vocab_size), np.uint32)
+    ids = np.asarray(token_ids, np.int64)
+    np.bitwise_or.at(mask, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return mask.view(np.int32)
+
+
+def mask_words(vocab_size: int) -> int:
+    """32-bit words of one row's bitmask."""
+    return (vocab_size + 31) // 32
+
+
 class GrammarCompiler:
     """Compiles GuidedSpecs for one tokenizer and vocabulary, with a bounded cache; fills a
     step's bitmask for the rows that have a grammar. Thread-safe."""
@@ -179,7 +192,7 @@ class GrammarCompiler:
         import llguidance
 
         self.vocab_size = vocab_size
-        self.mask_words = (vocab_size + 31) // 32
+        self.mask_words = mask_words(vocab_size)
         self._eos = sorted(eos_token_ids)
         self._cache: collections.OrderedDict[GuidedSpec, object] = collections.OrderedDict()
         self._cache_size = cache_size

@@ -38,6 +38,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), OpenAI's
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be generated (None: any)
     guided: GuidedSpec | None = None  # what the output must match (a JSON schema, regex, choice, grammar)
 
     def __post_init__(self):
@@ -90,7 +91,14 @@ class SamplingParams:
         if out_of_range:
             raise InvalidRequestError(f"logit_bias value {out_of_range[0][1]} for token {out_of_range[0][0]} "
                                       f"must be in [-100, 100]", param="logit_bias")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids is empty: no token could be generated",
+                                      param="allowed_token_ids")
         if vocab_size is not None:
+            bad = [t for t in self.allowed_token_ids or () if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"allowed_token_ids {bad[:5]} outside [0, {vocab_size})",
+                                          param="allowed_token_ids")
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidRequestError(f"stop_token_ids {bad} outside [0, {vocab_size})", param="stop_token_ids")

@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import Callable
 
+import numpy as np
+
 from lora_runtime.engine.grammar import GrammarMatcher
 from lora_runtime.engine.sampling import SamplingParams
 from lora_runtime.model.tokenizer import IncrementalDetokenizer
@@ -81,6 +83,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     closed: bool = False  # its last output (finished) was handed to its consumer
     grammar: GrammarMatcher | None = None  # where its output is in the grammar it must match
+    allowed_mask: np.ndarray | None = None  # i32 bitmask of params.allowed_token_ids (grammar.token_set_mask)
     stop_token: bool = False  # it ended on a stop or end-of-sequence token (which adds no text)
     text_done: bool = False  # its text is final (catch_up_text met its end)
 

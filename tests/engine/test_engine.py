@@ -87,8 +87,9 @@ def test_nothing_compiles_after_warmup(engine):
         SamplingParams(max_tokens=4, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
                        logit_bias=((5, 3.0),)),
         SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(7,)),
+        SamplingParams(max_tokens=4, temperature=0.9, seed=3, allowed_token_ids=(5, 9, 40)),
     ]
-    prompts = PROMPTS + PROMPTS[2:6]
+    prompts = (PROMPTS * 2)[:len(options)]  # one prompt per option: each option runs
     extends = engine.stats()["extend_steps"]
     for _ in range(2):  # the second time, prompts start from cached blocks
         engine.generate_batch(prompts, options)
@@ -98,6 +99,32 @@ def test_nothing_compiles_after_warmup(engine):
     # at least: prefill, prompt log-probabilities and extend per bucket, several-row extend per
     # bucket up to 64, decode
     assert engine.warm_compiles >= 3 * len(buckets) + len([b for b in buckets if b <= 64]) + 1
+
+
+def test_only_the_allowed_token_ids_are_generated(engine):
+    """vLLM's allowed_token_ids: sampled or greedy, every token is one of them (EOS is not
+    listed, so each runs to max_tokens); with a grammar, a token both allow; the others in
+    the batch are unconstrained."""
+    allowed = (5, 9, 40, 41)
+    params = [SamplingParams(max_tokens=6, temperature=1.5, seed=s, allowed_token_ids=allowed) for s in range(3)]
+    params += [SamplingParams(max_tokens=6, temperature=0.0, allowed_token_ids=allowed), GREEDY]
+    outs = engine.generate_batch(PROMPTS[:5], params)
+    for out in outs[:4]:
+        assert len(out.token_ids) == 6 and set(out.token_ids) <= set(allowed), out.token_ids
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # sampled among them, not one forced path
+    assert outs[4].token_ids == engine.generate_batch([PROMPTS[4]], GREEDY)[0].token_ids
+    assert not set(outs[4].token_ids) <= set(allowed)
+    # A grammar and allowed ids: the digits the grammar allows, narrowed to those listed.
+    tok = engine.tokenizer
+    digits = {tok.token_to_id(d) for d in "0123456789"} - {None}
+    keep = tuple(sorted(digits))[:2]
+    guided = SamplingParams(max_tokens=5, temperature=1.0, seed=4, allowed_token_ids=keep,
+                            guided={"kind": "regex", "value": "[0-9]{5}", "param": "guided_regex"})
+    out = engine.generate_batch([PROMPTS[0]], guided)[0]
+    assert out.token_ids and set(out.token_ids) <= set(keep), out.token_ids
+    for bad, match in (((), "allowed_token_ids is empty"), ((3, 10**6), r"allowed_token_ids \[1000000\] outside")):
+        with pytest.raises(InvalidRequestError, match=match):
+            engine.generate_batch([PROMPTS[0]], SamplingParams(max_tokens=2, allowed_token_ids=bad))
 
 
 def test_streamed_deltas_add_up_to_the_whole_text(engine):

@@ -614,6 +614,19 @@ def test_logit_bias_over_http(app, reference):
     assert r.status_code == 400 and "logit_bias token ids [99999]" in r.json()["error"]["message"]
 
 
+def test_allowed_token_ids_over_http(app, reference):
+    """vLLM's allowed_token_ids through the OpenAI client: only the listed tokens come out."""
+    tok = reference.engine.tokenizer
+    allowed = [tok.encode(c, add_special_tokens=False)[0] for c in "ab"]
+    got = _client(app).completions.create(model=BASE, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=1,
+                                          extra_body={"allowed_token_ids": allowed})
+    assert got.choices[0].text and set(got.choices[0].text) <= {"a", "b"}, got.choices[0].text
+    assert got.usage.completion_tokens == 6  # EOS is not listed
+    r = httpx.post(f"{app.base_url}/v1/completions", timeout=60,
+                   json={"model": BASE, "prompt": "x", "max_tokens": 2, "allowed_token_ids": [99999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
 # JSON schemas whose outputs fit the demo's 64-token context: nested objects, arrays, enums,
 # bounded numbers, required fields.
 JSON_SCHEMAS = [
