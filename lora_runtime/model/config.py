@@ -254,6 +254,12 @@ class ModelConfig:
                 raise CheckpointError(f"config.json is missing required field {key!r}")
             return d[key]
 
+        quantization = d.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            raise CheckpointError(f"config.json has quantization_config (quant_method={method!r}): quantized "
+                                  "checkpoints are not supported; serve the unquantized (float32, bfloat16 or "
+                                  "float16) weights")
         hidden_size = int(req("hidden_size"))
         num_heads = int(req("num_attention_heads"))
         num_layers = int(req("num_hidden_layers"))

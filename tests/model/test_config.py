@@ -182,6 +182,7 @@ def test_dtype_from_config_and_override():
         (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "low_freq_factor"),
         (dict(num_key_value_heads=3), "num_key_value_heads=3"),
         (dict(hidden_act="xielu"), "hidden_act='xielu'"),
+        (dict(quantization_config={"quant_method": "awq", "bits": 4}), "quant_method='awq'.*not supported"),
     ],
 )
 def test_bad_config_names_the_field(overrides, culprit):
