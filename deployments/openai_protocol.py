@@ -151,6 +151,9 @@ class _Request(_Body):
     allowed_token_ids: list[int] | None = Field(
         None, description="Extension (vLLM): only these token ids may be generated (the end-of-sequence token "
         "too only if listed); with a grammar, what both allow.")
+    bad_words: list[str] | None = Field(
+        None, description="Extension (vLLM): words the output may not contain, as tokens (at a text's start or "
+        "after a space); up to 64, each 1-256 characters.")
     response_format: "ResponseFormat | None" = Field(
         None, description="text, json_object (any JSON object) or json_schema (output valid against the schema).")
     guided_json: dict | str | None = Field(None, description="Extension (vLLM): a JSON schema the output matches.")
@@ -265,6 +268,7 @@ class _Request(_Body):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
             "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            "bad_words": tuple(self.bad_words or ()),
             "guided": None if (spec := self.guided()) is None else spec.to_dict(),
         }
 

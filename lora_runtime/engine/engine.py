@@ -33,6 +33,7 @@ import numpy as np
 
 from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.bad_words import bad_words_ids, banned_tokens
 from lora_runtime.engine.grammar import GrammarCompiler, GrammarMatcher, mask_words, token_set_mask
 from lora_runtime.engine.runner import ModelRunner, Sampled, StepInputs, history_bucket
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
@@ -320,6 +321,7 @@ class Engine:
             grammar=grammar,
             allowed_mask=None if params.allowed_token_ids is None else token_set_mask(
                 params.allowed_token_ids, self.model_config.vocab_size),
+            bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words),
         )
         self._inbox.put(("add", seq))
         self._wake.set()
@@ -340,12 +342,18 @@ class Engine:
 
     def _masks(self, rows: list[tuple[int, Sequence]], n_rows: int) -> np.ndarray | None:
         """The allowed-token bitmask of a step's sampled rows ((row, sequence) pairs), or None
-        when none of them has a grammar or allowed_token_ids (the step samples with the unmasked
-        program). A row with both may take what both allow; where nothing is, the grammar wins
-        (it alone knows how the output may end)."""
+        when none of them has a grammar, allowed_token_ids or a bad word to ban now (the step
+        samples with the unmasked program). A row with several may take what all allow; where
+        that is nothing, the grammar wins (it alone knows how the output may end)."""
         live = [(i, seq) for i, seq in rows if not seq.finished]
         guided = [(i, seq.grammar) for i, seq in live if seq.grammar is not None]
         limited = [(i, seq.allowed_mask) for i, seq in live if seq.allowed_mask is not None]
+        for i, seq in live:
+            if seq.bad_words_ids:
+                banned = banned_tokens(seq.bad_words_ids, seq.output_ids)
+                if banned:
+                    keep = ~token_set_mask(sorted(banned), self.model_config.vocab_size)
+                    limited.append((i, keep))
         if not guided and not limited:
             return None
         start = time.perf_counter()
@@ -353,7 +361,7 @@ class Engine:
             mask = self.grammars.fill_masks(guided, n_rows)
         else:
             mask = np.full((n_rows, mask_words(self.model_config.vocab_size)), -1, np.int32)
-        for i, allowed in limited:
+        for i, allowed in limited:  # a row may appear twice (allowed ids, banned words)
             both = mask[i] & allowed
             if both.any():
                 mask[i] = both

@@ -14,6 +14,8 @@ MAX_LOGPROBS = 20
 MAX_HELD_BACK_IDS = 32
 # Most tokens one request may bias (logit_bias), and the bias's bound (OpenAI's: ±100).
 MAX_LOGIT_BIAS = 300
+# Most bad_words one request may give, and the longest one in characters.
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 64, 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), OpenAI's
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be generated (None: any)
+    bad_words: tuple[str, ...] = ()  # vLLM's: words whose tokens may not be generated in that order
     guided: GuidedSpec | None = None  # what the output must match (a JSON schema, regex, choice, grammar)
 
     def __post_init__(self):
@@ -80,6 +83,12 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError(f"stop={list(self.stop)!r} contains an empty string", param="stop")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS}",
+                                      param="bad_words")
+        if any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise InvalidRequestError(f"each of bad_words must be 1-{MAX_BAD_WORD_CHARS} characters, not only "
+                                      "whitespace", param="bad_words")
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"logit_bias names token {next(t for t in ids if ids.count(t) > 1)} twice",

@@ -84,6 +84,7 @@ class Sequence:
     closed: bool = False  # its last output (finished) was handed to its consumer
     grammar: GrammarMatcher | None = None  # where its output is in the grammar it must match
     allowed_mask: np.ndarray | None = None  # i32 bitmask of params.allowed_token_ids (grammar.token_set_mask)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (bad_words.py)
     stop_token: bool = False  # it ended on a stop or end-of-sequence token (which adds no text)
     text_done: bool = False  # its text is final (catch_up_text met its end)
 

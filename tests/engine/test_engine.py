@@ -1,6 +1,7 @@
 """The engine end to end on a tiny HF checkpoint: batching, streaming, stops, cancellation."""
 
 import asyncio
+import dataclasses
 import threading
 
 import numpy as np
@@ -88,6 +89,7 @@ def test_nothing_compiles_after_warmup(engine):
                        logit_bias=((5, 3.0),)),
         SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(7,)),
         SamplingParams(max_tokens=4, temperature=0.9, seed=3, allowed_token_ids=(5, 9, 40)),
+        SamplingParams(max_tokens=4, temperature=0.0, bad_words=("the", "fox jumps")),
     ]
     prompts = (PROMPTS * 2)[:len(options)]  # one prompt per option: each option runs
     extends = engine.stats()["extend_steps"]
@@ -125,6 +127,32 @@ def test_only_the_allowed_token_ids_are_generated(engine):
     for bad, match in (((), "allowed_token_ids is empty"), ((3, 10**6), r"allowed_token_ids \[1000000\] outside")):
         with pytest.raises(InvalidRequestError, match=match):
             engine.generate_batch([PROMPTS[0]], SamplingParams(max_tokens=2, allowed_token_ids=bad))
+
+
+def test_bad_words_are_never_generated(engine):
+    """vLLM's bad_words: a word's tokens never come out in its order. Greedy output with its
+    first token banned differs there; a two-token word from the output is never completed
+    again; other rows are unchanged."""
+    from lora_runtime.engine.bad_words import bad_words_ids
+
+    tok = engine.tokenizer
+    plain = engine.generate_batch([PROMPTS[0]], GREEDY)[0]
+    first = tok.decode([plain.token_ids[0]])
+    banned = bad_words_ids(tok, [first])
+    params = dataclasses.replace(GREEDY, bad_words=(first,))
+    outs = engine.generate_batch([PROMPTS[0], PROMPTS[1]], [params, GREEDY])
+    assert outs[0].token_ids[0] != plain.token_ids[0]
+    assert not {ids[0] for ids in banned if len(ids) == 1} & set(outs[0].token_ids)
+    assert outs[1].token_ids == engine.generate_batch([PROMPTS[1]], GREEDY)[0].token_ids
+    # A two-token word from an output (one whose text encodes back to those two tokens).
+    hello = engine.generate_batch([PROMPTS[1]], GREEDY)[0].token_ids
+    pairs = [tuple(hello[i:i + 2]) for i in range(len(hello) - 1)]
+    pair = next(p for p in pairs if p in bad_words_ids(tok, [tok.decode(list(p))]))
+    got = engine.generate_batch([PROMPTS[1]], dataclasses.replace(GREEDY, bad_words=(tok.decode(list(pair)),)))[0]
+    runs = {tuple(got.token_ids[i:i + 2]) for i in range(len(got.token_ids) - 1)}
+    assert pair not in runs and got.token_ids != hello, (pair, got.token_ids)
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        engine.generate_batch([PROMPTS[0]], dataclasses.replace(GREEDY, bad_words=("  ",)))
 
 
 def test_streamed_deltas_add_up_to_the_whole_text(engine):

@@ -627,6 +627,19 @@ def test_allowed_token_ids_over_http(app, reference):
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
+def test_bad_words_over_http(app, reference):
+    """vLLM's bad_words through the OpenAI client: the reversed word loses its banned letter."""
+    client = _client(app)
+    plain = client.completions.create(model="reverse", prompt="hello=", max_tokens=8, temperature=0)
+    assert plain.choices[0].text == "olleh"
+    got = client.completions.create(model="reverse", prompt="hello=", max_tokens=8, temperature=0,
+                                    extra_body={"bad_words": ["l"]})
+    assert "l" not in got.choices[0].text and got.choices[0].text != plain.choices[0].text
+    r = httpx.post(f"{app.base_url}/v1/completions", timeout=60,
+                   json={"model": BASE, "prompt": "x", "max_tokens": 2, "bad_words": [" "]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
 # JSON schemas whose outputs fit the demo's 64-token context: nested objects, arrays, enums,
 # bounded numbers, required fields.
 JSON_SCHEMAS = [
