@@ -119,3 +119,26 @@ def write_adapter(out_dir: Path, config: dict, tensors: dict[str, np.ndarray]) -
     (out_dir / "adapter_config.json").write_text(json.dumps(config))
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
     return out_dir
+
+
+def engine_greedy(base_dir: Path, adapter_dirs: dict[str, Path], requests: list[tuple[list[int], str | None]],
+                  steps: int) -> list[list[int]]:
+    """The engine's greedy tokens for (prompt ids, adapter name or None) requests, all in one
+    batch, with `adapter_dirs` registered (one prefill bucket: few programs to compile)."""
+    from lora_runtime.engine.config import EngineConfig
+    from lora_runtime.engine.engine import Engine
+    from lora_runtime.engine.sampling import SamplingParams
+
+    engine = Engine.from_pretrained(str(base_dir), EngineConfig(
+        max_batch=len(requests), max_seq_len=32, max_loras_per_batch=max(1, len(adapter_dirs)), max_lora_rank=16,
+        max_prefill_tokens=16))
+    try:
+        for name, path in adapter_dirs.items():
+            engine.lora_manager.register(name, str(path))
+        engine.start()
+        outs = engine.generate_batch([p for p, _ in requests],
+                                     SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True),
+                                     [a for _, a in requests])
+    finally:
+        engine.shutdown()
+    return [out.token_ids for out in outs]

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lora_runtime.engine.config import EngineConfig
-from lora_runtime.engine.engine import Engine
-from lora_runtime.engine.sampling import SamplingParams
 from tests.helpers.checkpoints import save_tokenizer
-from tests.lora.peft_adapters import scale_up_adapter
+from tests.lora.peft_adapters import engine_greedy, scale_up_adapter
 from tests.model.conftest import FAMILIES, build_hf_model, save_checkpoint
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -62,27 +59,16 @@ def test_mixed_adapter_batch_matches_peft(family, tmp_path):
     save_tokenizer(base, vocab_size=128)
     dirs = {name: _peft_adapter(family, tmp_path / name, spec, seed) for seed, (name, spec) in
             enumerate(ADAPTERS.items())}
-    engine = Engine.from_pretrained(str(base), EngineConfig(
-        max_batch=len(REQUESTS), max_seq_len=32, max_loras_per_batch=len(ADAPTERS), max_lora_rank=16,
-        max_prefill_tokens=16))  # one prefill bucket: fewer programs to compile per family
-    try:
-        for name, path in dirs.items():
-            engine.lora_manager.register(name, str(path))
-        engine.start()
-        outs = engine.generate_batch([p for p, _ in REQUESTS],
-                                     SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True),
-                                     [a for _, a in REQUESTS])
-    finally:
-        engine.shutdown()
+    outs = engine_greedy(base, dirs, REQUESTS, STEPS)
     for adapter in (None, *ADAPTERS):
         model = build_hf_model(family)
         if adapter is not None:
             model = PeftModel.from_pretrained(model, dirs[adapter]).eval()
         for (prompt, a), out in zip(REQUESTS, outs):
             if a == adapter:
-                assert out.token_ids == _greedy(model, prompt, STEPS), (family, adapter, prompt)
+                assert out == _greedy(model, prompt, STEPS), (family, adapter, prompt)
     # The adapters matter: each changes at least one request's tokens.
     for adapter in ADAPTERS:
-        base_tokens = [o.token_ids for (_, a), o in zip(REQUESTS, outs) if a is None]
-        own = [o.token_ids for (_, a), o in zip(REQUESTS, outs) if a == adapter]
+        base_tokens = [o for (_, a), o in zip(REQUESTS, outs) if a is None]
+        own = [o for (_, a), o in zip(REQUESTS, outs) if a == adapter]
         assert own != base_tokens, adapter

@@ -5,7 +5,6 @@ devices; and what a pool without room for them refuses."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -146,16 +145,21 @@ def test_saved_base_weights_must_be_the_served_models(base_dir, extra_adapter_di
     manager.close()
 
 
-def test_dora_refusals_name_the_field(base_dir, extra_adapter_dirs, tmp_path, model_config):
+@pytest.fixture
+def parse(tmp_path, model_config):
+    """Parses an adapter config and tensors as written to a fresh folder."""
     from lora_runtime.lora.adapter import LoRAAdapter
-
-    cfg, tensors = read_adapter(extra_adapter_dirs["dora"])
 
     def parse(cfg, tensors):
         d = write_adapter(tmp_path / f"case{len(list(tmp_path.iterdir()))}", cfg, tensors)
         return LoRAAdapter.parse("x", (d / "adapter_config.json").read_bytes(),
                                  (d / "adapter_model.safetensors").read_bytes(), model_config, 16)
 
+    return parse
+
+
+def test_dora_refusals_name_the_field(extra_adapter_dirs, parse):
+    cfg, tensors = read_adapter(extra_adapter_dirs["dora"])
     mag = next(k for k in tensors if "magnitude" in k)
     with pytest.raises(InvalidAdapterError, match=r"lora_magnitude_vector' is missing .*use_dora=True"):
         parse(cfg, {k: v for k, v in tensors.items() if k != mag})
@@ -169,16 +173,8 @@ def test_dora_refusals_name_the_field(base_dir, extra_adapter_dirs, tmp_path, mo
     assert adapter.use_dora and adapter.content_id != parse(cfg, {**tensors, mag: tensors[mag] * 2}).content_id
 
 
-def test_lora_bias_refusals_name_the_field(base_dir, extra_adapter_dirs, tmp_path, model_config):
-    from lora_runtime.lora.adapter import LoRAAdapter
-
+def test_lora_bias_refusals_name_the_field(extra_adapter_dirs, parse):
     cfg, tensors = read_adapter(extra_adapter_dirs["bias"])
-
-    def parse(cfg, tensors):
-        d = write_adapter(tmp_path / f"case{len(list(tmp_path.iterdir()))}", cfg, tensors)
-        return LoRAAdapter.parse("x", (d / "adapter_config.json").read_bytes(),
-                                 (d / "adapter_model.safetensors").read_bytes(), model_config, 16)
-
     bias = next(k for k in tensors if k.endswith("lora_B.bias"))
     adapter = parse(cfg, tensors)
     assert adapter.has_bias and not parse({**cfg, "lora_bias": False},

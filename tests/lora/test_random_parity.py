@@ -13,11 +13,8 @@ import random
 
 import pytest
 
-from lora_runtime.engine.config import EngineConfig
-from lora_runtime.engine.engine import Engine
-from lora_runtime.engine.sampling import SamplingParams
 from tests.helpers.checkpoints import save_tokenizer
-from tests.lora.peft_adapters import scale_up_adapter
+from tests.lora.peft_adapters import engine_greedy, scale_up_adapter
 from tests.model.conftest import build_hf_model, save_checkpoint
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -108,18 +105,7 @@ def test_random_checkpoint_and_adapters_match_peft(seed, tmp_path):
         scale_up_adapter(peft_model)
         peft_model.save_pretrained(tmp_path / name, safe_serialization=True)
     requests = [(p, a) for a in (None, *specs) for p in PROMPTS]
-    engine = Engine.from_pretrained(str(base), EngineConfig(
-        max_batch=len(requests), max_seq_len=32, max_loras_per_batch=len(specs), max_lora_rank=16,
-        max_prefill_tokens=16))
-    try:
-        for name in specs:
-            engine.lora_manager.register(name, str(tmp_path / name))
-        engine.start()
-        outs = engine.generate_batch([p for p, _ in requests],
-                                     SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True),
-                                     [a for _, a in requests])
-    finally:
-        engine.shutdown()
+    outs = engine_greedy(base, {name: tmp_path / name for name in specs}, requests, STEPS)
     for adapter in (None, *specs):
         model = build_hf_model(family, **overrides)
         if adapter is not None:
@@ -128,7 +114,6 @@ def test_random_checkpoint_and_adapters_match_peft(seed, tmp_path):
             if a != adapter:
                 continue
             want, gaps = _greedy(model, prompt)
-            if out.token_ids != want:
-                step = next(i for i, (x, y) in enumerate(zip(out.token_ids, want)) if x != y)
-                assert gaps[step] < NEAR_TIE, (family, overrides, adapter, specs.get(adapter), prompt,
-                                               out.token_ids, want)
+            if out != want:
+                step = next(i for i, (x, y) in enumerate(zip(out, want)) if x != y)
+                assert gaps[step] < NEAR_TIE, (family, overrides, adapter, specs.get(adapter), prompt, out, want)

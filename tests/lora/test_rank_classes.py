@@ -21,7 +21,7 @@ from lora_runtime.lora.base_weights import BaseWeights
 from lora_runtime.lora.batch_info import SLOT_DORA, SLOT_EMBED, SLOT_HEAD, build_batch_info
 from lora_runtime.lora.dora import output_terms
 from lora_runtime.lora.hook import PoolLoRAHook
-from lora_runtime.lora.manager import LoRAManager, RegistryEntry
+from lora_runtime.lora.manager import LoRAManager
 from lora_runtime.lora.memory_pool import LoRAMemoryPool, write_slot
 from lora_runtime.lora.sources import SourcePolicy
 from lora_runtime.model.lora_hook import GROUPS, GROUP_SLICES
