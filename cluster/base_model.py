@@ -74,8 +74,8 @@ def short(fingerprint: str) -> str:
 def config_fingerprint(config: Any) -> str:
     """The fingerprint of a ``ModelConfig`` (see the module docstring for what it covers)."""
     fields = {name: _canonical(getattr(config, name)) for name in FINGERPRINT_FIELDS}
-    fields.update({name: _canonical(getattr(config, name)) for name, default in FINGERPRINT_FIELDS_UNLESS_DEFAULT.items()
-                   if getattr(config, name) != default})
+    fields.update({name: _canonical(getattr(config, name))
+                   for name, default in FINGERPRINT_FIELDS_UNLESS_DEFAULT.items() if getattr(config, name) != default})
     # The checkpoint's kv heads, whatever copies a wide mesh holds (ModelConfig.for_tensor_parallel).
     fields["num_kv_heads"] = config.checkpoint_kv_heads
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -19,9 +19,10 @@ class PoolLoRAHook:
     inside the jitted step. Each rank class of the pool runs the backend's op on its own
     tokens at its own width (the others see slot -1), adding into the same outputs. Work an
     adapter of the step does not need (DoRA scales, lora_bias shifts, embedding or head
-    deltas) is skipped by a branch on the step's slot flags. A token whose adapter saved a trained copy of the
-    embedding or the head (modules_to_save) reads that copy instead of the base module's,
-    each saved-module slot behind a branch on whether any token of the step uses it."""
+    deltas) is skipped by a branch on the step's slot flags. A token whose adapter saved a
+    trained copy of the embedding or the head (modules_to_save) reads that copy instead of
+    the base module's, each saved-module slot behind a branch on whether any token of the
+    step uses it."""
 
     def __init__(self, backend: BaseLoRABackend, pool: LoRAMemoryPool, info: LoRABatchInfo, *, prefill: bool):
         self.backend = backend

@@ -4,7 +4,9 @@ import dataclasses
 
 import pytest
 
-from cluster.base_model import FINGERPRINT_FIELDS, FINGERPRINT_FIELDS_UNLESS_DEFAULT, BaseModel, census, config_fingerprint, entry_base, short
+from cluster.base_model import (
+    FINGERPRINT_FIELDS, FINGERPRINT_FIELDS_UNLESS_DEFAULT, BaseModel, census, config_fingerprint, entry_base, short,
+)
 from lora_runtime.model.config import ModelConfig
 
 LLAMA = {

@@ -29,7 +29,8 @@ def test_completion_sampling_fields():
     assert CompletionRequest(model="m", prompt="hi", top_k=-1).sampling(16)["top_k"] == -1  # vLLM's "off"
     assert s["allowed_token_ids"] is None and s["bad_words"] == ()
     assert CompletionRequest(model="m", prompt="hi", bad_words=["x y"]).sampling(16)["bad_words"] == ("x y",)
-    assert CompletionRequest(model="m", prompt="hi", allowed_token_ids=[3, 4]).sampling(16)["allowed_token_ids"] == (3, 4)
+    limited = CompletionRequest(model="m", prompt="hi", allowed_token_ids=[3, 4]).sampling(16)
+    assert limited["allowed_token_ids"] == (3, 4)
     for keep in (-1, 1, 4096):
         assert CompletionRequest(model="m", prompt="hi", truncate_prompt_tokens=keep).truncate_prompt_tokens == keep
     for keep in (0, -2):
