@@ -92,7 +92,7 @@ class Engine:
             "extend_steps": 0,  # chunks of prompts computed over a cached prefix or earlier chunks
             "failed_steps": 0,  # steps that raised (their requests failed, or were run alone to tell)
             "isolated_steps": 0,  # steps run with one suspect alone
-            "masked_rows": 0,  # sampled rows constrained by a grammar or allowed_token_ids
+            "masked_rows": 0,  # sampled rows constrained by a grammar, allowed_token_ids or bad_words
             "mask_seconds": 0.0,  # host time computing their allowed-token masks
         }
         self.memory_plan = None  # the MemoryPlan the cache was sized by (set by the builder)
@@ -366,7 +366,7 @@ class Engine:
             if both.any():
                 mask[i] = both
         self.counters["mask_seconds"] += time.perf_counter() - start
-        self.counters["masked_rows"] += len(guided) + len(limited)
+        self.counters["masked_rows"] += len({i for i, _ in guided} | {i for i, _ in limited})
         return mask
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
