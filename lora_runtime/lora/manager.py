@@ -685,7 +685,7 @@ class LoRAManager:
     def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """Refuses what this pool cannot hold (naming the option) and the base weights PEFT
         saved that differ from the served model's; returns the adapter without them."""
-        check_room(adapter, dora=self._pool.dora, bias=self._pool.layout.bias, outer=self._pool.holds(EMBED),
+        check_room(adapter, dora=self._pool.dora, bias=self._pool.bias, outer=self._pool.holds(EMBED),
                    saved_max_bytes=self.saved_module_bytes, dtype=self._pool.dtype)
         if self._spans_hosts:
             return adapter  # its saved base weights are checked with its slot write (_write_local)

@@ -226,6 +226,11 @@ class LoRAMemoryPool:
         return self.layout.dora
 
     @property
+    def bias(self) -> bool:
+        """Whether slots hold lora_bias shifts."""
+        return self.layout.bias
+
+    @property
     def has_terms(self) -> bool:
         """Whether slots hold output terms (DoRA scales, DoRA or lora_bias shifts)."""
         return self.layout.has_terms
