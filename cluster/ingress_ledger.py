@@ -78,6 +78,7 @@ class IngressLedger:
         self._usage: dict[str, Counter] = {}  # key name -> {"admitted", "rate_limited", "tokens"}
         self._routes: deque[tuple[int, str, object]] = deque(maxlen=ROUTES_KEPT)  # (number, ingress id, record)
         self._routes_added = 0
+        self._route_serials: dict[str, int] = {}  # ingress id -> the number of its next record
 
     def admit(self, key: ApiKey) -> tuple[str, int] | None:
         """Takes one request from ``key``'s budget: None, or (why, retry-after seconds) when
@@ -153,11 +154,15 @@ class IngressLedger:
         for rid in [r for r, e in self._replicas.items() if now - e["at"] > FORGET_AFTER_S]:
             del self._replicas[rid]
 
-    def exchange_routes(self, ingress_id: str, after: int, records: list) -> tuple[int, list]:
+    def exchange_routes(self, ingress_id: str, after: int, records: list, first: int = 0) -> tuple[int, list]:
         """Keeps ``records`` (the routing records ``ingress_id``'s routers made since it last
         called) and returns (a number to pass as ``after`` next time, the records of the
         other ingress replicas kept since ``after``, oldest first). An ``after`` this ledger
-        never gave (it restarted since) returns every other replica's record it holds."""
+        never gave (it restarted since) returns every other replica's record it holds.
+
+        ``first`` numbers ``records[0]`` among all the records ``ingress_id`` ever sent: a
+        call its client sent again (the first one timed out there, yet arrived) keeps only
+        the records this ledger has not kept before."""
         with self._lock:
             if after > self._routes_added:
                 after = 0
@@ -168,15 +173,20 @@ class IngressLedger:
                 if iid != ingress_id:
                     others.append(record)
             others.reverse()
-            for record in records:
+            kept = self._route_serials.get(ingress_id, first)
+            for record in records[max(0, kept - first):]:
                 self._routes.append((self._routes_added, ingress_id, record))
                 self._routes_added += 1
+            self._route_serials[ingress_id] = max(kept, first + len(records))
             return self._routes_added, others
 
     def ping(self) -> bool:
         """Answers: the host's health check."""
         return True
 
+
+# What LedgerClient._shared_call returns while the shared ledger cannot be reached.
+_UNREACHABLE = object()
 
 # Calls the ledger actor runs at once (each holds its lock for microseconds).
 _LEDGER_CONCURRENCY = 64
@@ -233,6 +243,9 @@ class LedgerClient:
         self._own = IngressLedger(clock)
         self._unreachable = False
         self._pending: set[asyncio.Task] = set()
+        # Routing records the shared ledger has not taken yet, and the number of the first.
+        self._unsent: deque = deque(maxlen=ROUTES_KEPT)
+        self._unsent_first = 0
 
     @property
     def shared(self) -> bool:
@@ -241,8 +254,13 @@ class LedgerClient:
     async def _call(self, method: str, *args):
         if self._shared is None:
             return getattr(self._own, method)(*args)
+        result = await self._shared_call(method, *args)
+        return getattr(self._own, method)(*args) if result is _UNREACHABLE else result
+
+    async def _shared_call(self, method: str, *args):
+        """The shared ledger's answer, or _UNREACHABLE while it cannot be reached."""
         if self._ledger is None and self._clock() < self._retry_at:
-            return getattr(self._own, method)(*args)  # failed a moment ago: no request waits on it
+            return _UNREACHABLE  # failed a moment ago: no request waits on it
         try:
             if self._ledger is None:
                 # While Serve replaces the host, a call to it would wait for the new one.
@@ -255,7 +273,7 @@ class LedgerClient:
                 logger.error("the shared ingress ledger failed (%r): rate limits and /metrics counts are this "
                              "ingress replica's own until it answers again", e)
             self._unreachable = True
-            return getattr(self._own, method)(*args)
+            return _UNREACHABLE
         if self._unreachable:
             logger.info("the shared ingress ledger answers again: rate limits and /metrics counts are shared")
             self._unreachable = False
@@ -279,8 +297,24 @@ class LedgerClient:
         return await self._call("report", ingress_id, dict(routing), admitted, dict(replicas))
 
     async def exchange_routes(self, ingress_id: str, after: int, records: list) -> tuple[int, list]:
-        """IngressLedger.exchange_routes."""
-        return await self._call("exchange_routes", ingress_id, after, records)
+        """IngressLedger.exchange_routes. While the shared ledger does not answer, ``records``
+        wait here (the newest ROUTES_KEPT of them) and go with the next call that reaches it,
+        and (``after``, no records) comes back: no other ingress replica would read them in
+        this replica's own ledger. Each record is numbered, so one that reached the ledger
+        in a call that timed out here is not kept there twice."""
+        if self._shared is None:
+            return self._own.exchange_routes(ingress_id, after, records)
+        dropped = max(0, len(self._unsent) + len(records) - ROUTES_KEPT)
+        self._unsent.extend(records)
+        self._unsent_first += dropped
+        batch = list(self._unsent)
+        result = await self._shared_call("exchange_routes", ingress_id, after, batch, self._unsent_first)
+        if result is _UNREACHABLE:
+            return after, []
+        for _ in batch:  # records taken meanwhile wait for the next call
+            self._unsent.popleft()
+        self._unsent_first += len(batch)
+        return result
 
     def _send(self, method: str, *args) -> None:
         if self._shared is None:

@@ -39,7 +39,10 @@ class _Method:
         if self._name == "ledger":  # LedgerHost.ledger: the actor's handle
             self._handle.handed += 1
             return self._handle
-        return getattr(self._handle.state, self._name)(*args)
+        result = getattr(self._handle.state, self._name)(*args)
+        if self._handle.late:
+            await asyncio.sleep(3600)
+        return result
 
 
 class Handle:
@@ -51,6 +54,7 @@ class Handle:
         self.state = ledger
         self.down = False
         self.hung = False  # every call waits (a replica that took the call and never answers)
+        self.late = False  # every call is carried out, and its answer never comes back
         self.handed = 0  # how often the host gave the actor's handle
 
     def __getattr__(self, name: str) -> _Method:
@@ -267,6 +271,37 @@ def test_ingress_replicas_read_each_others_routing_records_once():
         await a.exchange_routes("ingress-a", 0, [((5,), "r0")])
         _, got = await b.exchange_routes("ingress-b", after_b, [])
         assert got == [((5,), "r0")]
+
+    asyncio.run(run())
+
+
+def test_routing_records_wait_while_the_ledger_is_away_and_arrive_once(monkeypatch):
+    """Records an ingress replica's routers made while the shared ledger did not answer reach
+    the others when it answers again (they are not left in the replica's own ledger), and a
+    call that timed out yet reached the ledger does not have its records kept twice."""
+    monkeypatch.setattr(ingress_ledger, "LEDGER_TIMEOUT_S", 0.05)
+    clock = Clock()
+    handle = Handle(IngressLedger(Clock()))
+    a, b = LedgerClient(handle, clock=clock), LedgerClient(handle)
+
+    async def run():
+        after_a, _ = await a.exchange_routes("ingress-a", 0, [((1,), "r0")])
+        after_b, got = await b.exchange_routes("ingress-b", 0, [])
+        assert got == [((1,), "r0")]
+        handle.down = True
+        assert await a.exchange_routes("ingress-a", after_a, [((2,), "r1")]) == (after_a, [])
+        clock.t += RETRY_AFTER_S  # a asks again; the ledger is still away
+        assert await a.exchange_routes("ingress-a", after_a, [((3,), "r0")]) == (after_a, [])
+        handle.down = False
+        handle.late = True  # the call arrives, its answer is lost
+        clock.t += RETRY_AFTER_S
+        assert await a.exchange_routes("ingress-a", after_a, [((4,), "r1")]) == (after_a, [])
+        handle.late = False
+        clock.t += RETRY_AFTER_S
+        after_a, got = await a.exchange_routes("ingress-a", after_a, [((5,), "r0")])
+        assert got == []
+        _, got = await b.exchange_routes("ingress-b", after_b, [])
+        assert got == [((2,), "r1"), ((3,), "r0"), ((4,), "r1"), ((5,), "r0")]  # each once, in order
 
     asyncio.run(run())
 
