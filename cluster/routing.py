@@ -347,6 +347,70 @@ def prompt_text(payload: dict, adapter: str = "") -> str:
     return f"{adapter}\x01{text}" if adapter else text
 
 
+class InFlight:
+    """Requests in flight at each replica, as the load bound counts them.
+
+    Serve's cached queue length of a replica is the replica's own count as of its answer to
+    the router's last send there, moved by one for each send and completion since. It stays
+    high after a burst: a completion applied before the answer that still counted it leaves
+    the request counted until the entry times out (10 s), and a replica that looks over the
+    bound is sent nothing that would correct it. So the router counts its own requests in
+    flight exactly (``sent``/``done``: Serve's on_send_request, which it calls before it could
+    learn of the call's end, and on_request_completed, which it calls once for every call
+    sent, refused or not), hears the other ingress replicas' counts through the
+    ingress ledger (``heard``, half a second late), and takes as a replica's load the lesser
+    of the two (``load``): Serve's count still covers callers that share nothing.
+    """
+
+    def __init__(self, *, horizon_s: float = 3.0, clock: Callable[[], float] = time.time):
+        """``horizon_s``: how long another router's count stands without a newer one (it
+        sends one twice a second while its ingress replica runs)."""
+        if horizon_s <= 0:
+            raise ValueError(f"{horizon_s=} must be > 0")
+        self.horizon_s = horizon_s
+        self._clock = clock
+        self._mine: dict[str, int] = {}  # replica id -> this router's calls in flight there
+        self._others: dict[str, tuple[dict[str, int], float]] = {}  # router -> (its counts, when sent)
+
+    def sent(self, replica_id: str) -> None:
+        """A call went to ``replica_id`` (whether the replica then takes it or not)."""
+        self._mine[replica_id] = self._mine.get(replica_id, 0) + 1
+
+    def done(self, replica_id: str) -> None:
+        """A call ``sent`` there finished, whatever its outcome (a refusal included)."""
+        left = self._mine.get(replica_id, 0) - 1
+        if left > 0:
+            self._mine[replica_id] = left
+        else:
+            self._mine.pop(replica_id, None)
+
+    def mine(self) -> dict[str, int]:
+        """This router's calls in flight by replica (a copy: another thread shares it)."""
+        return self._mine.copy()
+
+    def heard(self, router: str, counts: dict[str, int], at: float) -> None:
+        """Another router's ``mine()``, taken at ``at`` (its clock, time.time())."""
+        held = self._others.get(router)
+        if held is None or at >= held[1]:
+            self._others[router] = (dict(counts), at)
+
+    def forget_others(self, live: Iterable[str]) -> None:
+        """Drops what is counted at replicas not in ``live`` (they stopped)."""
+        live = set(live)
+        for rid in [r for r in self._mine if r not in live]:
+            del self._mine[rid]
+
+    def load(self, replica_id: str, cached: int | None) -> int:
+        """``replica_id``'s load: this router's calls in flight there plus the other routers'
+        recent counts, or Serve's cached queue length ``cached`` where that is less (None:
+        Serve holds none)."""
+        now = self._clock()
+        for router in [r for r, (_, at) in self._others.items() if now - at > self.horizon_s]:
+            del self._others[router]  # its ingress replica stopped, or cannot reach the ledger
+        counted = self._mine.get(replica_id, 0) + sum(c.get(replica_id, 0) for c, _ in self._others.values())
+        return counted if cached is None else min(counted, cached)
+
+
 class PrefixAffinity:
     """Which replicas recently served prompts starting with which text, so that a prompt
     goes where its start is likely in the prefix cache.
@@ -405,6 +469,7 @@ class PrefixAffinity:
 __all__ = [
     "HeldReport",
     "HotAdapterTracker",
+    "InFlight",
     "PrefixAffinity",
     "PLACEMENT_CHOICES",
     "ROUTING_OUTCOMES",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+import uuid
 import weakref
 from collections import Counter, deque
 
@@ -22,7 +23,7 @@ from ray.serve._private.request_router.pow_2_router import (
 from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.routing import (
-    HeldReport, HotAdapterTracker, PrefixAffinity, ReplicaView, ResidencyEstimate, prompt_text, route,
+    HeldReport, HotAdapterTracker, InFlight, PrefixAffinity, ReplicaView, ResidencyEstimate, prompt_text, route,
     routing_outcome,
 )
 
@@ -40,13 +41,17 @@ _ROUTING_OUTCOMES: dict[tuple[str, str], Counter] = {}
 # ingress shares them (share_routes), at most ROUTES_HELD. A record is a plain tuple (the
 # ledger keeps them as they are):
 #   ("prefix", prompt keys, replica id): a prompt went there (PrefixAffinity's block keys);
-#   ("adapter", replica id, adapter, time.time() when sent): a request for the adapter went there.
+#   ("adapter", replica id, adapter, time.time() when sent): a request for the adapter went there;
+#   ("inflight", this process's token, replica id -> calls in flight, time.time()): added by
+#   take_routes, the load this process's routers have at each replica (InFlight).
 _ROUTES_OUT: dict[tuple[str, str], deque] = {}
 # (app, deployment) -> the affinity routers of this process (each applies the other ingress
 # replicas' records given to it before it next routes).
 _ROUTERS: dict[tuple[str, str], weakref.WeakSet] = {}
 _ROUTERS_LOCK = threading.Lock()  # routers join on their thread, give_routes reads on the ingress's
 ROUTES_HELD = 4096
+# Names this process's routers in the records it shares.
+_PROCESS_TOKEN = uuid.uuid4().hex
 
 # The model server's method that generates (the requests whose routing outcomes count).
 _INFERENCE_METHOD = "generate"
@@ -84,11 +89,20 @@ def share_routes(app: str, deployment: str) -> None:
 
 def take_routes(app: str, deployment: str) -> list[tuple]:
     """The routing records (see _ROUTES_OUT) this process's routers made since the last
-    call, oldest first (share_routes must have been called)."""
-    out = _module()._ROUTES_OUT[app, deployment]
+    call, oldest first, then what this process's routers have in flight at each replica
+    (share_routes must have been called)."""
+    module = _module()
+    out = module._ROUTES_OUT[app, deployment]
     taken = []
     while out:  # the routers append meanwhile, on their own thread
         taken.append(out.popleft())
+    with module._ROUTERS_LOCK:
+        routers = list(module._ROUTERS.get((app, deployment), ()))
+    if routers:
+        in_flight = Counter()
+        for router in routers:
+            in_flight.update(router._in_flight.mine())
+        taken.append(("inflight", module._PROCESS_TOKEN, dict(in_flight), time.time()))
     return taken
 
 
@@ -193,6 +207,10 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
     router's view of which adapters the replicas hold includes the others' sends, and an
     adapter is hot by the requests of every ingress replica, not one's share.
 
+    A replica's load under the bound is what this router has in flight there plus what the
+    other ingress replicas last said they have, or Serve's cached queue length where that is
+    less (cluster.routing.InFlight says why Serve's alone would not do).
+
     A replica found for a request goes to the oldest pending request for the same adapter,
     else the oldest pending request (FIFOMixin, as Serve's default router). The base
     router would match only the exact request, by an internal id that the calls of one
@@ -215,6 +233,7 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         self._hot = HotAdapterTracker(hot_rate=hot_rate, max_homes=max_homes, half_life_s=half_life_s)
         self._prefixes = PrefixAffinity()
         self._residency = ResidencyEstimate(horizon_s=residency_horizon_s)
+        self._in_flight = InFlight()  # the load the bound counts
         # Other ingress replicas' routing records (give_routes), for this router's thread to apply.
         self._routes_in: deque = deque(maxlen=ROUTES_HELD)
 
@@ -224,6 +243,7 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         with module._ROUTERS_LOCK:
             module._ROUTERS.setdefault(key, weakref.WeakSet()).add(self)
         super().update_replicas(replicas)
+        self._in_flight.forget_others(r.replica_id.unique_id for r in replicas)
 
     async def choose_replicas(
         self,
@@ -236,7 +256,8 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self._apply_routes_in()
         views = [
-            replica_view(r, self._replica_queue_len_cache.get(r.replica_id) or 0, self._residency)
+            replica_view(r, self._in_flight.load(r.replica_id.unique_id, self._replica_queue_len_cache.get(r.replica_id)),
+                         self._residency)
             for r in candidate_replicas
         ]
         homes = self._hot.homes(adapter, len(views)) if adapter else 1
@@ -266,6 +287,9 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
                 self._hot.record(adapter)
                 if rid in known:
                     self._residency.record(rid, adapter, at=sent_at)
+            elif record[0] == "inflight":
+                _, token, counts, at = record
+                self._in_flight.heard(token, counts, at)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         # Counted once per routed request (choose_replicas may run again on a retry).
@@ -281,6 +305,14 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
             if adapter:
                 out.append(("adapter", rid, adapter, time.time()))
         super().on_request_routed(pending_request, replica_id, result)  # outcome, then residency
+
+    def on_send_request(self, replica_id) -> None:
+        self._in_flight.sent(replica_id.unique_id)
+        super().on_send_request(replica_id)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._in_flight.done(replica_id.unique_id)
+        super().on_request_completed(replica_id, internal_request_id)
 
 
 class MultiplexMetricsRouter(ReplicaMetricsMixin, PowerOfTwoChoicesRequestRouter):

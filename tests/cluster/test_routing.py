@@ -17,6 +17,7 @@ from ray.serve._private.test_utils import FakeRunningReplica
 from cluster.routing import (
     HeldReport,
     HotAdapterTracker,
+    InFlight,
     PrefixAffinity,
     ReplicaView,
     ResidencyEstimate,
@@ -265,6 +266,32 @@ def test_hot_tracker_rejects_bad_config():
         HotAdapterTracker(hot_rate=1.0, max_homes=0)
 
 
+def test_in_flight_counts_each_call_until_it_finishes_and_the_others_until_they_go_quiet():
+    now = [100.0]
+    counts = InFlight(horizon_s=3.0, clock=lambda: now[0])
+    for rid in ("r0", "r0", "r0", "r1"):
+        counts.sent(rid)
+    assert counts.mine() == {"r0": 3, "r1": 1}
+    counts.done("r0")
+    counts.done("r1")
+    counts.done("r1")  # a call Serve failed to send, yet says finished: no count below 0
+    assert counts.mine() == {"r0": 2}
+    counts.heard("ingress-b", {"r0": 4, "r1": 2}, at=99.0)
+    counts.heard("ingress-b", {"r0": 9}, at=98.0)  # an older count, arriving late: kept out
+    assert [counts.load(r, None) for r in ("r0", "r1")] == [6, 2]
+    assert counts.load("r0", 1) == 1  # Serve's cached count is less: it stands
+    now[0] = 101.9
+    assert counts.load("r1", None) == 2
+    now[0] = 102.1  # ingress-b sent nothing for more than the horizon: it is gone
+    assert [counts.load(r, None) for r in ("r0", "r1")] == [2, 0]
+    counts.forget_others(["r1"])  # r0 stopped
+    assert counts.mine() == {} and counts.load("r0", None) == 0
+    counts.done("r0")  # its last call's completion, after it stopped: nothing
+    assert counts.mine() == {}
+    with pytest.raises(ValueError, match="horizon_s"):
+        InFlight(horizon_s=0)
+
+
 def test_residency_estimate_replays_the_sends_after_the_report():
     clock = FakeClock()
     est = ResidencyEstimate(horizon_s=2.0, skew_s=0.1, clock=clock)
@@ -420,8 +447,41 @@ def test_serve_router_skips_a_full_holder():
         holder = rendezvous_order("a1", ids)[0]
         replicas = [StatsReplica(r, routing_stats(_rows(slot_names=["a1"] if r == holder else []), {})) for r in ids]
         router.update_replicas(replicas)
+        holder_id = replicas[ids.index(holder)].replica_id
         for _ in range(5):
-            router.on_send_request(replicas[ids.index(holder)].replica_id)
+            router.on_send_request(holder_id)
+        ranks = await router.choose_replicas(replicas, _pending("a1"))
+        assert ranks[0][0].replica_id.unique_id != holder
+        for i in range(5):
+            router.on_request_completed(holder_id, f"q{i}")
+        ranks = await router.choose_replicas(replicas, _pending("a1"))
+        assert ranks[0][0].replica_id.unique_id == holder
+
+    asyncio.run(run())
+
+
+def test_serve_router_does_not_skip_a_holder_only_serves_stale_count_calls_busy():
+    """Serve's cached queue length of a replica can stay high after a burst (a completion
+    applied before the replica's answer that still counted it): while this router has
+    nothing in flight there and no other ingress replica says it has, the holder is not
+    over the bound. A replica Serve counts as less busy than the router does is as busy as
+    Serve says (it counts every caller, and knows of finished calls first)."""
+    async def run():
+        router = _router()
+        ids = ["r0", "r1"]
+        holder = rendezvous_order("a1", ids)[0]
+        replicas = [StatsReplica(r, routing_stats(_rows(slot_names=["a1"] if r == holder else []), {})) for r in ids]
+        router.update_replicas(replicas)
+        holder_id = replicas[ids.index(holder)].replica_id
+        router._replica_queue_len_cache.update(holder_id, 6)  # a burst's leftover
+        ranks = await router.choose_replicas(replicas, _pending("a1"))
+        assert ranks[0][0].replica_id.unique_id == holder
+        for _ in range(5):
+            router.on_send_request(holder_id)
+        router._replica_queue_len_cache.update(holder_id, 1)  # four of them finished there already
+        ranks = await router.choose_replicas(replicas, _pending("a1"))
+        assert ranks[0][0].replica_id.unique_id == holder
+        router._replica_queue_len_cache.update(holder_id, 5)
         ranks = await router.choose_replicas(replicas, _pending("a1"))
         assert ranks[0][0].replica_id.unique_id != holder
 
@@ -468,20 +528,30 @@ def test_a_conversation_finds_its_replica_through_another_ingress_replicas_route
         for router in (a, b):
             router.update_replicas([r0, r1])
         # r0 is busy, so the first turn goes to r1 (its least loaded).
-        a._replica_queue_len_cache.update(r0.replica_id, 3)
+        for _ in range(3):
+            a.on_send_request(r0.replica_id)
         [[chosen], _] = await a.choose_replicas([r0, r1], _pending("", {"prompt": first}))
         assert chosen is r1
+        a.on_send_request(r1.replica_id)
         a.on_request_routed(_pending("", {"prompt": first}), r1.replica_id, None)
         second = {"prompt": first + " A small wild dog. And what is a cat?"}
         # Without a's records, b sends the second turn to r0 (no load known, first by id).
         [[alone], _] = await b.choose_replicas([r0, r1], _pending("", second))
         assert alone is r0
         records = take_routes("ingress-a", "LoRAModelServer")
-        assert [(r[0], r[2]) for r in records] == [("prefix", "r1")]  # a base-model request: no adapter
-        assert take_routes("ingress-a", "LoRAModelServer") == []
+        # A base-model request: no adapter. Then what a has in flight where.
+        assert [(r[0], r[2]) for r in records] == [("prefix", "r1"), ("inflight", {"r0": 3, "r1": 1})]
+        assert [r[0] for r in take_routes("ingress-a", "LoRAModelServer")] == ["inflight"]  # each record once
         give_routes("ingress-b", "LoRAModelServer", records)
         [[shared], _] = await b.choose_replicas([r0, r1], _pending("", second))
         assert shared is r1
+        # b counts a's calls in flight in the replicas' loads, until a says otherwise.
+        assert [b._in_flight.load(r, None) for r in ("r0", "r1")] == [3, 1]
+        for i in range(3):
+            a.on_request_completed(r0.replica_id, f"busy{i}")
+        give_routes("ingress-b", "LoRAModelServer", take_routes("ingress-a", "LoRAModelServer"))
+        await b.choose_replicas([r0, r1], _pending("", second))  # b applies what it was given
+        assert [b._in_flight.load(r, None) for r in ("r0", "r1")] == [0, 1]
 
     asyncio.run(run())
     # Only a deployment whose ingress shares them keeps records for take_routes.
@@ -507,7 +577,7 @@ def test_an_adapter_sent_through_another_ingress_replica_counts_as_held_there():
         [[alone], _] = await b.choose_replicas(list(replicas.values()), _pending("x"))
         assert alone.replica_id.unique_id == home and b._hot.rate("x") == 0
         records = take_routes("ingress-c", "LoRAModelServer")
-        assert [r[:3] for r in records] == [("adapter", other, "x")]
+        assert [r[:3] for r in records if r[0] != "inflight"] == [("adapter", other, "x")]
         give_routes("ingress-d", "LoRAModelServer", records)
         [[shared], _] = await b.choose_replicas(list(replicas.values()), _pending("x"))
         assert shared.replica_id.unique_id == other and b._hot.rate("x") > 0
