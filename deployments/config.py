@@ -75,6 +75,10 @@ class AppArgs(BaseModel):
     prefix_cache_min_tokens: int = Field(
         16, description="Shortest cached prompt prefix worth using; shorter ones are recomputed."
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: requests run in arrival order (warm adapters first) and a request's priority "
+        "must be 0. priority: lowest priority first, and a waiting request preempts running ones of a higher "
+        "value for a batch row or KV blocks (vLLM's priority scheduling).")
     max_loras_per_batch: int = Field(4, description="Device adapter slots per replica.")
     max_lora_rank: int = Field(
         64, description="Largest adapter rank accepted; each slot is this wide (smaller ranks zero-padded)."
@@ -407,6 +411,7 @@ class AppArgs(BaseModel):
             compilation_cache_dir=self.compilation_cache_dir,
             scan_layers=self.scan_layers,
             stream_interval=self.stream_interval,
+            scheduling_policy=self.scheduling_policy,
         )
 
     def adapter_validator(self):

@@ -625,7 +625,8 @@ class OpenAIIngress:
                               f"{len(jobs)} sequences; at most {MAX_PROMPTS} in one request", param=field)
         payloads = [
             {"kind": "completion", "prompt": prompt, "sampling": sp, "echo": body.echo,
-             "truncate_prompt_tokens": body.truncate_prompt_tokens, "request_id": _choice_id(rid, k, len(jobs))}
+             "truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority,
+             "request_id": _choice_id(rid, k, len(jobs))}
             for k, (_, prompt, sp) in enumerate(jobs)
         ]
         return await self._respond(body, caller, rid, payloads, [i for i, _, _ in jobs], chat=False)
@@ -644,7 +645,7 @@ class OpenAIIngress:
         tools = body.tool_request()
         return [{"kind": "chat", "messages": body.chat_messages(), "template": body.template_options(),
                  "sampling": sp, "tools": tools, "truncate_prompt_tokens": body.truncate_prompt_tokens,
-                 "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
+                 "priority": body.priority, "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
 
     @app.post("/v1/responses", responses={**STREAMABLE, **INFERENCE})
     async def responses(self, body: ResponsesRequest, authorization: str | None = Header(None)):

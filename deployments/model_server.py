@@ -217,7 +217,8 @@ class LoRAModelServer:
             prompt, reasoning = self._prompt(request)
             params = self._sampling(request, prompt)
             echo_text = self._echo_text(prompt) if request.get("echo") else None
-            stream = self._engine.generate(prompt, params, request_id=rid, adapter=adapter)
+            stream = self._engine.generate(prompt, params, request_id=rid, adapter=adapter,
+                                           priority=request.get("priority", 0))
             first = await anext(stream)
         except ServingError as e:
             trace.finish("error", 0, 0)

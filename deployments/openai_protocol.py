@@ -142,6 +142,9 @@ class _Request(_Body):
     skip_special_tokens: bool = Field(True, description="Extension (vLLM): leave special tokens out of the text.")
     include_stop_str_in_output: bool = Field(False, description="Extension (vLLM): keep the stop string that ended it.")
     user: str | None = Field(None, description="End-user id, recorded in logs only.")
+    priority: int = Field(
+        0, ge=-2**31, lt=2**31, description="Extension (vLLM): lower is served first, and may preempt running "
+        "requests of a higher value; not 0 only where the deployment's scheduling_policy is priority.")
     truncate_prompt_tokens: int | None = Field(
         None, description="Extension (vLLM): keep only the prompt's last k tokens (after the chat template); -1: "
         "as many as leave room for max_tokens within max_seq_len.")

@@ -52,6 +52,7 @@ class ResponsesRequest(_Body):
                                       "log-probabilities; other values change nothing.")
     truncation: Literal["auto", "disabled"] | None = Field(
         None, description="auto: drop the input's first tokens so it fits with max_output_tokens.")
+    priority: int = Field(0, description="Extension (vLLM): as the chat request's priority.")
     # Taken, changing nothing here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -91,7 +92,7 @@ class ResponsesRequest(_Body):
         """The chat request this response is computed as (OpenAIError 400 naming the field)."""
         body: dict[str, Any] = {
             "model": self.model, "messages": self._messages(), "temperature": self.temperature, "top_p": self.top_p,
-            "stream": self.stream, "parallel_tool_calls": self.parallel_tool_calls,
+            "stream": self.stream, "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority,
         }
         if self.stream:
             body["stream_options"] = {"include_usage": True}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -108,6 +110,10 @@ class EngineConfig(BaseModel):
         1, ge=1, description="Least new tokens in a stream item after the first (the first token goes "
         "at once, and an item that finishes the request goes at once): a larger interval sends fewer, "
         "larger items, which costs the serving path less per token at the cost of a burstier stream.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: requests are admitted in arrival order (warm adapters first) and a "
+        "request's priority must be 0. priority: the most urgent (lowest) priority first, and a waiting "
+        "request preempts running ones of a less urgent priority for a batch row or KV blocks.")
     max_wait_steps: int = Field(
         32,
         ge=1,

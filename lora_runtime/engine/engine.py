@@ -281,16 +281,19 @@ class Engine:
         request_id: str | None = None,
         adapter: str | None = None,
         grammar: GrammarMatcher | None = None,
+        priority: int = 0,
     ) -> str:
         """Validates and queues a request; `emit` gets its outputs on the loop thread.
         `grammar`: the request's matcher when the caller compiled params.guided already (else
-        it is compiled here, on the caller's thread).
+        it is compiled here, on the caller's thread). `priority`: lower is more urgent
+        (scheduler.py); not 0 only where config.scheduling_policy is "priority".
 
         Raises a ServingError (nothing is queued) for a bad prompt, bad parameters, a grammar
         that does not compile or an unknown adapter.
         """
         self._check_accepting()
         params.validate(self.model_config.vocab_size)
+        self._check_priority(priority)
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) + params.max_tokens > self.config.max_seq_len:
             raise InvalidRequestError(
@@ -322,10 +325,19 @@ class Engine:
             allowed_mask=None if params.allowed_token_ids is None else token_set_mask(
                 params.allowed_token_ids, self.model_config.vocab_size),
             bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words),
+            priority=priority,
         )
         self._inbox.put(("add", seq))
         self._wake.set()
         return request_id
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+            raise InvalidRequestError(f"priority={priority!r} must be an integer in [-2**31, 2**31)", param="priority")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority={priority} needs scheduling by priority; this deployment schedules first come, first "
+                f"served (scheduling_policy={self.config.scheduling_policy!r})", param="priority")
 
     def _check_accepting(self) -> None:
         if not self._accepting:
@@ -407,6 +419,7 @@ class Engine:
         *,
         request_id: str | None = None,
         adapter: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; closing the iterator early aborts the request. An
         item carries everything produced since the previous one: outputs that queued up
@@ -421,8 +434,10 @@ class Engine:
 
         # A grammar compiles on the compiler's thread: this event loop serves others meanwhile.
         self._check_accepting()
+        self._check_priority(priority)  # before a grammar compiles for it
         grammar = None if params.guided is None else await self.grammars.matcher_async(params.guided)
-        request_id = self.submit(prompt, params, emit, request_id=request_id, adapter=adapter, grammar=grammar)
+        request_id = self.submit(prompt, params, emit, request_id=request_id, adapter=adapter, grammar=grammar,
+                                 priority=priority)
         finished = False
         held: RequestOutput | None = None  # an error taken while merging: raised after what came before
         interval = self.config.stream_interval

@@ -16,6 +16,13 @@ shares blocks that a running request is still computing waits for them.
 When a decode step needs a block and none is free, the newest running requests are
 preempted: their blocks go back (full ones stay cached), and they wait at the front of the
 queue to recompute prompt and output so far, then continue where they stopped.
+
+Each request has a priority (lower is more urgent; 0 unless the deployment schedules by
+priority). Waiting requests are admitted most urgent first; one that finds no row or no
+blocks preempts running requests of a less urgent priority, least urgent and newest first,
+and a decode step short of blocks preempts the same way. The wait bound above applies among
+the most urgent waiting requests, so a less urgent one waits as long as more urgent ones
+keep coming (as vLLM's priority scheduling).
 """
 
 from __future__ import annotations
@@ -115,25 +122,28 @@ class Scheduler:
         engine runs alone); without, suspects are not considered.
         """
         out = Admission()
-        if not self.waiting or not self.free_rows:
+        if not self.waiting:
             return out
+        top = min(s.priority for s in self.waiting)
+        if not self.free_rows and not any(s.priority > top for s in self.running.values()):
+            return out  # no row, and none a waiting request may preempt
         budget = self.config.prefill_budget
         packed_budget = budget if packed_budget is None else packed_budget
-        oldest = self.waiting[0]
+        oldest = next(s for s in self.waiting if s.priority == top)  # first in line of the most urgent
         starving = only is None and self.step - oldest.arrival > self.config.max_wait_steps
         if only is not None:
             candidates = [only] if only in self.waiting else []
         elif starving:
             candidates = [oldest]  # starving: nothing else joins until it does
         else:
-            candidates = sorted(self.waiting, key=lambda s: (not self._is_warm(s), s.arrival, s.order))
+            candidates = sorted(self.waiting, key=lambda s: (s.priority, not self._is_warm(s), s.arrival, s.order))
         if only is None:
             candidates = [s for s in candidates if s.suspect_steps == 0]
         used = 0
         self.growth_ratio = max(GROWTH_RATIO_MIN, self.growth_ratio - GROWTH_RATIO_DECAY)
         reserve = sum(self._growth(s) for s in self.running.values())
         for seq in candidates:
-            if not self.free_rows:
+            if not self.free_rows and not self._preempt_below(seq):
                 break
             hits = self._lookup(seq, self._predicted_key(seq))
             if not starving and self._sharer_computing(seq, len(hits)):
@@ -141,8 +151,14 @@ class Scheduler:
             packed = not hits and seq.prefill_len <= budget
             if packed and used + seq.prefill_len > packed_budget:
                 continue  # waits for the next packed step rather than computing alone
+            while not self._fits(seq, hits, reserve):
+                if not self._preempt_below(seq):
+                    break
+                hits = self._lookup(seq, seq.kv_key)  # the victim's blocks may be among them, freed
+                reserve = sum(self._growth(s) for s in self.running.values())
             if not self._fits(seq, hits, reserve):
                 break  # the blocks come back as running requests finish; keep the queue's order
+            packed = not hits and seq.prefill_len <= budget
             try:
                 if not self._take_slot(seq):
                     continue
@@ -167,6 +183,15 @@ class Scheduler:
             else:
                 self.extending.append(seq)
         return out
+
+    def _preempt_below(self, seq: Sequence) -> bool:
+        """Preempts the least urgent, newest running sequence if it is less urgent than `seq`
+        (its priority is greater); whether there was one."""
+        lower = [s for s in self.running.values() if s.priority > seq.priority]
+        if not lower:
+            return False
+        self.preempt(max(lower, key=lambda s: (s.priority, s.order)))
+        return True
 
     def _fits(self, seq: Sequence, hits: list[int], reserve: int) -> bool:
         free_hits = sum(self.pool.refcount(b) == 0 for b in hits)  # taking them removes them from the free queue
@@ -307,7 +332,7 @@ class Scheduler:
                 continue
             while self.pool.num_free == 0:
                 self.growth_ratio = min(1.0, self.growth_ratio + GROWTH_RATIO_STEP)
-                victim = max(self.running.values(), key=lambda s: s.order)
+                victim = max(self.running.values(), key=lambda s: (s.priority, s.order))
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:

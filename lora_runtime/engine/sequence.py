@@ -58,6 +58,7 @@ class Sequence:
     emit: Callable[[RequestOutput], None]
     detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
+    priority: int = 0  # lower is admitted first, and may preempt higher (scheduler.py)
     arrival: int = 0  # engine step at arrival
     order: int = 0  # arrival order among all sequences (the newest is preempted first)
     row: int | None = None  # batch row while running (its sampling state and block table row)

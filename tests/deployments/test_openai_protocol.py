@@ -29,6 +29,10 @@ def test_completion_sampling_fields():
     assert CompletionRequest(model="m", prompt="hi", top_k=-1).sampling(16)["top_k"] == -1  # vLLM's "off"
     assert s["allowed_token_ids"] is None and s["bad_words"] == ()
     assert CompletionRequest(model="m", prompt="hi", bad_words=["x y"]).sampling(16)["bad_words"] == ("x y",)
+    assert CompletionRequest(model="m", prompt="hi").priority == 0
+    assert CompletionRequest(model="m", prompt="hi", priority=-5).priority == -5
+    with pytest.raises(ValidationError, match="priority"):
+        CompletionRequest(model="m", prompt="hi", priority=2**31)
     limited = CompletionRequest(model="m", prompt="hi", allowed_token_ids=[3, 4]).sampling(16)
     assert limited["allowed_token_ids"] == (3, 4)
     for keep in (-1, 1, 4096):

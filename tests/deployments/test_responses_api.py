@@ -43,6 +43,7 @@ def test_input_items_become_the_chat_a_template_reads():
     assert plain.chat_messages() == [{"role": "user", "content": "hi"}]
     assert plain.guided().kind == "json_schema" and plain.logprobs_wanted() == 2
     assert plain.truncate_prompt_tokens == -1
+    assert plain.priority == 0 and ResponsesRequest(model="m", input="hi", priority=-3).chat_request().priority == -3
 
 
 @pytest.mark.parametrize("body, param, says", [

@@ -4,6 +4,7 @@ an unpreempted run gives (greedy, seeded sampling, penalties, log-probabilities)
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -38,14 +39,16 @@ def _engine(checkpoint, **overrides) -> Engine:
 
 @pytest.fixture(scope="module")
 def roomy(checkpoint):
-    eng = _engine(checkpoint)
+    # Scheduled by priority: with every priority 0, as first come, first served.
+    eng = _engine(checkpoint, scheduling_policy="priority")
     yield eng
     eng.shutdown()
 
 
 @pytest.fixture(scope="module")
 def tight(checkpoint):
-    """10 blocks of 16 tokens: four requests of ~8 + 40 tokens need 12 at their longest."""
+    """10 blocks of 16 tokens: four requests of ~8 + 40 tokens need 12 at their longest (as
+    many as its batch rows)."""
     config = ModelConfig.from_pretrained(str(checkpoint))
     eng = _engine(checkpoint, kv_cache_bytes=11 * block_bytes(config, 16))  # 10 usable + the null block
     yield eng
@@ -114,3 +117,49 @@ def test_preempted_constrained_streams_keep_their_grammar(roomy, tight):
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.finish_reason == "length"
         assert g.text.startswith("[") and all(part.strip().isdigit() for part in g.text[1:].split(",")[:-1])
+
+
+def test_an_urgent_request_preempts_the_least_urgent_and_every_stream_keeps_its_tokens(roomy):
+    """With every row taken by requests of priority 1, a request of priority 0 takes the
+    newest one's row at once and finishes first; the preempted one recomputes and gives the
+    tokens it would have given alone."""
+    urgent_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    long = [dataclasses.replace(p, max_tokens=96) for p in PARAMS]
+    want = roomy.generate_batch(PROMPTS + ["urgent:"], long + [urgent_params])
+    tokens: dict[int, list[int]] = {i: [] for i in range(5)}
+    finished: list[int] = []
+    started, done = threading.Semaphore(0), threading.Semaphore(0)
+
+    def emitter(i):
+        def emit(out):
+            if not tokens[i] and out.token_ids:
+                started.release()
+            tokens[i] += out.token_ids
+            if out.finished:
+                finished.append(i)
+                done.release()
+        return emit
+
+    before = roomy.stats()["preemptions"]
+    for i, (prompt, params) in enumerate(zip(PROMPTS, long)):
+        roomy.submit(prompt, params, emitter(i), priority=1)
+    for _ in range(4):
+        assert started.acquire(timeout=120)  # all four rows decode
+    roomy.submit("urgent:", urgent_params, emitter(4), priority=0)
+    for _ in range(5):
+        assert done.acquire(timeout=120)
+    assert finished[0] == 4 and roomy.stats()["preemptions"] == before + 1
+    assert [tokens[i] for i in range(5)] == [w.token_ids for w in want]
+    assert roomy.scheduler.pool.num_free == roomy.scheduler.pool.usable
+
+
+def test_a_priority_needs_scheduling_by_priority(tight):
+    from lora_runtime.errors import InvalidRequestError
+
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(InvalidRequestError, match="scheduling_policy='fcfs'") as caught:
+        tight.submit("hi", params, lambda out: None, priority=1)
+    assert caught.value.param == "priority"
+    with pytest.raises(InvalidRequestError, match="must be an integer"):
+        tight.submit("hi", params, lambda out: None, priority=2**31)
+    assert not tight.scheduler.waiting and not tight.scheduler.running

@@ -179,3 +179,73 @@ def test_no_block_leaks_after_a_random_workload():
     assert not sched.has_work() and not pending
     assert sched.pool.num_free == sched.pool.usable and sched.preemptions > 0 and sched.pool.num_cached > 0
     assert not sched._pending
+
+
+def _prio(prompt, rid, priority, **params) -> Sequence:
+    seq = _seq(prompt, rid, **params)
+    seq.priority = priority
+    return seq
+
+
+def test_the_most_urgent_waiting_request_is_admitted_first_and_preempts_less_urgent_ones_for_a_row():
+    sched = _sched()  # 3 rows
+    low = [_prio(range(i, i + 20), f"low{i}", 5) for i in range(3)]
+    for s in low:
+        sched.add(s)
+    assert sched.admit().packed == low
+    _prefill(sched, low)
+    sched.step += 1
+    late, urgent, same = _prio(range(100, 110), "late", 5), _prio(range(200, 210), "urgent", -1), \
+        _prio(range(300, 310), "same", 5)
+    for s in (late, urgent, same):
+        sched.add(s)
+    adm = sched.admit()
+    # The urgent one takes the newest low-priority row; requests of equal priority preempt nothing.
+    assert adm.packed == [urgent] and low[2].row is None and low[2].preemptions == 1
+    assert [s.request_id for s in sched.waiting] == ["low2", "late", "same"]
+    assert sorted(s.request_id for s in sched.running.values()) == ["low0", "low1", "urgent"]
+    _check_accounting(sched)
+
+
+def test_a_request_short_of_blocks_preempts_less_urgent_ones_least_urgent_first():
+    sched = _sched(num_blocks=11)  # 10 usable blocks of 16 tokens
+    mid, low = _prio(range(0, 60), "mid", 1), _prio(range(100, 160), "low", 2)  # 4 blocks each
+    for s in (mid, low):
+        sched.add(s)
+    assert sched.admit().packed == [mid, low]
+    _prefill(sched, [mid, low])
+    sched.step += 1
+    urgent = _prio(range(200, 250), "urgent", 0, max_tokens=1)  # 4 blocks
+    sched.add(urgent)
+    assert sched.admit().placed == [urgent]
+    assert low.row is None and mid.row is not None  # the least urgent went, and only it
+    _check_accounting(sched)
+    # A decode step short of a block takes it from the least urgent running request too.
+    for s in (mid, urgent):
+        sched.computed(s, s.prefill_len - s.computed)
+    victims = []
+    while not victims:
+        for s in sched.decoding():
+            s.output_ids.append(1)
+        victims = sched.reserve_decode_blocks()
+    assert victims == [mid]
+    _check_accounting(sched)
+
+
+def test_without_priorities_nothing_is_preempted_for_a_waiting_request():
+    sched = _sched(num_blocks=9)
+    first = _seq(range(0, 120), "a")  # 8 blocks: all of them
+    sched.add(first)
+    sched.admit()
+    second = _seq(range(200, 210), "b")
+    sched.add(second)
+    assert sched.admit().placed == [] and first.row is not None and first.preemptions == 0
+
+
+def test_the_wait_bound_holds_among_the_most_urgent():
+    sched = _sched(CONFIG.model_copy(update={"max_wait_steps": 1, "max_batch": 1}))
+    low, urgent = _prio(range(0, 20), "low", 3), _prio(range(50, 70), "urgent", 0)
+    sched.add(low)
+    sched.step += 5  # low has waited past the bound...
+    sched.add(urgent)
+    assert sched.admit().packed == [urgent]  # ...yet a more urgent one goes first

@@ -820,6 +820,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "reverse", "prompt": "x", "truncate_prompt_tokens": 0}, 400,
      "truncate_prompt_tokens"),
     ("/v1/completions", {"model": "reverse", "prompt": "x", "min_tokens": 20, "max_tokens": 4}, 400, "min_tokens"),
+    # A priority where the deployment schedules first come, first served (the engine says so).
+    ("/v1/completions", {"model": "reverse", "prompt": "x", "priority": 1}, 400, "priority"),
+    ("/v1/chat/completions", {"model": "reverse", "messages": [{"role": "user", "content": "x"}],
+                              "priority": 2**31}, 400, "priority"),
     ("/v1/completions", {"model": "reverse", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "reverse", "prompt": []}, 400, "prompt"),
     ("/v1/completions", {"model": "reverse", "prompt": [999999]}, 400, "prompt"),
