@@ -440,14 +440,20 @@ def test_serve_router_sends_an_adapter_to_its_holder_and_routes_through_serve():
     asyncio.run(run())
 
 
+def _two_replicas_one_holding(adapter: str):
+    """A router over replicas r0 and r1, the adapter's rendezvous home holding it: (router,
+    replicas, the holder's id, its ReplicaID)."""
+    router = _router()
+    ids = ["r0", "r1"]
+    holder = rendezvous_order(adapter, ids)[0]
+    replicas = [StatsReplica(r, routing_stats(_rows(slot_names=[adapter] if r == holder else []), {})) for r in ids]
+    router.update_replicas(replicas)
+    return router, replicas, holder, replicas[ids.index(holder)].replica_id
+
+
 def test_serve_router_skips_a_full_holder():
     async def run():
-        router = _router()
-        ids = ["r0", "r1"]
-        holder = rendezvous_order("a1", ids)[0]
-        replicas = [StatsReplica(r, routing_stats(_rows(slot_names=["a1"] if r == holder else []), {})) for r in ids]
-        router.update_replicas(replicas)
-        holder_id = replicas[ids.index(holder)].replica_id
+        router, replicas, holder, holder_id = _two_replicas_one_holding("a1")
         for _ in range(5):
             router.on_send_request(holder_id)
         ranks = await router.choose_replicas(replicas, _pending("a1"))
@@ -467,12 +473,7 @@ def test_serve_router_does_not_skip_a_holder_only_serves_stale_count_calls_busy(
     over the bound. A replica Serve counts as less busy than the router does is as busy as
     Serve says (it counts every caller, and knows of finished calls first)."""
     async def run():
-        router = _router()
-        ids = ["r0", "r1"]
-        holder = rendezvous_order("a1", ids)[0]
-        replicas = [StatsReplica(r, routing_stats(_rows(slot_names=["a1"] if r == holder else []), {})) for r in ids]
-        router.update_replicas(replicas)
-        holder_id = replicas[ids.index(holder)].replica_id
+        router, replicas, holder, holder_id = _two_replicas_one_holding("a1")
         router._replica_queue_len_cache.update(holder_id, 6)  # a burst's leftover
         ranks = await router.choose_replicas(replicas, _pending("a1"))
         assert ranks[0][0].replica_id.unique_id == holder
