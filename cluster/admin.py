@@ -13,15 +13,21 @@ across the registry, a change to a name another base model holds is refused (409
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import re
 import time
+
+import fsspec
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.base_model import BaseModel, config_fingerprint, entry_base
-from cluster.registry_store import RegistryDoc, RegistryStore
+from cluster.registry_store import RegistryDoc, RegistryStore, merged_store_url
 from lora_runtime.errors import AdapterNotFoundError, InvalidRequestError, ServingError
+
+logger = logging.getLogger(__name__)
 
 ADMIN_NAMESPACE = "multilora"
 # Names travel in URL paths and as Serve multiplexed ids: no slashes or spaces.
@@ -96,6 +102,26 @@ class AdapterValidator:
                 "content_id": adapter.content_id.hex(), **self.base().entry_fields()}
 
 
+    def merge(self, spec, sources: list[str]) -> "MergedFiles":
+        """The files of the adapter ``spec`` merges, read from ``sources`` (one per merged
+        adapter, in order); raises ServingError."""
+        from lora_runtime.lora.merge import merge_adapters
+        from lora_runtime.lora.sources import SourcePolicy, load_adapter
+
+        policy = SourcePolicy(allowed_roots=self.adapter_roots, max_adapter_bytes=self.max_adapter_bytes)
+        adapters = [load_adapter(name, source, policy, self.model_config(), self.max_lora_rank)
+                    for name, source in zip(spec.adapters, sources)]
+        return merge_adapters(spec, adapters, self.model_config().num_layers, self.max_lora_rank)
+
+
+def _write_adapter(url: str, files) -> None:
+    """Writes a merged adapter's two files into folder ``url`` (local path or fsspec URL)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(path, exist_ok=True)
+    fs.pipe_file(f"{path}/adapter_config.json", files.config_json)
+    fs.pipe_file(f"{path}/adapter_model.safetensors", files.safetensors)
+
+
 def resolve_model_path(model: str, *, weights: bool = True) -> str:
     """A local directory of ``model``: 'demo' is the shipped demo checkpoint, a URL is
     copied once into the checkpoint cache (only its metadata files when not ``weights``)."""
@@ -131,6 +157,7 @@ class AdminActor:
     def __init__(self, registry_url: str):
         self._url = registry_url
         self._store = RegistryStore(registry_url)
+        self._merged = merged_store_url(registry_url)
         self._doc: RegistryDoc = self._store.load()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -201,6 +228,62 @@ class AdminActor:
             self._commit(doc)
             return dict(doc.adapters[name], name=name)
 
+    async def register_merged(self, name: str, merge: dict, pinned: bool, validator: AdapterValidator, *,
+                              replace: bool = False) -> dict:
+        """Registers adapter ``name`` as a merge of registered adapters (``merge``: MergeSpec's
+        fields): merges their weights, writes the result beside the registry and registers it
+        like any adapter, recording what it was made of. Later changes to the merged adapters
+        do not change it."""
+        from lora_runtime.lora.merge import MergeSpec
+
+        check_adapter_name(name)
+        spec = MergeSpec.from_dict(merge)
+        base = validator.base()
+        self._check_new(name, base, replace)
+        parts = []
+        for part in spec.adapters:
+            entry = self._changeable(part, base)
+            if entry is None:
+                raise AdapterNotFoundError(f"merge.adapters names {part!r}, which is not registered",
+                                           param="merge.adapters")
+            parts.append(entry)
+        files = await asyncio.to_thread(validator.merge, spec, [e["source"] for e in parts])
+        url = f"{self._merged}/{name}/{hashlib.blake2b(files.safetensors, digest_size=8).hexdigest()}"
+        await asyncio.to_thread(_write_adapter, url, files)
+        try:
+            facts = await asyncio.to_thread(validator.validate, name, url)
+            async with self._lock:
+                self._check_new(name, base, replace)
+                old = self._doc.adapters.get(name)
+                doc = self._doc.copy()
+                doc.version += 1
+                doc.adapters[name] = {
+                    "source": url, "version": doc.version, "pinned": bool(pinned), "created": int(time.time()),
+                    "merged_from": {**spec.record(), "content_ids": [e.get("content_id") for e in parts]},
+                    **facts,
+                }
+                self._commit(doc)
+        except BaseException:
+            if not any(e["source"] == url for e in self._doc.adapters.values()):  # files no entry reads
+                await asyncio.to_thread(self._remove_merged, {"source": url, "merged_from": {}})
+            raise
+        if old is not None and old["source"] != url:
+            await asyncio.to_thread(self._remove_merged, old)
+        return dict(doc.adapters[name], name=name)
+
+    def _remove_merged(self, entry: dict) -> None:
+        """Deletes the files of a merged adapter's entry (none for other entries); a failure is
+        logged, as the entry is gone either way."""
+        source = entry["source"]
+        if "merged_from" not in entry or not source.startswith(self._merged + "/"):
+            return
+        try:
+            fs, path = fsspec.core.url_to_fs(source)
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        except Exception:  # storage refusing a delete must not undo the change
+            logger.warning("could not delete the files of merged adapter at %s", source, exc_info=True)
+
     def _check_new(self, name: str, base: BaseModel, replace: bool) -> None:
         entry = self._changeable(name, base)
         if entry is not None and not replace:
@@ -262,7 +345,8 @@ class AdminActor:
             entry = doc.adapters.pop(name)
             doc.version += 1
             self._commit(doc)
-            return dict(entry, name=name)
+        await asyncio.to_thread(self._remove_merged, entry)
+        return dict(entry, name=name)
 
     async def set_pinned(self, name: str, pinned: bool, base: BaseModel) -> dict:
         async with self._lock:

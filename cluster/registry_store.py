@@ -112,6 +112,14 @@ class RegistryStore:
             self._fs.pipe_file(self._path, data)
 
 
+def merged_store_url(registry_url: str) -> str:
+    """Where the admin actor writes the files of merged adapters: beside the registry
+    document, in a folder named for it (``.../registry.json`` -> ``.../registry-merged``)."""
+    head, _, leaf = registry_url.rstrip("/").rpartition("/")
+    stem = leaf[:-5] if leaf.endswith(".json") else leaf
+    return f"{head}/{stem}-merged" if head else f"{stem}-merged"
+
+
 def _protocols(fs) -> tuple[str, ...]:
     proto = fs.protocol
     return (proto,) if isinstance(proto, str) else tuple(proto)

@@ -405,7 +405,7 @@ class AppArgs(BaseModel):
             lora_backend=self.lora_backend,
             tensor_parallel_size=self.tensor_parallel_size,
             dtype=self.dtype,
-            adapter_roots=self.adapter_roots,
+            adapter_roots=self.source_roots,
             max_adapter_bytes=self.max_adapter_bytes,
             adapter_load_timeout_s=self.adapter_load_timeout_s,
             compilation_cache_dir=self.compilation_cache_dir,
@@ -418,7 +418,7 @@ class AppArgs(BaseModel):
         """The AdapterValidator for these arguments: this base model, these limits."""
         from cluster.admin import AdapterValidator
 
-        return AdapterValidator(self.model, self.max_lora_rank, self.adapter_roots, self.max_adapter_bytes,
+        return AdapterValidator(self.model, self.max_lora_rank, self.source_roots, self.max_adapter_bytes,
                                 base_name=self.served_model_name, lora_dora=self.lora_dora, lora_bias=self.lora_bias,
                                 lora_embedding_modules=self.lora_embedding_modules,
                                 modules_to_save_max_bytes=self.lora_modules_to_save_max_bytes, dtype=self.dtype)
@@ -430,6 +430,16 @@ class AppArgs(BaseModel):
         if self.model_name is not None:
             return self.model_name
         return "demo" if self.is_demo else os.path.basename(self.model.rstrip("/"))
+
+    @property
+    def source_roots(self) -> list[str] | None:
+        """Where adapters may be read from: ``adapter_roots`` and the folder the admin actor
+        writes merged adapters to (None: anywhere)."""
+        if self.adapter_roots is None:
+            return None
+        from cluster.registry_store import merged_store_url
+
+        return [*self.adapter_roots, merged_store_url(self.resolved_registry_url)]
 
     @property
     def resolved_registry_url(self) -> str:

@@ -277,7 +277,8 @@ def _model_not_found(model: str, base: str) -> OpenAIError:
 
 
 def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
-    return OpenAIError(str(e), status_code=e.status_code, error_type=e.error_type, param=param, code=e.code)
+    return OpenAIError(str(e), status_code=e.status_code, error_type=e.error_type,
+                       param=param if param is not None else e.param, code=e.code)
 
 
 def _from_item(err: dict) -> OpenAIError:
@@ -908,7 +909,13 @@ class OpenAIIngress:
     @app.post("/v1/adapters", status_code=201, responses=ADMIN)
     async def register_adapter(self, body: AdapterRegisterRequest, authorization: str | None = Header(None)):
         self._admin_caller(authorization, body.name)
-        return await self._register(body.name, body.source, body.pinned, body.replace)
+        if body.source is not None:
+            return await self._register(body.name, body.source, body.pinned, body.replace)
+        for part in body.merge.adapters:  # a merge reads them: the key's scope must cover each
+            self._admin_caller(authorization, part)
+        check = _admin_name_check(body.name, await self._base_name())
+        return await self._call_admin("register_merged", check, body.merge.model_dump(), body.pinned,
+                                      self._validator, replace=body.replace)
 
     @app.get("/v1/adapters", responses=ADMIN_LIST)
     async def list_adapters(self, authorization: str | None = Header(None)):

@@ -659,12 +659,34 @@ class ChatCompletionRequest(_Request, _ChatTemplateOptions):
         return [m.template_message() for m in self.messages]
 
 
+class AdapterMerge(_Body):
+    """How to make an adapter from registered ones: PEFT's add_weighted_adapter
+    (lora_runtime/lora/merge.py)."""
+    adapters: list[str] = Field(..., description="Registered adapters to merge (1 to 64).")
+    weights: list[float] = Field(..., description="One weight per adapter; negative subtracts.")
+    combination_type: str = Field("svd", description="svd, cat, linear, ties, dare_linear, dare_ties or "
+                                  "magnitude_prune.")
+    svd_rank: int | None = Field(None, description="svd: the merged rank (default: the adapters' largest).")
+    density: float | None = Field(None, description="ties, dare_*, magnitude_prune: the fraction of values kept.")
+    majority_sign_method: str = Field("total", description="ties, dare_ties: 'total' or 'frequency'.")
+    seed: int = Field(0, description="dare_*: the seed of the random pruning.")
+
+
 class AdapterRegisterRequest(_Body):
-    """Body of POST /v1/adapters."""
+    """Body of POST /v1/adapters: an adapter's ``source``, or a ``merge`` of registered adapters."""
     name: str
-    source: str
+    source: str | None = Field(None, description="Path or URL of the adapter's files.")
+    merge: AdapterMerge | None = Field(None, description="Make the adapter by merging registered ones (in place "
+                                       "of a source).")
     pinned: bool = False
     replace: bool = Field(False, description="Replace the adapter if the name is registered already (else a 409).")
+
+    @model_validator(mode="after")
+    def _source_or_merge(self):
+        if (self.source is None) == (self.merge is None):
+            raise FieldError("give exactly one of 'source' (the adapter's files) and 'merge' (registered adapters to "
+                             "merge)", "source")
+        return self
 
 
 class LoadLoRAAdapterRequest(_Body):

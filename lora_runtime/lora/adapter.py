@@ -221,7 +221,7 @@ class LoRAAdapter:
             for part in wants:
                 if part not in parts:
                     raise InvalidAdapterError(
-                        f"adapter {name!r}: tensor {_expected_key(key, part)!r} is missing"
+                        f"adapter {name!r}: tensor {tensor_key(key, part)!r} is missing"
                         + {"M": " (use_dora=True needs a magnitude vector per module)",
                            "C": " (lora_bias=True needs a bias per module)"}.get(part, ""))
             if "M" in parts and not cfg["use_dora"]:
@@ -549,7 +549,7 @@ def _module_ranks_and_scalings(name, cfg, targets, max_lora_rank):
     return ranks, scalings
 
 
-def _expected_key(key: tuple[int, str], part: str) -> str:
+def tensor_key(key: tuple[int, str], part: str) -> str:
     """The PEFT tensor name of one part (A, B, magnitude M) of a module."""
     layer, module = key
     if module == EMBED:
@@ -593,5 +593,5 @@ def _group_tensors(name: str, tensors: Mapping[str, np.ndarray], num_layers: int
     for key, parts in found.items():
         for part in "AB":
             if part not in parts:
-                raise InvalidAdapterError(f"adapter {name!r}: tensor {_expected_key(key, part)!r} is missing")
+                raise InvalidAdapterError(f"adapter {name!r}: tensor {tensor_key(key, part)!r} is missing")
     return found, saved_base, saved

@@ -296,3 +296,52 @@ def test_modules_to_save_copies_are_served_up_to_the_cap(files, tmp_path):
         assert "saved2" not in actor.snapshot(None)["adapters"]
 
     asyncio.run(run())
+
+
+def test_a_merged_adapter_is_written_beside_the_registry_registered_and_deleted_with_its_entry(files, tmp_path):
+    from pathlib import Path
+
+    from lora_runtime.lora.adapter import LoRAAdapter
+
+    async def run():
+        reg = tmp_path / "reg" / "r.json"
+        actor, v = _actor(reg), _validator(files, roots=[str(files["good"]), str(files["good2"]),
+                                                          str(tmp_path / "reg" / "r-merged")])
+        base = v.base()
+        await actor.register("good", str(files["good"]), False, v)
+        await actor.register("good2", str(files["good2"]), False, v)
+        merge = {"adapters": ["good", "good2"], "weights": [0.5, -1.0], "combination_type": "cat"}
+        entry = await actor.register_merged("mix", merge, True, v)
+        folder = Path(entry["source"])
+        assert folder.parent == tmp_path / "reg" / "r-merged" / "mix" and (folder / "adapter_config.json").exists()
+        assert entry["rank"] == 6 and entry["pinned"] is True
+        assert entry["merged_from"] == {**merge, "content_ids": [actor.snapshot(None)["adapters"][n]["content_id"]
+                                                                 for n in ("good", "good2")]}
+        parsed = LoRAAdapter.parse("mix", (folder / "adapter_config.json").read_bytes(),
+                                   (folder / "adapter_model.safetensors").read_bytes(), v.model_config(), 16)
+        assert parsed.content_id.hex() == entry["content_id"]
+        assert _actor(reg).snapshot(base.fingerprint)["adapters"]["mix"] == actor.snapshot(None)["adapters"]["mix"]
+
+        # Refused merges change nothing: an unknown adapter, a bad field, unequal ranks, a taken name.
+        before = actor.snapshot(None)
+        for bad, error, match in (
+            ({**merge, "adapters": ["good", "nope"]}, AdapterNotFoundError, "'nope', which is not registered"),
+            ({**merge, "combination_type": "ties"}, InvalidRequestError, "merge.density"),
+            ({**merge, "combination_type": "linear"}, InvalidRequestError, r"equal ranks.*\[2, 4\]"),
+        ):
+            with pytest.raises(error, match=match):
+                await actor.register_merged("mix2", bad, False, v)
+        with pytest.raises(AdapterExistsError):
+            await actor.register_merged("mix", merge, False, v)
+        assert actor.snapshot(None) == before
+        assert [p.name for p in (tmp_path / "reg" / "r-merged").iterdir()] == ["mix"]
+
+        # Replacing writes a new folder and deletes the old one; unregistering deletes the last.
+        again = await actor.register_merged("mix", {**merge, "combination_type": "svd"}, False, v, replace=True)
+        assert again["rank"] == 4 and Path(again["source"]).exists() and not folder.exists()
+        await actor.unregister("mix", base)
+        assert not Path(again["source"]).exists()
+        # The merged adapters themselves stay registered and untouched.
+        assert set(actor.snapshot(None)["adapters"]) == {"good", "good2"}
+
+    asyncio.run(run())

@@ -193,3 +193,11 @@ def test_compilation_cache_dir_reaches_the_engine(tmp_path, monkeypatch):
     assert AppArgs().engine_config().compilation_cache_path() == str(tmp_path / "from-env")
     assert AppArgs(compilation_cache_dir=str(tmp_path)).engine_config().compilation_cache_path() == str(tmp_path)
     assert AppArgs(compilation_cache_dir=None).engine_config().compilation_cache_path() is None
+
+
+def test_adapter_roots_let_replicas_and_the_validator_read_merged_adapters():
+    args = AppArgs(adapter_roots=["gs://adapters/"], registry_url="gs://bucket/reg/registry.json")
+    want = ["gs://adapters/", "gs://bucket/reg/registry-merged"]
+    assert args.source_roots == want
+    assert args.engine_config().adapter_roots == want and args.adapter_validator().adapter_roots == want
+    assert AppArgs().source_roots is None and AppArgs().engine_config().adapter_roots is None

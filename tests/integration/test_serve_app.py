@@ -234,6 +234,51 @@ def test_dora_embedding_head_and_bias_adapters_over_http_match_peft(app, files, 
         assert changed, name
 
 
+def test_a_merge_of_registered_adapters_serves_what_peft_merges(app, files, reference):
+    """POST /v1/adapters with a merge in place of a source: the merged adapter serves what
+    PEFT's add_weighted_adapter of the same adapters computes, and its files go with it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _ensure_adapters(app, files, ["ad0", "ad3"])
+    before = httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()["version"]
+    for body, status, param in (
+        ({"name": "merged_http"}, 400, "source"),
+        ({"name": "merged_http", "source": str(files["adapters"]["ad0"]),
+          "merge": {"adapters": ["ad0"], "weights": [1]}}, 400, "source"),
+        ({"name": "merged_http", "merge": {"adapters": ["ad0", "no-such"], "weights": [1, 1]}}, 404, "merge.adapters"),
+        ({"name": "merged_http", "merge": {"adapters": ["ad0", "ad3"], "weights": [1, 1], "combination_type": "ties",
+                                           "density": 0.5}}, 400, "merge.combination_type"),  # ranks 4 and 8
+    ):
+        r = httpx.post(f"{app.base_url}/v1/adapters", json=body, headers=AUTH, timeout=120)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    assert httpx.get(f"{app.base_url}/v1/adapters", headers=AUTH, timeout=60).json()["version"] == before
+
+    merge = {"adapters": ["ad0", "ad3"], "weights": [0.7, -0.9], "combination_type": "cat"}
+    r = httpx.post(f"{app.base_url}/v1/adapters", json={"name": "merged_http", "merge": merge}, headers=AUTH,
+                   timeout=120)
+    assert r.status_code == 201, r.text
+    entry = r.json()
+    assert entry["rank"] == 12 and entry["merged_from"]["adapters"] == ["ad0", "ad3"]
+    model = AutoModelForCausalLM.from_pretrained(files["base"], dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(model, files["adapters"]["ad0"], adapter_name="ad0")
+    peft_model.load_adapter(files["adapters"]["ad3"], adapter_name="ad3")
+    peft_model.add_weighted_adapter(["ad0", "ad3"], [0.7, -0.9], "merged", combination_type="cat")
+    peft_model.save_pretrained(files["root"] / "peft_merged", selected_adapters=["merged"])
+    tokenizer, client, changed = reference.engine.tokenizer, _client(app), False
+    for prompt in PROMPTS[:2]:
+        want = _peft_greedy(files["base"], files["root"] / "peft_merged" / "merged", tokenizer.encode(prompt),
+                            MAX_TOKENS, tokenizer.eos_token_ids)
+        got = client.completions.create(model="merged_http", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), prompt
+        changed |= got.choices[0].text not in (reference(prompt, "ad0"), reference(prompt, "ad3"))
+    assert changed
+    assert Path(entry["source"]).is_dir()
+    assert httpx.delete(f"{app.base_url}/v1/adapters/merged_http", headers=AUTH, timeout=60).status_code == 200
+    assert not Path(entry["source"]).exists()
+
+
 def test_two_names_for_one_adapter_share_its_content_id(app, files):
     for name, source in (("ad1", "ad1"), ("ad1_alias", "ad1"), ("ad2", "ad2")):
         assert _register(app, name, str(files["adapters"][source])).status_code == 201
