@@ -345,3 +345,27 @@ def test_a_merged_adapter_is_written_beside_the_registry_registered_and_deleted_
         assert set(actor.snapshot(None)["adapters"]) == {"good", "good2"}
 
     asyncio.run(run())
+
+
+def test_a_registry_on_gcs_keeps_merged_adapters_in_its_bucket(files, tmp_path):
+    import gcsfs
+
+    from tests.gcs_emulator import run_gcs_emulator
+
+    async def run(gcs):
+        url = f"gs://{gcs.bucket}/team/registry.json"
+        actor, v = _actor(url), _validator(files)
+        await actor.register("good", str(files["good"]), False, v)
+        await actor.register("good2", str(files["good2"]), False, v)
+        entry = await actor.register_merged("mix", {"adapters": ["good", "good2"], "weights": [1, 1],
+                                                    "combination_type": "svd", "svd_rank": 3}, False, v)
+        assert entry["source"].startswith(f"gs://{gcs.bucket}/team/registry-merged/mix/") and entry["rank"] == 3
+        bucket = gcsfs.GCSFileSystem(token="anon", endpoint_url=gcs.endpoint, skip_instance_cache=True)
+        assert bucket.exists(entry["source"] + "/adapter_model.safetensors")
+        assert _actor(url).snapshot(None)["adapters"]["mix"]["source"] == entry["source"]  # a restart reads it
+        await actor.unregister("mix", v.base())
+        bucket = gcsfs.GCSFileSystem(token="anon", endpoint_url=gcs.endpoint, skip_instance_cache=True)
+        assert not bucket.exists(entry["source"] + "/adapter_model.safetensors")
+
+    with run_gcs_emulator() as gcs:
+        asyncio.run(run(gcs))
