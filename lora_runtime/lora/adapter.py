@@ -75,6 +75,9 @@ _PART = {"lora_A.weight": "A", "lora_B.weight": "B", "lora_B.bias": "C", "lora_e
          "lora_magnitude_vector": "M", "lora_magnitude_vector.weight": "M", "base_layer.weight": "W",
          "weight": "S"}
 _SUPPORTED_CONFIG = {"bias": "none"}
+# PEFT initializations that subtract their initial adapter from the base weights (PiSSA,
+# CorDA, OLoRA, LoftQ, LoRA-GA): a trained adapter then needs that changed base model.
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 
 def module_shapes(config, *, served: bool = False) -> dict[str, tuple[int, int]]:
@@ -378,6 +381,12 @@ def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
     for field in ("target_parameters", "layer_replication", "trainable_token_indices"):
         if cfg.get(field):
             raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise InvalidAdapterError(
+            f"adapter {name!r}: init_lora_weights={init!r} changes the base model's weights (PEFT recomputes that "
+            "change when it loads the adapter), which one base model shared by many adapters cannot do; convert it "
+            "to a plain LoRA adapter first: PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...)")
     r = cfg.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
         raise InvalidAdapterError(f"adapter {name!r}: r={r!r} must be a positive integer")

@@ -160,6 +160,9 @@ def _bad_cases(model_config):
                       {**t, "base_model.model.lm_head.weight": np.full_like(saved, np.nan)},
                       "'base_model.model.lm_head.weight' has non-finite values"),
         "dora": ({**cfg, "use_dora": True}, t, "use_dora=True"),
+        "pissa": ({**cfg, "init_lora_weights": "pissa_niter_4"}, t,
+                  "init_lora_weights='pissa_niter_4' changes the base model's weights"),
+        "olora": ({**cfg, "init_lora_weights": "olora"}, t, "path_initial_model_for_weight_conversion"),
         "peft_type": ({**cfg, "peft_type": "LOHA"}, t, "peft_type='LOHA'"),
         "embed_target": ({**cfg, "target_modules": ["q_proj", "embed_tokens"]}, t, "embed_tokens"),
         "lm_head_target": ({**cfg, "target_modules": ["lm_head"]}, t, "lm_head"),
@@ -192,7 +195,7 @@ def _bad_cases(model_config):
 
 BAD = [
     "bias", "modules_to_save", "modules_to_save_unknown", "modules_to_save_projection", "modules_to_save_not_a_list",
-    "modules_to_save_and_target", "saved_unlisted", "saved_shape", "saved_nan", "dora", "peft_type", "embed_target", "lm_head_target", "lm_head_regex",
+    "modules_to_save_and_target", "saved_unlisted", "saved_shape", "saved_nan", "dora", "pissa", "olora", "peft_type", "embed_target", "lm_head_target", "lm_head_regex",
     "unknown_module", "regex_matches_nothing", "bad_regex", "rank_zero", "rank_over_max", "rank_pattern_over_max",
     "alpha_not_number", "shape", "rank_mismatch", "nan", "inf", "missing_b", "missing_module", "untargeted",
     "unknown_key", "layer_out_of_range", "int_dtype",
@@ -208,6 +211,14 @@ def test_bad_adapter_is_refused_naming_the_problem(case, model_config):
     assert "'bad-one'" in str(e.value)
 
 
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "mica", "orthogonal"])
+def test_initializations_that_leave_the_base_weights_alone_are_served(init, model_config):
+    cfg, t = hand_made(model_config, [(0, "q_proj")])
+    adapter = LoRAAdapter.parse("ok", json.dumps({**cfg, "init_lora_weights": init}), _safetensors_bytes(t),
+                                model_config, MAX_RANK)
+    assert adapter.modules == {(0, "q_proj")}
+
+
 def test_bad_files_are_refused(model_config):
     cfg, t = hand_made(model_config, [(0, "q_proj")])
     blob = _safetensors_bytes(t)
@@ -221,3 +232,38 @@ def test_bad_files_are_refused(model_config):
     for config_json, data, fragment in cases:
         with pytest.raises(InvalidAdapterError, match=fragment):
             LoRAAdapter.parse("bad-file", config_json, data, model_config, MAX_RANK)
+
+
+def test_a_pissa_adapter_is_refused_and_its_plain_lora_conversion_holds_what_it_trained(base_dir, model_config,
+                                                                                         tmp_path):
+    """PEFT's PiSSA moves the adapter's initial product out of the base weights; converted as
+    PEFT documents, it is a plain LoRA (rank 2r) whose delta is the trained model's change."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from tests.lora.peft_adapters import load_base_model
+
+    torch.manual_seed(0)
+    model = load_base_model(base_dir)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                  init_lora_weights="pissa"))
+    peft_model.peft_config["default"].init_lora_weights = True  # as PEFT's PiSSA example saves the start
+    peft_model.save_pretrained(tmp_path / "start")
+    peft_model.peft_config["default"].init_lora_weights = "pissa"
+    with torch.no_grad():  # training
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.add_(torch.randn_like(p) * 0.05)
+    peft_model.save_pretrained(tmp_path / "pissa")
+    peft_model.save_pretrained(tmp_path / "plain", path_initial_model_for_weight_conversion=str(tmp_path / "start"))
+    with pytest.raises(InvalidAdapterError, match="init_lora_weights='pissa' changes the base model's weights"):
+        parse_dir(tmp_path / "pissa", model_config)
+    plain = parse_dir(tmp_path / "plain", model_config)
+    assert plain.rank == 8
+    trained = peft_model.merge_and_unload().state_dict()
+    for (layer, module), w in plain.weights.items():
+        name = f"model.layers.{layer}.{'self_attn' if module == 'q_proj' else 'mlp'}.{module}.weight"
+        want = (trained[name] - original[name]).double().numpy()
+        got = plain.scaling * w.ratio * (w.b.astype(np.float64) @ w.a.astype(np.float64))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
