@@ -78,6 +78,13 @@ _SUPPORTED_CONFIG = {"bias": "none"}
 # PEFT initializations that subtract their initial adapter from the base weights (PiSSA,
 # CorDA, OLoRA, LoftQ, LoRA-GA): a trained adapter then needs that changed base model.
 _BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+# PEFT options whose adapters compute something else than scale * B A x on the module's input:
+# activated LoRA (only past its invocation tokens), QA-LoRA (pooled inputs), Arrow (routing
+# among experts), block-diagonal LoRA, MonteCLoRA (sampled A), KaSA (singular values), and
+# options that add parameters or layers (target_parameters, layer_replication,
+# trainable_token_indices).
+_UNSUPPORTED_FIELDS = ("target_parameters", "layer_replication", "trainable_token_indices", "alora_invocation_tokens",
+                       "use_qalora", "arrow_config", "use_bdlora", "monteclora_config", "kasa_config")
 
 
 def module_shapes(config, *, served: bool = False) -> dict[str, tuple[int, int]]:
@@ -378,7 +385,7 @@ def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
     for field, ok in _SUPPORTED_CONFIG.items():
         if cfg.get(field, ok) not in (ok, None):
             raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported (need {ok!r})")
-    for field in ("target_parameters", "layer_replication", "trainable_token_indices"):
+    for field in _UNSUPPORTED_FIELDS:
         if cfg.get(field):
             raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported")
     init = cfg.get("init_lora_weights")

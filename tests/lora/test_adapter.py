@@ -163,6 +163,8 @@ def _bad_cases(model_config):
         "pissa": ({**cfg, "init_lora_weights": "pissa_niter_4"}, t,
                   "init_lora_weights='pissa_niter_4' changes the base model's weights"),
         "olora": ({**cfg, "init_lora_weights": "olora"}, t, "path_initial_model_for_weight_conversion"),
+        "alora": ({**cfg, "alora_invocation_tokens": [5, 6]}, t, "alora_invocation_tokens=[5, 6] is not supported"),
+        "qalora": ({**cfg, "use_qalora": True}, t, "use_qalora=True is not supported"),
         "peft_type": ({**cfg, "peft_type": "LOHA"}, t, "peft_type='LOHA'"),
         "embed_target": ({**cfg, "target_modules": ["q_proj", "embed_tokens"]}, t, "embed_tokens"),
         "lm_head_target": ({**cfg, "target_modules": ["lm_head"]}, t, "lm_head"),
@@ -195,7 +197,7 @@ def _bad_cases(model_config):
 
 BAD = [
     "bias", "modules_to_save", "modules_to_save_unknown", "modules_to_save_projection", "modules_to_save_not_a_list",
-    "modules_to_save_and_target", "saved_unlisted", "saved_shape", "saved_nan", "dora", "pissa", "olora", "peft_type", "embed_target", "lm_head_target", "lm_head_regex",
+    "modules_to_save_and_target", "saved_unlisted", "saved_shape", "saved_nan", "dora", "pissa", "olora", "alora", "qalora", "peft_type", "embed_target", "lm_head_target", "lm_head_regex",
     "unknown_module", "regex_matches_nothing", "bad_regex", "rank_zero", "rank_over_max", "rank_pattern_over_max",
     "alpha_not_number", "shape", "rank_mismatch", "nan", "inf", "missing_b", "missing_module", "untargeted",
     "unknown_key", "layer_out_of_range", "int_dtype",
