@@ -662,7 +662,7 @@ class ChatCompletionRequest(_Request, _ChatTemplateOptions):
 class AdapterMerge(_Body):
     """How to make an adapter from registered ones: PEFT's add_weighted_adapter
     (lora_runtime/lora/merge.py)."""
-    adapters: list[str] = Field(..., description="Registered adapters to merge (1 to 64).")
+    adapters: list[str] = Field(..., description="Registered adapters to merge (1 to 16).")
     weights: list[float] = Field(..., description="One weight per adapter; negative subtracts.")
     combination_type: str = Field("svd", description="svd, cat, linear, ties, dare_linear, dare_ties or "
                                   "magnitude_prune.")

@@ -178,7 +178,7 @@ def test_one_adapter_merges_as_itself_scaled(model_config, merge_dirs):
 
 
 @pytest.mark.parametrize("fields, param, words", [
-    (dict(adapters=(), weights=()), "merge.adapters", "1 to 64"),
+    (dict(adapters=(), weights=()), "merge.adapters", "1 to 16"),
     (dict(adapters=("x", "x"), weights=(1, 1)), "merge.adapters", "more than once"),
     (dict(adapters=("x", "y"), weights=(1,)), "merge.weights", "one weight per adapter"),
     (dict(adapters=("x", "y"), weights=(1, float("nan"))), "merge.weights", "finite"),
