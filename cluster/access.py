@@ -35,6 +35,11 @@ class Caller:
     def scope(self) -> str:
         return "every adapter" if self.key is None else self.key.scope()
 
+    def priority(self, requested: int) -> int:
+        """The priority a request asking for ``requested`` runs at: never more urgent (lower)
+        than its key's."""
+        return requested if self.key is None else max(requested, self.key.priority)
+
 
 def _url(url: str) -> str:
     return url if "://" in url else os.path.abspath(os.path.expanduser(url))

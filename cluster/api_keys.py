@@ -6,13 +6,17 @@ secret; the secrets themselves are never stored or logged::
     {"keys": [
       {"name": "acme", "sha256": "<64 hex>", "adapters": ["acme-*", "shared-sql"],
        "base_model": true, "requests_per_minute": 600, "tokens_per_minute": 200000},
+      {"name": "acme-batch", "sha256": "<64 hex>", "adapters": ["acme-*"], "priority": 10},
       {"name": "acme-ops", "sha256": "<64 hex>", "role": "admin", "adapters": ["acme-*"]}
     ]}
 
 ``adapters`` holds adapter names and name prefixes (ending in ``*``; ``"*"`` alone is every
 adapter). An ``inference`` key (the default role) may call the adapters its patterns match,
 and the base model when ``base_model`` is true; an ``admin`` key may register, list, pin and
-unregister adapters whose names its patterns match, and cannot generate. ``python -m
+unregister adapters whose names its patterns match, and cannot generate. An inference key's
+``priority`` (default 0) is the most urgent priority its requests run at where the
+deployment's scheduling_policy is ``priority``: a request's own ``priority`` may make it less
+urgent (a larger value), never more (a batch tier cannot jump ahead). ``python -m
 cluster.api_keys new --name acme --adapter 'acme-*' --keys-file keys.json`` makes a key,
 prints it once and adds its entry to the file.
 """
@@ -31,7 +35,8 @@ from dataclasses import dataclass
 
 ROLES = ("inference", "admin")
 _KEY_PREFIX = "mlk-"
-_FIELDS = {"name", "sha256", "role", "adapters", "base_model", "requests_per_minute", "tokens_per_minute"}
+_FIELDS = {"name", "sha256", "role", "adapters", "base_model", "requests_per_minute", "tokens_per_minute",
+           "priority"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -61,6 +66,7 @@ class ApiKey:
     base_model: bool = False
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    priority: int = 0
 
     def covers(self, adapter: str) -> bool:
         """Whether one of this key's patterns matches the adapter name."""
@@ -110,7 +116,13 @@ def _entry(i: int, raw, url: str) -> ApiKey:
         if v is not None and role == "admin":
             raise KeysFileError(f"{where}: {field} applies to inference keys only")
         limits[field] = v
-    return ApiKey(name=name, sha256=sha, role=role, adapters=tuple(adapters), base_model=base_model, **limits)
+    priority = raw.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise KeysFileError(f"{where}: priority={priority!r} must be an integer (lower is more urgent)")
+    if priority != 0 and role == "admin":
+        raise KeysFileError(f"{where}: priority applies to inference keys only")
+    return ApiKey(name=name, sha256=sha, role=role, adapters=tuple(adapters), base_model=base_model,
+                  priority=priority, **limits)
 
 
 @dataclass(frozen=True)
@@ -157,6 +169,7 @@ def _new(args) -> int:
         entry["base_model"] = args.base_model
         entry["requests_per_minute"] = args.requests_per_minute
         entry["tokens_per_minute"] = args.tokens_per_minute
+        entry["priority"] = args.priority
     _entry(0, entry, "<new>")  # the same checks a keys file gets
     if args.keys_file:
         _append(args.keys_file, entry)
@@ -199,7 +212,7 @@ def _check(args) -> int:
         ring = KeyRing.from_json(f.read(), args.path)
     for k in ring.keys:
         print(f"{k.name}: {k.role}, adapters: {k.scope()}, base model: {k.base_model}, "
-              f"rpm: {k.requests_per_minute}, tpm: {k.tokens_per_minute}")
+              f"rpm: {k.requests_per_minute}, tpm: {k.tokens_per_minute}, priority: {k.priority}")
     return 0
 
 
@@ -213,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     new.add_argument("--base-model", action="store_true", help="the key may use the base model")
     new.add_argument("--requests-per-minute", type=int)
     new.add_argument("--tokens-per-minute", type=int)
+    new.add_argument("--priority", type=int, default=0,
+                     help="the most urgent priority the key's requests run at (scheduling_policy priority)")
     new.add_argument("--keys-file", help="also add the entry to this local keys file (made if absent)")
     new.set_defaults(run=_new)
     sub.add_parser("hash", help="the sha256 entry of a key read from standard input").set_defaults(run=_hash)

@@ -276,6 +276,12 @@ def _model_not_found(model: str, base: str) -> OpenAIError:
                        status_code=404, error_type="not_found_error", param="model")
 
 
+def request_priority(policy: str, caller: Caller, requested: int) -> int:
+    """A request's scheduling priority: under scheduling_policy priority, never more urgent
+    than its API key's; under fcfs, as asked (the replica refuses one other than 0)."""
+    return caller.priority(requested) if policy == "priority" else requested
+
+
 def _from_serving(e: ServingError, param: str | None = None) -> OpenAIError:
     return OpenAIError(str(e), status_code=e.status_code, error_type=e.error_type,
                        param=param if param is not None else e.param, code=e.code)
@@ -612,6 +618,9 @@ class OpenAIIngress:
         except ServingError as e:
             raise _from_serving(e, param=e.param) from None
 
+    def _priority(self, caller: Caller, requested: int) -> int:
+        return request_priority(self._args.scheduling_policy, caller, requested)
+
     @app.post("/v1/completions", responses={**STREAMABLE, **INFERENCE})
     async def completions(self, body: CompletionRequest, authorization: str | None = Header(None)):
         caller = await self._inference_caller(authorization)
@@ -626,7 +635,7 @@ class OpenAIIngress:
                               f"{len(jobs)} sequences; at most {MAX_PROMPTS} in one request", param=field)
         payloads = [
             {"kind": "completion", "prompt": prompt, "sampling": sp, "echo": body.echo,
-             "truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority,
+             "truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": self._priority(caller, body.priority),
              "request_id": _choice_id(rid, k, len(jobs))}
             for k, (_, prompt, sp) in enumerate(jobs)
         ]
@@ -636,17 +645,18 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, authorization: str | None = Header(None)):
         caller = await self._inference_caller(authorization)
         rid = new_id("chatcmpl")
-        payloads = self._chat_payloads(body, rid)
+        payloads = self._chat_payloads(body, rid, caller)
         return await self._respond(body, caller, rid, payloads, [0] * len(payloads), chat=True)
 
-    def _chat_payloads(self, body: ChatCompletionRequest, rid: str) -> list[dict]:
+    def _chat_payloads(self, body: ChatCompletionRequest, rid: str, caller: Caller) -> list[dict]:
         """The replica payload of each of a chat request's choices (its sampling checked)."""
         samplings = body.choice_samplings(default_max_tokens=None)
         self._check_sampling(samplings[0])
         tools = body.tool_request()
         return [{"kind": "chat", "messages": body.chat_messages(), "template": body.template_options(),
                  "sampling": sp, "tools": tools, "truncate_prompt_tokens": body.truncate_prompt_tokens,
-                 "priority": body.priority, "request_id": _choice_id(rid, k, len(samplings))} for k, sp in enumerate(samplings)]
+                 "priority": self._priority(caller, body.priority), "request_id": _choice_id(rid, k, len(samplings))}
+                for k, sp in enumerate(samplings)]
 
     @app.post("/v1/responses", responses={**STREAMABLE, **INFERENCE})
     async def responses(self, body: ResponsesRequest, authorization: str | None = Header(None)):
@@ -655,7 +665,7 @@ class OpenAIIngress:
         chat = body.chat_request()
         builder = ResponseBuilder(body, new_id("resp").replace("-", "_", 1))
         try:
-            payloads = self._chat_payloads(chat, builder.id)
+            payloads = self._chat_payloads(chat, builder.id, caller)
         except OpenAIError as e:  # named as the client sent it (text, not response_format)
             e.param = responses_param(e.param)
             raise

@@ -77,6 +77,9 @@ def test_identify_finds_the_key_by_its_hash_only():
     ({"name": "a", "sha256": "ab" * 32, "role": "admin", "base_model": True}, "an admin key cannot generate"),
     ({"name": "a", "sha256": "ab" * 32, "role": "admin", "requests_per_minute": 5}, "inference keys only"),
     ({"name": "a", "sha256": "ab" * 32, "scopes": []}, "unknown fields ['scopes']"),
+    ({"name": "a", "sha256": "ab" * 32, "priority": 1.5}, "priority=1.5 must be an integer"),
+    ({"name": "a", "sha256": "ab" * 32, "priority": True}, "priority=True must be an integer"),
+    ({"name": "a", "sha256": "ab" * 32, "role": "admin", "priority": 3}, "priority applies to inference keys only"),
 ])
 def test_a_bad_key_entry_names_the_key_and_field(entry, says):
     with pytest.raises(ValueError, match="keys file 'k.json'") as e:
@@ -245,7 +248,7 @@ def test_a_reread_file_revokes_and_adds_keys_and_a_bad_one_changes_nothing(tmp_p
 
 
 def test_the_readme_recipe_makes_a_keys_file_the_server_reads(tmp_path):
-    """The README's commands, as written, in a fresh folder: two keys in keys.json, each
+    """The README's commands, as written, in a fresh folder: three keys in keys.json, each
     printed once, and `check` lists them without their secrets."""
     import os
 
@@ -259,11 +262,29 @@ def test_the_readme_recipe_makes_a_keys_file_the_server_reads(tmp_path):
     secrets = [line.split(": ")[-1] for line in done.stderr.splitlines() if line.startswith("key (shown once")]
     access = AccessControl(AdminAuth("T", None), str(tmp_path / "keys.json"))
     access.install(access.read())
-    acme, ops = access.inference(f"Bearer {secrets[0]}").key, access.admin(f"Bearer {secrets[1]}").key
+    acme, batch = access.inference(f"Bearer {secrets[0]}").key, access.inference(f"Bearer {secrets[1]}").key
+    ops = access.admin(f"Bearer {secrets[2]}").key
     assert (acme.name, acme.requests_per_minute, acme.tokens_per_minute, acme.base_model) == ("acme", 600, 200000, True)
+    assert (batch.name, batch.priority, acme.priority) == ("acme-batch", 10, 0)
     assert (ops.name, ops.role, ops.adapters) == ("acme-ops", "admin", ("acme-*",))
     assert "acme-ops: admin" in done.stdout and not any(s in done.stdout for s in secrets)
     again = subprocess.run([sys.executable, "-m", "cluster.api_keys", "new", "--keys-file", "keys.json",
                             "--name", "acme"], cwd=tmp_path, capture_output=True, text=True)
     assert again.returncode == 2 and "the same name 'acme'" in again.stderr
     assert len(access.read()) == len((tmp_path / "keys.json").read_text())  # unchanged by the refusal
+
+
+def test_a_keys_priority_is_the_most_urgent_its_requests_run_at(capsys):
+    from deployments.ingress import request_priority
+
+    assert main(["new", "--name", "batch", "--adapter", "b-*", "--priority", "10"]) == 0
+    entry = json.loads(capsys.readouterr().out)
+    ring = KeyRing.from_json(_keys(entry, {"name": "acme", "sha256": digest(ACME)}), "k")
+    batch, plain = Caller(ring.keys[0]), Caller(ring.identify(ACME))
+    assert ring.keys[0].priority == 10 and ring.identify(ACME).priority == 0
+    # Under scheduling_policy priority: a request may be less urgent than its key, never more.
+    assert [request_priority("priority", batch, p) for p in (-5, 0, 10, 20)] == [10, 10, 10, 20]
+    assert [request_priority("priority", plain, p) for p in (-5, 0, 3)] == [0, 0, 3]
+    assert request_priority("priority", Caller(None), -5) == -5  # the admin token, or keys off
+    # Under fcfs the key changes nothing: the replica takes priority 0 only and refuses the rest.
+    assert [request_priority("fcfs", batch, p) for p in (0, 4)] == [0, 4]
