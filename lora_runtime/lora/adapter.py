@@ -74,7 +74,10 @@ _PART = {"lora_A.weight": "A", "lora_B.weight": "B", "lora_B.bias": "C", "lora_e
          "lora_embedding_B": "B",
          "lora_magnitude_vector": "M", "lora_magnitude_vector.weight": "M", "base_layer.weight": "W",
          "weight": "S"}
-_SUPPORTED_CONFIG = {"bias": "none"}
+# PEFT's bias="all"/"lora_only" also trains the biases of the base layers; on a model whose
+# layers have none (Llama, Mistral) it saves nothing more, and the adapter is a plain LoRA.
+# Saved trained biases are refused by their key (_group_tensors).
+_BIAS_MODES = ("none", "all", "lora_only")
 # PEFT initializations that subtract their initial adapter from the base weights (PiSSA,
 # CorDA, OLoRA, LoftQ, LoRA-GA): a trained adapter then needs that changed base model.
 _BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
@@ -382,9 +385,8 @@ def _load_config(name: str, config_json: bytes | str) -> dict[str, Any]:
     peft_type = cfg.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise InvalidAdapterError(f"adapter {name!r}: {peft_type=} is not supported (only LORA)")
-    for field, ok in _SUPPORTED_CONFIG.items():
-        if cfg.get(field, ok) not in (ok, None):
-            raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported (need {ok!r})")
+    if cfg.get("bias") not in (*_BIAS_MODES, None):
+        raise InvalidAdapterError(f"adapter {name!r}: bias={cfg['bias']!r} is not one of {list(_BIAS_MODES)}")
     for field in _UNSUPPORTED_FIELDS:
         if cfg.get(field):
             raise InvalidAdapterError(f"adapter {name!r}: {field}={cfg[field]!r} is not supported")
@@ -594,6 +596,11 @@ def _group_tensors(name: str, tensors: Mapping[str, np.ndarray], num_layers: int
                 )
         else:
             m = _OUTER_KEY.match(key)
+            if m is None and key.endswith(".bias"):
+                raise InvalidAdapterError(
+                    f"adapter {name!r}: tensor {key!r} is a trained bias of the base model (PEFT's bias='all' or "
+                    "'lora_only' on layers that have biases), which is not supported: train with bias='none' (or "
+                    "lora_bias=True for a bias in the adapter)")
             if m is None:
                 raise InvalidAdapterError(
                     f"adapter {name!r}: tensor key {key!r} is not a LoRA weight of a known module")

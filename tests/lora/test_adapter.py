@@ -142,7 +142,10 @@ def _bad_cases(model_config):
     v, h = model_config.vocab_size, model_config.hidden_size
     saved = np.ones((v, h), np.float32)  # a modules_to_save copy of embed_tokens or lm_head
     cases = {
-        "bias": ({**cfg, "bias": "all"}, t, "bias='all'"),
+        "bias": ({**cfg, "bias": "some"}, t, "bias='some' is not one of ['none', 'all', 'lora_only']"),
+        "trained_base_bias": ({**cfg, "bias": "lora_only"},
+                              {**t, f"{PREFIX}.0.self_attn.q_proj.base_layer.bias": np.zeros(64, np.float32)},
+                              "is a trained bias of the base model"),
         "modules_to_save": ({**cfg, "modules_to_save": ["lm_head"]}, t,
                             "tensor 'base_model.model.lm_head.weight' is missing (modules_to_save lists 'lm_head')"),
         "modules_to_save_unknown": ({**cfg, "modules_to_save": ["score"]}, t,
@@ -196,7 +199,7 @@ def _bad_cases(model_config):
 
 
 BAD = [
-    "bias", "modules_to_save", "modules_to_save_unknown", "modules_to_save_projection", "modules_to_save_not_a_list",
+    "bias", "trained_base_bias", "modules_to_save", "modules_to_save_unknown", "modules_to_save_projection", "modules_to_save_not_a_list",
     "modules_to_save_and_target", "saved_unlisted", "saved_shape", "saved_nan", "dora", "pissa", "olora", "alora", "qalora", "peft_type", "embed_target", "lm_head_target", "lm_head_regex",
     "unknown_module", "regex_matches_nothing", "bad_regex", "rank_zero", "rank_over_max", "rank_pattern_over_max",
     "alpha_not_number", "shape", "rank_mismatch", "nan", "inf", "missing_b", "missing_module", "untargeted",
@@ -211,6 +214,18 @@ def test_bad_adapter_is_refused_naming_the_problem(case, model_config):
         LoRAAdapter.parse("bad-one", json.dumps(cfg), _safetensors_bytes(tensors), model_config, MAX_RANK)
     assert fragment in str(e.value)
     assert "'bad-one'" in str(e.value)
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_bias_modes_that_saved_no_bias_are_plain_lora(bias, base_dir, model_config, tmp_path):
+    """PEFT's bias='all'/'lora_only' on a Llama (no biases in its layers) saves nothing more:
+    the adapter is served as the same plain LoRA."""
+    src = make_peft_adapter(base_dir, tmp_path / "src", r=4, alpha=8, target_modules=["q_proj", "v_proj"], seed=3,
+                            bias=bias)
+    config, tensors = read_adapter(src)
+    assert config["bias"] == bias and not [k for k in tensors if "lora_" not in k]
+    plain = write_adapter(tmp_path / "plain", {**config, "bias": "none"}, tensors)
+    assert parse_dir(src, model_config).content_id == parse_dir(plain, model_config).content_id
 
 
 @pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "mica", "orthogonal"])
