@@ -281,6 +281,9 @@ class AdminActor:
             fs, path = fsspec.core.url_to_fs(source)
             if fs.exists(path):
                 fs.rm(path, recursive=True)
+            folder = path.rsplit("/", 1)[0]  # the name's folder, gone with its last version
+            if fs.isdir(folder) and not fs.ls(folder):
+                fs.rmdir(folder)
         except Exception:  # storage refusing a delete must not undo the change
             logger.warning("could not delete the files of merged adapter at %s", source, exc_info=True)
 

@@ -340,7 +340,7 @@ def test_a_merged_adapter_is_written_beside_the_registry_registered_and_deleted_
         again = await actor.register_merged("mix", {**merge, "combination_type": "svd"}, False, v, replace=True)
         assert again["rank"] == 4 and Path(again["source"]).exists() and not folder.exists()
         await actor.unregister("mix", base)
-        assert not Path(again["source"]).exists()
+        assert not Path(again["source"]).exists() and list((tmp_path / "reg" / "r-merged").iterdir()) == []
         # The merged adapters themselves stay registered and untouched.
         assert set(actor.snapshot(None)["adapters"]) == {"good", "good2"}
 
