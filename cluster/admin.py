@@ -158,6 +158,7 @@ class AdminActor:
         self._url = registry_url
         self._store = RegistryStore(registry_url)
         self._merged = merged_store_url(registry_url)
+        self._merging = asyncio.Semaphore(1)
         self._doc: RegistryDoc = self._store.load()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -247,9 +248,11 @@ class AdminActor:
                 raise AdapterNotFoundError(f"merge.adapters names {part!r}, which is not registered",
                                            param="merge.adapters")
             parts.append(entry)
-        files = await asyncio.to_thread(validator.merge, spec, [e["source"] for e in parts])
-        url = f"{self._merged}/{name}/{hashlib.blake2b(files.safetensors, digest_size=8).hexdigest()}"
-        await asyncio.to_thread(_write_adapter, url, files)
+        async with self._merging:  # one at a time: each holds all its adapters in memory
+            files = await asyncio.to_thread(validator.merge, spec, [e["source"] for e in parts])
+            url = f"{self._merged}/{name}/{hashlib.blake2b(files.safetensors, digest_size=8).hexdigest()}"
+            await asyncio.to_thread(_write_adapter, url, files)
+            del files
         try:
             facts = await asyncio.to_thread(validator.validate, name, url)
             async with self._lock:

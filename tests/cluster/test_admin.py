@@ -369,3 +369,34 @@ def test_a_registry_on_gcs_keeps_merged_adapters_in_its_bucket(files, tmp_path):
 
     with run_gcs_emulator() as gcs:
         asyncio.run(run(gcs))
+
+
+def test_merges_asked_at_once_run_one_after_the_other_and_both_register(files, tmp_path, monkeypatch):
+    import threading
+    import time
+
+    async def run():
+        actor, v = _actor(tmp_path / "r.json"), _validator(files)
+        await actor.register("good", str(files["good"]), False, v)
+        await actor.register("good2", str(files["good2"]), False, v)
+        running, most, lock, merge = [0], [0], threading.Lock(), AdapterValidator.merge
+
+        def counted(self, spec, sources):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            try:
+                time.sleep(0.2)  # long enough for a second merge to start beside it, were it let
+                return merge(self, spec, sources)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+        monkeypatch.setattr(AdapterValidator, "merge", counted)
+        spec = {"adapters": ["good", "good2"], "weights": [1, 1], "combination_type": "cat"}
+        first, second = await asyncio.gather(actor.register_merged("m1", spec, False, v),
+                                             actor.register_merged("m2", {**spec, "weights": [1, 2]}, False, v))
+        assert most[0] == 1 and first["source"] != second["source"]
+        assert {"m1", "m2"} <= set(actor.snapshot(None)["adapters"])
+
+    asyncio.run(run())
