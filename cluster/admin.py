@@ -17,6 +17,7 @@ import hashlib
 import logging
 import re
 import time
+from typing import TYPE_CHECKING
 
 import fsspec
 
@@ -26,6 +27,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.base_model import BaseModel, config_fingerprint, entry_base
 from cluster.registry_store import RegistryDoc, RegistryStore, merged_store_url
 from lora_runtime.errors import AdapterNotFoundError, InvalidRequestError, ServingError
+
+if TYPE_CHECKING:
+    from lora_runtime.lora.merge import MergedFiles, MergeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +105,7 @@ class AdapterValidator:
                 "modules_to_save": sorted(adapter.saved_modules),
                 "content_id": adapter.content_id.hex(), **self.base().entry_fields()}
 
-
-    def merge(self, spec, sources: list[str]) -> "MergedFiles":
+    def merge(self, spec: MergeSpec, sources: list[str]) -> MergedFiles:
         """The files of the adapter ``spec`` merges, read from ``sources`` (one per merged
         adapter, in order); raises ServingError."""
         from lora_runtime.lora.merge import merge_adapters
