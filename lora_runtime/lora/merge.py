@@ -172,7 +172,7 @@ def merge_adapters(spec: MergeSpec, adapters: Sequence[LoRAAdapter], num_layers:
                     f"combination_type {kind!r} needs equal ranks, but the adapters' ranks of module "
                     f"{module_path(*key)!r} are {ranks}; use 'svd' or 'cat'", param="merge.combination_type")
             merged[key] = _factor_merge(kind, parts, spec.density, spec.majority_sign_method, rng)
-    rank = max(a.shape[0] for a, _ in merged.values())
+    rank = max(1, *(a.shape[0] for a, _ in merged.values()))  # 0 only for a delta of zero
     if rank > max_lora_rank:
         how = {"cat": " (combination_type 'cat' adds the ranks; 'svd' with svd_rank cuts them)",
                "svd": " (lower svd_rank)"}.get(kind, "")

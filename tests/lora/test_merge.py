@@ -226,3 +226,11 @@ def test_svd_of_a_rank_deficient_or_zero_sum_is_exact(model_config, merge_dirs):
         merged = _our_deltas(LoRAAdapter.parse("m", files.config_json, files.safetensors, model_config, MAX_RANK))
         for key, delta in source.items():
             np.testing.assert_allclose(merged[key], factor * delta, rtol=1e-5, atol=1e-5 * np.abs(delta).max())
+
+
+def test_weights_of_zero_merge_to_an_adapter_that_changes_nothing(model_config, merge_dirs):
+    adapters = _load(merge_dirs, ("x", "z"), model_config)
+    spec = MergeSpec(adapters=("x", "z"), weights=(0.0, 0.0), combination_type="svd")
+    files = merge_adapters(spec, adapters, model_config.num_layers, MAX_RANK)
+    merged = LoRAAdapter.parse("m", files.config_json, files.safetensors, model_config, MAX_RANK)
+    assert files.rank == 1 and all(not np.any(d) for d in _our_deltas(merged).values())
