@@ -20,7 +20,9 @@ queue to recompute prompt and output so far, then continue where they stopped.
 Each request has a priority (lower is more urgent; 0 unless the deployment schedules by
 priority). Waiting requests are admitted most urgent first; one that finds no row or no
 blocks preempts running requests of a less urgent priority, least urgent and newest first,
-and a decode step short of blocks preempts the same way. The wait bound above applies among
+and a decode step short of blocks preempts the same way. One whose adapter finds every slot
+held (and is fetched) preempts every holder of a slot whose holders are all less urgent
+(the least urgent, then the fewest). The wait bound above applies among
 the most urgent waiting requests, so a less urgent one waits as long as more urgent ones
 keep coming (as vLLM's priority scheduling).
 """
@@ -55,6 +57,7 @@ class AdapterSlots(Protocol):
     def is_host_cached(self, name: str) -> bool: ...
     def is_ready(self, name: str) -> bool: ...
     def can_acquire(self, name: str) -> bool: ...
+    def held_slots_for(self, name: str) -> dict[int, int]: ...
     def acquire_slot(self, name: str) -> int: ...
     def release_slot(self, name: str, slot: int) -> None: ...
     def prefetch(self, names: list[str]) -> None: ...
@@ -283,12 +286,31 @@ class Scheduler:
             seq.slot = -1
             return True
         adapters = self.adapters
-        if not adapters.can_acquire(seq.adapter):
+        if not adapters.can_acquire(seq.adapter) and not self._preempt_for_slot(seq):
             return False  # every slot is held: wait for one
         if not adapters.is_ready(seq.adapter):
             return False  # fetched and padded off this thread meanwhile; decode goes on
         seq.slot = adapters.acquire_slot(seq.adapter)  # the slot write alone
         return True
+
+    def _preempt_for_slot(self, seq: Sequence) -> bool:
+        """Frees an adapter slot for `seq` by preempting every running sequence that holds it,
+        when all of them are less urgent and `seq`'s adapter is fetched (never for one still
+        in storage); the slot whose holders are least urgent, then fewest. Whether it did."""
+        adapters = self.adapters
+        if not any(s.priority > seq.priority for s in self.running.values()) or not adapters.is_ready(seq.adapter):
+            return False
+        by_slot: dict[int, list[Sequence]] = {}
+        for s in self.running.values():
+            if s.slot >= 0:
+                by_slot.setdefault(s.slot, []).append(s)
+        options = [users for slot, refs in adapters.held_slots_for(seq.adapter).items()
+                   if len(users := by_slot.get(slot, [])) == refs and all(u.priority > seq.priority for u in users)]
+        if not options:
+            return False
+        for user in max(options, key=lambda users: (min(u.priority for u in users), -len(users))):
+            self.preempt(user)
+        return adapters.can_acquire(seq.adapter)
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.adapter is not None and self.adapters is not None and seq.slot >= 0:

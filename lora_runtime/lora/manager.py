@@ -335,6 +335,27 @@ class LoRAManager:
             slot = self._free_slot(self._rank_of_content.get(content, 1))
             return slot is not None and self._saved_plan(self._saved_of_content.get(content, ()), slot) is not None
 
+    def held_slots_for(self, name: str) -> dict[int, int]:
+        """When acquire_slot(name) would wait for a slot: slot -> references held on it, for
+        each held slot it could take once those were released (unpinned, of a class the
+        adapter fits). Empty when it would not wait, when its rank is not known yet (fetch it
+        first) or when it has modules_to_save copies (their slots are planned apart)."""
+        with self._lock:
+            entry = self._registry.get(name)
+            if entry is None:
+                return {}
+            key = (name, entry.version)
+            content = self._content_of.get(key)
+            if self._resident(key) is not None or content not in self._rank_of_content:
+                return {}
+            if self._saved_of_content.get(content):
+                return {}
+            pinned = self._pinned_contents()
+            rank = self._rank_of_content[content]
+            return {i: s.refcount for rc in self._pool.classes if rc.rank >= rank
+                    for i in range(rc.first_slot, rc.first_slot + rc.num_slots)
+                    if (s := self._slots[i]).refcount > 0 and (s.stale or s.content not in pinned)}
+
     # ---- registry ----------------------------------------------------------------------
 
     def register(self, name: str, source: str, *, pinned: bool = False, version: int | None = None) -> RegistryEntry:

@@ -163,3 +163,54 @@ def test_a_priority_needs_scheduling_by_priority(tight):
     with pytest.raises(InvalidRequestError, match="must be an integer"):
         tight.submit("hi", params, lambda out: None, priority=2**31)
     assert not tight.scheduler.waiting and not tight.scheduler.running
+
+
+def test_an_urgent_request_preempts_the_holders_of_an_adapter_slot_and_every_stream_keeps_its_tokens(checkpoint,
+                                                                                                      tmp_path):
+    """Two adapter slots, held by three streams of priority 1 (two on one adapter, one on
+    another): a request of priority 0 for a third adapter preempts the stream holding the
+    slot with fewer holders, finishes first, and every stream gives the tokens it would alone."""
+    from tests.integration.adapters import save_peft_adapter
+
+    adapters = {name: save_peft_adapter(checkpoint, tmp_path / name, seed=i, rank=4)
+                for i, name in enumerate(("a", "b", "c"))}
+    eng = Engine.from_pretrained(str(checkpoint), EngineConfig(
+        max_batch=4, max_seq_len=128, max_loras_per_batch=2, max_lora_rank=4, lora_backend="reference",
+        max_prefill_tokens=16, scheduling_policy="priority"))
+    for name, path in adapters.items():
+        eng.lora_manager.register(name, str(path))
+    eng.start()
+    try:
+        long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        urgent = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        jobs = [("the quick brown fox", long, "a"), ("hello world, this is", long, "a"),
+                ("numbers 0123456789 and", long, "b"), ("urgent:", urgent, "c")]
+        want = [eng.generate_batch([p], params, [a])[0].token_ids for p, params, a in jobs]
+        tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+        finished: list[int] = []
+        started, done = threading.Semaphore(0), threading.Semaphore(0)
+
+        def emitter(i):
+            def emit(out):
+                if not tokens[i] and out.token_ids:
+                    started.release()
+                tokens[i] += out.token_ids
+                if out.finished:
+                    finished.append(i)
+                    done.release()
+            return emit
+
+        before = eng.stats()["preemptions"]
+        for i, (prompt, params, adapter) in enumerate(jobs[:3]):
+            eng.submit(prompt, params, emitter(i), adapter=adapter, priority=1)
+        for _ in range(3):
+            assert started.acquire(timeout=120)  # both slots held, a row free
+        prompt, params, adapter = jobs[3]
+        eng.submit(prompt, params, emitter(3), adapter=adapter, priority=0)
+        for _ in range(4):
+            assert done.acquire(timeout=120)
+        assert finished[0] == 3 and eng.stats()["preemptions"] == before + 1
+        assert finished[-1] == 2  # the preempted stream, on adapter b, recomputed
+        assert [tokens[i] for i in range(4)] == want
+    finally:
+        eng.shutdown()
