@@ -119,6 +119,34 @@ def test_preempted_constrained_streams_keep_their_grammar(roomy, tight):
         assert g.text.startswith("[") and all(part.strip().isdigit() for part in g.text[1:].split(",")[:-1])
 
 
+class _Streams:
+    """The tokens and finishing order of `n` submitted streams, and waits on their first
+    tokens and their ends."""
+
+    def __init__(self, n: int):
+        self.tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+        self.finished: list[int] = []
+        self._started, self._done = threading.Semaphore(0), threading.Semaphore(0)
+
+    def emitter(self, i: int):
+        def emit(out):
+            if not self.tokens[i] and out.token_ids:
+                self._started.release()
+            self.tokens[i] += out.token_ids
+            if out.finished:
+                self.finished.append(i)
+                self._done.release()
+        return emit
+
+    def wait_started(self, n: int) -> None:
+        for _ in range(n):
+            assert self._started.acquire(timeout=120)
+
+    def wait_done(self, n: int) -> None:
+        for _ in range(n):
+            assert self._done.acquire(timeout=120)
+
+
 def test_an_urgent_request_preempts_the_least_urgent_and_every_stream_keeps_its_tokens(roomy):
     """With every row taken by requests of priority 1, a request of priority 0 takes the
     newest one's row at once and finishes first; the preempted one recomputes and gives the
@@ -126,30 +154,15 @@ def test_an_urgent_request_preempts_the_least_urgent_and_every_stream_keeps_its_
     urgent_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     long = [dataclasses.replace(p, max_tokens=96) for p in PARAMS]
     want = roomy.generate_batch(PROMPTS + ["urgent:"], long + [urgent_params])
-    tokens: dict[int, list[int]] = {i: [] for i in range(5)}
-    finished: list[int] = []
-    started, done = threading.Semaphore(0), threading.Semaphore(0)
-
-    def emitter(i):
-        def emit(out):
-            if not tokens[i] and out.token_ids:
-                started.release()
-            tokens[i] += out.token_ids
-            if out.finished:
-                finished.append(i)
-                done.release()
-        return emit
-
+    streams = _Streams(5)
     before = roomy.stats()["preemptions"]
     for i, (prompt, params) in enumerate(zip(PROMPTS, long)):
-        roomy.submit(prompt, params, emitter(i), priority=1)
-    for _ in range(4):
-        assert started.acquire(timeout=120)  # all four rows decode
-    roomy.submit("urgent:", urgent_params, emitter(4), priority=0)
-    for _ in range(5):
-        assert done.acquire(timeout=120)
-    assert finished[0] == 4 and roomy.stats()["preemptions"] == before + 1
-    assert [tokens[i] for i in range(5)] == [w.token_ids for w in want]
+        roomy.submit(prompt, params, streams.emitter(i), priority=1)
+    streams.wait_started(4)  # all four rows decode
+    roomy.submit("urgent:", urgent_params, streams.emitter(4), priority=0)
+    streams.wait_done(5)
+    assert streams.finished[0] == 4 and roomy.stats()["preemptions"] == before + 1
+    assert [streams.tokens[i] for i in range(5)] == [w.token_ids for w in want]
     assert roomy.scheduler.pool.num_free == roomy.scheduler.pool.usable
 
 
@@ -186,31 +199,16 @@ def test_an_urgent_request_preempts_the_holders_of_an_adapter_slot_and_every_str
         jobs = [("the quick brown fox", long, "a"), ("hello world, this is", long, "a"),
                 ("numbers 0123456789 and", long, "b"), ("urgent:", urgent, "c")]
         want = [eng.generate_batch([p], params, [a])[0].token_ids for p, params, a in jobs]
-        tokens: dict[int, list[int]] = {i: [] for i in range(4)}
-        finished: list[int] = []
-        started, done = threading.Semaphore(0), threading.Semaphore(0)
-
-        def emitter(i):
-            def emit(out):
-                if not tokens[i] and out.token_ids:
-                    started.release()
-                tokens[i] += out.token_ids
-                if out.finished:
-                    finished.append(i)
-                    done.release()
-            return emit
-
+        streams = _Streams(4)
         before = eng.stats()["preemptions"]
         for i, (prompt, params, adapter) in enumerate(jobs[:3]):
-            eng.submit(prompt, params, emitter(i), adapter=adapter, priority=1)
-        for _ in range(3):
-            assert started.acquire(timeout=120)  # both slots held, a row free
+            eng.submit(prompt, params, streams.emitter(i), adapter=adapter, priority=1)
+        streams.wait_started(3)  # both slots held, a row free
         prompt, params, adapter = jobs[3]
-        eng.submit(prompt, params, emitter(3), adapter=adapter, priority=0)
-        for _ in range(4):
-            assert done.acquire(timeout=120)
-        assert finished[0] == 3 and eng.stats()["preemptions"] == before + 1
-        assert finished[-1] == 2  # the preempted stream, on adapter b, recomputed
-        assert [tokens[i] for i in range(4)] == want
+        eng.submit(prompt, params, streams.emitter(3), adapter=adapter, priority=0)
+        streams.wait_done(4)
+        assert streams.finished[0] == 3 and eng.stats()["preemptions"] == before + 1
+        assert streams.finished[-1] == 2  # the preempted stream, on adapter b, recomputed
+        assert [streams.tokens[i] for i in range(4)] == want
     finally:
         eng.shutdown()
