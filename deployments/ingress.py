@@ -616,7 +616,7 @@ class OpenAIIngress:
             if params.guided is not None:
                 _check_grammar(params.guided)
         except ServingError as e:
-            raise _from_serving(e, param=e.param) from None
+            raise _from_serving(e) from None
 
     def _priority(self, caller: Caller, requested: int) -> int:
         return request_priority(self._args.scheduling_policy, caller, requested)
