@@ -1,12 +1,16 @@
 """One-shot accelerator check of the LoRA kernels: correctness, tuning, benchmark, 32-layer stack.
 
-Run on the GPU machine from the repository root (no Ray needed):
+Run on the accelerator machine from the repository root (no Ray needed):
     python benchmarks/device_check.py            # about 4-5 minutes on an H200
     python benchmarks/device_check.py --cpu-smoke  # tiny shapes, interpret mode, any machine
+    python benchmarks/device_check.py --cpu-smoke --platform tpu  # the TPU kernels, interpreted
+The kernels checked are the machine's (Triton on a GPU, Mosaic on a TPU; --platform picks
+them in smoke mode, where they run interpreted).
 Sections (each fails soft: an error is printed and recorded, the script goes on):
-  1. env         jax version, device, a trivial Triton-lowered Pallas kernel
+  1. env         jax version, device, a trivial Pallas kernel for the platform
   2. correctness bgmv / sgmv / shrink+expand / backend on the device (non-interpret)
-                 against a float64 numpy reference, over a compact matrix
+                 against a float64 numpy reference, over a compact matrix;
+                 paged attention (the platform's kernel) against the dense reference
   3. sweep       block sizes of the kernel on the headline shape (T=64, S=64, 4096, r=16)
   4. benchmark   benchmarks.lora_kernels shapes: kernel vs one-hot vs gather, bandwidth
   5. stack       the 32-layer stack of one 4096x4096 bf16 projection with rank-16 LoRA:
@@ -40,7 +44,7 @@ from kernels import xla  # noqa: E402
 from kernels.bgmv import bgmv, bgmv_expand, bgmv_shrink  # noqa: E402
 from kernels.bgmv.ops import block_sizes  # noqa: E402
 from kernels.bgmv.tuned_block_sizes import BlockSizes  # noqa: E402
-from kernels.common import gpu_lowering_target, tiles_from_slots  # noqa: E402
+from kernels.common import default_platform, gpu_lowering_target, tiles_from_slots  # noqa: E402
 from kernels.sgmv import sgmv  # noqa: E402
 from lora_runtime.lora.batch_info import build_batch_info  # noqa: E402
 
@@ -56,7 +60,8 @@ class Run:
 
     def __init__(self, args):
         self.smoke = args.cpu_smoke
-        self.platform = "gpu"  # the kernel path under test; interpreted on CPU in smoke mode
+        # The kernel path under test: the machine's, or --platform's (interpreted in smoke mode).
+        self.platform = args.platform or (default_platform() if default_platform() != "cpu" else "gpu")
         self.interpret = self.smoke
         self.t0 = time.perf_counter() - IMPORT_SECONDS
         self.budget = args.budget_s
@@ -107,19 +112,28 @@ def bench(fn, *args, repeats: int) -> float:
 
 def section_env(run: Run) -> dict:
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
-    info = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
-    print(f"  jax {info['jax']} backend {info['backend']} devices {info['devices']}", flush=True)
+    info = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+            "platform": run.platform}
+    print(f"  jax {info['jax']} backend {info['backend']} devices {info['devices']} kernels {run.platform}",
+          flush=True)
 
     def add(x_ref, y_ref, o_ref):
         o_ref[...] = x_ref[...] + y_ref[...]
 
-    xs = jnp.arange(1024, dtype=jnp.float32)
-    r = pl.pallas_call(add, out_shape=jax.ShapeDtypeStruct(xs.shape, xs.dtype),
-                       compiler_params=plgpu.CompilerParams(num_warps=4), interpret=run.interpret)(xs, xs)
-    info["triton_add_ok"] = bool(np.allclose(np.asarray(r), 2 * np.asarray(xs)))
-    print(f"  triton add kernel ok: {info['triton_add_ok']}", flush=True)
+    if run.platform == "gpu":
+        from jax.experimental.pallas import triton as plgpu
+
+        xs = jnp.arange(1024, dtype=jnp.float32)
+        kw = dict(compiler_params=plgpu.CompilerParams(num_warps=4), interpret=run.interpret)
+    else:
+        from kernels.bgmv.tpu import interpret_params
+
+        xs = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+        kw = dict(interpret=interpret_params(run.interpret))
+    r = pl.pallas_call(add, out_shape=jax.ShapeDtypeStruct(xs.shape, xs.dtype), **kw)(xs, xs)
+    info["add_kernel_ok"] = bool(np.allclose(np.asarray(r), 2 * np.asarray(xs)))
+    print(f"  {run.platform} add kernel ok: {info['add_kernel_ok']}", flush=True)
     return info
 
 
@@ -177,8 +191,14 @@ def make_case(t, s, r, outs, in_f, dtype, seed, slots=None, ranks=None):
     return dev, host
 
 
-def correctness_cases(smoke: bool):
-    """(name, T, S, R, outs, in, dtype, op, extra) — a compact pairwise matrix."""
+def correctness_cases(smoke: bool, platform: str = "gpu"):
+    """(name, T, S, R, outs, in, dtype, op, extra) — a compact pairwise matrix (the GPU's
+    one-launch variant only where it exists)."""
+    cases = _correctness_cases(smoke)
+    return cases if platform == "gpu" else [c for c in cases if not c[-1].get("block", BlockSizes(1, 1, 1)).single_launch]
+
+
+def _correctness_cases(smoke: bool):
     bf, f32 = jnp.bfloat16, jnp.float32
     if smoke:
         qkv, hid = (64, 32, 32), 64
@@ -259,7 +279,7 @@ def run_correctness_case(run: Run, name, t, s, r, outs, in_f, dtype, op, extra) 
 
 def section_correctness(run: Run) -> dict:
     rows = []
-    for case in correctness_cases(run.smoke):
+    for case in correctness_cases(run.smoke, run.platform):
         if run.out_of_time("correctness"):
             break
         t = time.perf_counter()
@@ -274,6 +294,106 @@ def section_correctness(run: Run) -> dict:
         print(f"  {row['case']:28s} {status:4s} violation={row.get('violation', float('nan')):.3g} "
               f"{row.get('error', '')[:200]}", flush=True)
     return {"rows": rows, "passed": sum(r["ok"] for r in rows), "total": len(rows)}
+
+
+def attention_case(seed, *, groups, c, heads, kv_heads, d, bs, pages, dtype, shared_prefix=0, fill=None):
+    """Paged attention inputs: pages in random order (page 0 the null page), groups that may
+    share their first pages, each group's queries ending at a random position in its pages
+    (at `fill` of them when given)."""
+    rng = np.random.default_rng(seed)
+    num_pages = 1 + groups * pages
+    k = rng.standard_normal((kv_heads, num_pages, bs, d), np.float32)
+    v = rng.standard_normal((kv_heads, num_pages, bs, d), np.float32)
+    tables = rng.permutation(np.arange(1, num_pages))[: groups * pages].reshape(groups, pages)
+    tables[:, :shared_prefix] = tables[0, :shared_prefix]
+    if fill is None:
+        q_start = rng.integers(0, pages * bs - c + 1, size=groups)
+    else:
+        q_start = np.full(groups, int(fill * pages * bs) - c)
+    q = rng.standard_normal((groups, c, heads, d), np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(tables, np.int32), jnp.asarray(q_start, np.int32))
+
+
+def attention_cases(smoke: bool):
+    """(name, shape kwargs, window) for paged attention."""
+    bf, f32 = jnp.bfloat16, jnp.float32
+    if smoke:
+        small = dict(groups=3, heads=4, kv_heads=2, d=128, bs=16, pages=3)
+        return [("decode", dict(small, c=1, dtype=f32), None),
+                ("chunk_shared_window", dict(small, c=8, dtype=bf, shared_prefix=1), 20)]
+    llama = dict(heads=32, kv_heads=8, d=128, bs=128)
+    return [
+        ("decode_llama_bf16", dict(llama, groups=16, c=1, pages=8, dtype=bf), None),
+        ("decode_llama_f32", dict(llama, groups=5, c=1, pages=4, dtype=f32), None),
+        ("decode_window", dict(llama, groups=6, c=1, pages=6, dtype=bf), 300),
+        ("extend_shared_prefix", dict(llama, groups=4, c=16, pages=6, dtype=bf, shared_prefix=3), None),
+        ("prefill_chunk_128", dict(llama, groups=2, c=128, pages=4, dtype=bf), None),
+        ("qwen_gqa7_window", dict(heads=28, kv_heads=4, d=128, bs=128, groups=3, c=4, pages=5, dtype=bf), 200),
+        ("small_head_dim_64", dict(heads=8, kv_heads=8, d=64, bs=128, groups=4, c=1, pages=3, dtype=bf), None),
+    ]
+
+
+def attention_timings(smoke: bool):
+    """(name, shape kwargs) of Llama-3-8B decode batches, timed against the XLA formulation."""
+    llama = dict(heads=32, kv_heads=8, d=128, bs=128, c=1, dtype=jnp.bfloat16, fill=1.0)
+    if smoke:
+        return [("decode_small", dict(llama, heads=4, kv_heads=2, bs=16, groups=2, pages=2))]
+    return [(f"decode_B{b}_ctx{p * 128}", dict(llama, groups=b, pages=p)) for b, p in ((8, 8), (32, 8), (32, 32),
+                                                                                        (64, 16))]
+
+
+def section_attention(run: Run) -> dict:
+    """The platform's paged-attention kernel against the dense reference (run on the host CPU
+    in float32), then its decode time at Llama-3-8B shapes against the XLA formulation and the
+    bytes it must read."""
+    from kernels.paged_attention import paged_attention, ref_paged_attention
+
+    cpu = jax.devices("cpu")[0]
+    rows = []
+    for name, shape, window in attention_cases(run.smoke):
+        if run.out_of_time("attention"):
+            break
+        row: dict = {"case": name, "window": window, **{k: v for k, v in shape.items() if k != "dtype"},
+                     "dtype": jnp.dtype(shape["dtype"]).name}
+        try:
+            case = attention_case(len(rows), **shape)
+            f = jax.jit(lambda *a, w=window: paged_attention(*a, window=w, platform=run.platform,
+                                                               interpret=run.interpret))
+            got = f(*case)
+            host = [jax.device_put(np.asarray(z.astype(jnp.float32) if z.dtype != jnp.int32 else z), cpu)
+                    for z in case]
+            want = jax.jit(lambda *a, w=window: ref_paged_attention(*a, window=w), backend="cpu")(*host)
+            row["violation"] = max_violation(got, want, shape["dtype"])
+            row["ok"] = row["violation"] <= 1.0
+        except Exception as e:
+            traceback.print_exc()
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
+        rows.append(row)
+        print(f"  {name:28s} {'ok' if row['ok'] else 'FAIL':4s} violation={row.get('violation', float('nan')):.3g} "
+              f"{row.get('error', '')[:200]}", flush=True)
+    timings = []
+    copy_bps = run.record["sections"].get("benchmark", {}).get("copy_GBps")
+    for name, shape in attention_timings(run.smoke):
+        if run.out_of_time("attention timing"):
+            break
+        case = attention_case(7, **shape)
+        row = {"case": name}
+        kv_bytes = 2 * shape["groups"] * shape["pages"] * shape["bs"] * shape["kv_heads"] * shape["d"] * 2
+        row["kv_MB"] = kv_bytes / 1e6
+        for impl in (run.platform, "xla"):
+            try:
+                f = jax.jit(lambda *a, p=impl: paged_attention(*a, platform=p, interpret=run.interpret and p != "xla"))
+                t = bench(f, *case, repeats=1 if run.smoke else 20)
+                row[f"{impl}_us"] = t * 1e6
+                row[f"{impl}_GBps"] = kv_bytes / t / 1e9
+            except Exception as e:
+                row[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:500]
+        timings.append(row)
+        print("  " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+    return {"rows": rows, "passed": sum(r["ok"] for r in rows), "total": len(rows), "timings": timings,
+            "copy_GBps": copy_bps}
 
 
 def section_cuda_lowering(run: Run) -> dict:
@@ -321,7 +441,13 @@ def section_cuda_lowering(run: Run) -> dict:
 # ---------------------------------------------------------------- 3. block-size sweep
 
 
-def sweep_configs(smoke: bool) -> list[BlockSizes]:
+def sweep_configs(smoke: bool, platform: str = "gpu") -> list[BlockSizes]:
+    if platform == "tpu":
+        # Token blocks of one or two bf16 sublane tiles; the shrink's K whole or split; the
+        # expand's output block of 1024 lanes or the whole 4096.
+        if smoke:
+            return [BlockSizes(16, 1 << 16, 128), BlockSizes(32, 128, 256)]
+        return [BlockSizes(tm, bk, bn) for tm in (16, 32) for bk in (1 << 16, 1024) for bn in (1024, 4096)]
     if smoke:
         return [BlockSizes(16, 64, 64, 2), BlockSizes(16, 128, 128, 1, num_warps=2),
                 BlockSizes(16, 64, 64, single_launch=True)]
@@ -356,8 +482,8 @@ def section_sweep(run: Run) -> dict:
     layers, repeats = (2, 1) if run.smoke else (16, 20)
     args = lk.make_stack(shape, layers, jnp.bfloat16, seed=7)
     rows = []
-    default = block_sizes("gpu", shape.num_tokens, shape.hidden, jnp.bfloat16)
-    for bs in [default] + [c for c in sweep_configs(run.smoke) if c != default]:
+    default = block_sizes(run.platform, shape.num_tokens, shape.hidden, jnp.bfloat16)
+    for bs in [default] + [c for c in sweep_configs(run.smoke, run.platform) if c != default]:
         if run.out_of_time("sweep"):
             break
         row = {"block": dataclasses.asdict(bs), "default": bs == default}
@@ -386,7 +512,7 @@ def section_benchmark(run: Run) -> dict:
     layers, repeats = (2, 1) if run.smoke else (16, 20)
     copy_bps = lk.copy_bandwidth((8 << 20) if run.smoke else (1 << 30), repeats=3 if run.smoke else 20)
     print(f"  copy bandwidth {copy_bps / 1e9:.0f} GB/s", flush=True)
-    shapes = [lk.Shape(16, 8, 256, 16), lk.Shape(64, 64, 256, 16)] if run.smoke else lk.shapes(False, "gpu")
+    shapes = [lk.Shape(16, 8, 256, 16), lk.Shape(64, 64, 256, 16)] if run.smoke else lk.shapes(False, run.platform)
     tuned = best_block(run)
     rows = []
     for shape in shapes[-1:] + shapes[:-1]:  # the headline shape first
@@ -550,6 +676,13 @@ def print_table(run: Run) -> None:
         print(f"correctness: {corr['passed']}/{corr['total']} passed" + (f"; failed: {', '.join(bad)}" if bad else ""))
     else:
         print(f"correctness: {corr}")
+    att = sec.get("attention", {})
+    if "rows" in att:
+        bad = [r["case"] for r in att["rows"] if not r["ok"]]
+        print(f"attention: {att['passed']}/{att['total']} passed" + (f"; failed: {', '.join(bad)}" if bad else ""))
+        for row in att.get("timings", []):
+            print("attention " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in row.items() if not k.endswith("_error")))
     best = sec.get("sweep", {}).get("best")
     if best:
         print(f"sweep best: {best['block']} {best['us_per_layer']:.1f} us/layer")
@@ -571,17 +704,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Pallas interpret mode, any machine")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.device_out)")
     p.add_argument("--budget-s", type=float, default=330.0, help="skip sections that would start past this")
+    p.add_argument("--sections", default=None,
+                   help="comma-separated subset of env,correctness,attention,sweep,stack,benchmark")
+    p.add_argument("--platform", choices=("gpu", "tpu"), default=None,
+                   help="whose kernels (default: the machine's; gpu on a CPU-only machine)")
     args = p.parse_args(argv)
     run = Run(args)
-    if not run.smoke and jax.default_backend() not in ("gpu", "cuda"):
-        print(f"warning: backend is {jax.default_backend()!r}, not a GPU; use --cpu-smoke off-GPU", flush=True)
-    run.section("env", section_env, 0)
-    if run.smoke:
-        run.section("cuda_lowering", section_cuda_lowering, 0)
-    run.section("correctness", section_correctness, 60)
-    run.section("sweep", section_sweep, 150)
-    run.section("stack", section_stack, 60)
-    run.section("benchmark", section_benchmark, 30)
+    if not run.smoke and default_platform() != run.platform:
+        print(f"warning: backend is {jax.default_backend()!r}, not {run.platform}; use --cpu-smoke there", flush=True)
+    wanted = set(args.sections.split(",")) if args.sections else None
+    sections = [("env", section_env, 0), ("correctness", section_correctness, 60),
+                ("attention", section_attention, 30), ("sweep", section_sweep, 150), ("stack", section_stack, 60),
+                ("benchmark", section_benchmark, 30)]
+    if run.smoke and run.platform == "gpu":
+        sections.insert(1, ("cuda_lowering", section_cuda_lowering, 0))
+    for name, fn, min_left_s in sections:
+        if wanted is None or name in wanted:
+            run.section(name, fn, min_left_s)
     run.record["targets"] = targets(run)
     run.record["elapsed_s"] = run.elapsed()
     run.save()

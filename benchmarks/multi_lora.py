@@ -21,6 +21,7 @@ dora_over_plain_step=<f> embed_head_over_plain_step=<f>` and benchmarks.rank_poo
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 
 import jax
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         recompiles = lora_off.compiles_after_warmup
     finally:
         lora_off.shutdown()
+    # Its KV cache took the plan's share of device memory: free it before the next engine plans its own.
+    del lora_off
+    gc.collect()
     engine = synthetic_engine(model_config, config, tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
         kinds = {"plain": {}, "dora": {"dora": True}, "embed_head": {"outer": True}}
@@ -115,9 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     extra = {"dora": model_config.num_layers * sum(o for _, o in module_shapes(model_config).values()) * 4,
              "embed_head": rank * (2 * h + v) * itemsize}
     kind_roof = {kind: 1 + distinct * (adapter_bytes + extra[kind]) / base_bytes for kind in extra}
+    backend_name = engine.runner.backend.name
+    del engine  # free its KV cache before the pools below and rank_pool's engines take the device
+    gc.collect()
     write_small = _slot_write_ms(model_config, adapter, 8, rank)
     write_large = _slot_write_ms(model_config, adapter, 64, rank)
-    print(f"device={jax.devices()[0].platform} backend={engine.runner.backend.name} model={shape} "
+    print(f"device={jax.devices()[0].platform} backend={backend_name} model={shape} "
           f"base_bytes={base_bytes / 2**20:.1f}MiB adapter_bytes={adapter_bytes / 2**20:.2f}MiB")
     print_table(
         ["batch of 8", "step_ms", "tokens/s", "over_lora_off", "roofline"],

@@ -18,6 +18,7 @@ Last line: `resident_adapters_per_gib=<f> vs_padded=<f> rank_aware_over_padded_s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -118,6 +119,9 @@ def mixed_rank_steps(quick: bool) -> dict[str, float]:
                 out[kind + " recompiles"] = engine.compiles_after_warmup
             finally:
                 engine.shutdown()
+            # Its KV cache took the plan's share of device memory: free it before the next engine plans its own.
+            del engine
+            gc.collect()
     return out
 
 

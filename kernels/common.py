@@ -18,6 +18,15 @@ import jax.numpy as jnp
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
+def mxu_dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:  # f32
+    """A Mosaic kernel's matrix product, accumulated in f32. float32 operands get full
+    precision: the TPU's default multiplies them as bfloat16 (about 3 digits), which a
+    float32 model would not expect; bfloat16 operands are unchanged."""
+    exact = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32,
+                               precision=jax.lax.Precision.HIGHEST if exact else None)
+
+
 def default_platform() -> str:
     """The platform the kernels dispatch on: "cpu", "gpu" or "tpu"."""
     backend = jax.default_backend()

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.common import TileMetadata
+from kernels.common import TileMetadata, mxu_dot
 
 
 def interpret_params(interpret: bool):
@@ -61,9 +61,7 @@ def _shrink_kernel(slot_ref, eff_ref, layer_ref, x_ref, a_ref, o_ref):
         def _():
             o_ref[...] = jnp.zeros_like(o_ref)
 
-        o_ref[...] += jax.lax.dot_general(
-            x_ref[...], a_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        o_ref[...] += mxu_dot(x_ref[...], a_ref[...], (((1,), (1,)), ((), ())))
 
 
 def shrink(
@@ -105,10 +103,7 @@ def _expand_kernel(slot_ref, eff_ref, layer_ref, v_ref, b_ref, o_ref):
 
     @pl.when(eff_ref[g] == g)
     def _():
-        o_ref[...] = jax.lax.dot_general(
-            v_ref[...].astype(b_ref.dtype), b_ref[...], (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
+        o_ref[...] = mxu_dot(v_ref[...].astype(b_ref.dtype), b_ref[...], (((1,), (0,)), ((), ())))
 
 
 def expand(

@@ -51,6 +51,11 @@ TPU_WHOLE_K = 1 << 16
 
 
 def tpu_block_sizes(dtype, *, prefill: bool) -> BlockSizes:
-    """Mosaic sizes: one sublane tile of tokens (more for prefill), whole K, wide out blocks."""
+    """Mosaic sizes: one sublane tile of tokens (more for prefill), whole K, wide out blocks.
+
+    The TPU v5e sweep of benchmarks/device_check.py (T=64, S=64, H=O=4096, r=16, bf16, 16
+    stacked layers; benchmarks/results/2026-12-06-tpu-v5e.md) put tm=16, whole K and
+    bn=4096 first at 136 us/layer, ahead of bn=1024 (172), a K block of 1024 (185-223) and
+    tm=32 (167-263): fewer, wider expand steps, each reading a longer B row."""
     sub = 16 if jnp.dtype(dtype).itemsize < 4 else 8
-    return BlockSizes(tm=sub * (8 if prefill else 1), bk=TPU_WHOLE_K, bn=1024)
+    return BlockSizes(tm=sub * (8 if prefill else 1), bk=TPU_WHOLE_K, bn=4096)

@@ -72,10 +72,14 @@ def xla_paged_attention(
     qg = q.reshape(groups, c, kv_heads, g, d)
     qpos = q_start[:, None] + jnp.arange(c)  # [Q, C]
 
+    head_ids = jnp.arange(kv_heads, dtype=jnp.int32)[:, None, None]
+
     def body(i, carry):
         table = jax.lax.dynamic_slice_in_dim(block_tables, i * per_chunk, per_chunk, axis=1)  # [Q, per_chunk]
-        kb = k_pages[:, table].reshape(kv_heads, groups, chunk, d)
-        vb = v_pages[:, table].reshape(kv_heads, groups, chunk, d)
+        # (kv head, page) index pairs: the gather's indexed dimensions lead the cache, so XLA
+        # can read the pages in place (`k_pages[:, table]` may transpose the whole cache first).
+        kb = k_pages[head_ids, table[None]].reshape(kv_heads, groups, chunk, d)
+        vb = v_pages[head_ids, table[None]].reshape(kv_heads, groups, chunk, d)
         kpos = i * chunk + jnp.arange(chunk)
         mask = key_mask(qpos[:, :, None], kpos[None, None, :], window)[:, None, None]  # [Q, 1, 1, C, chunk]
         s = jnp.einsum("qtkgd,kqsd->qkgts", qg, kb, preferred_element_type=jnp.float32) * scale

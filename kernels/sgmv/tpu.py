@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.bgmv.tpu import interpret_params, lane_block
+from kernels.common import mxu_dot
 from kernels.sgmv.metadata import GroupMetadata
 
 _NT = (((1,), (1,)), ((), ()))
@@ -52,7 +53,7 @@ def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, layer_ref, x_ref, a_ref, 
 
     @pl.when(lo_ref[v] < hi_ref[v])
     def _():
-        acc_ref[...] += jax.lax.dot_general(x_ref[...], a_ref[...], _NT, preferred_element_type=jnp.float32)
+        acc_ref[...] += mxu_dot(x_ref[...], a_ref[...], _NT)
 
     @pl.when(k == nk - 1)
     def _():
@@ -108,9 +109,7 @@ def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, layer_ref, v_ref, b_ref, 
 
     @pl.when(lo_ref[v] < hi_ref[v])
     def _():
-        d = jax.lax.dot_general(
-            v_ref[...].astype(b_ref.dtype), b_ref[...], _NN, preferred_element_type=jnp.float32
-        )
+        d = mxu_dot(v_ref[...].astype(b_ref.dtype), b_ref[...], _NN)
         mask = _row_mask(v, tile_ref, lo_ref, hi_ref, tm, o_ref.shape[1])
         o_ref[...] = jnp.where(mask, d, o_ref[...])
 

@@ -219,7 +219,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
     pool += saved_module_bytes(model_config, config, tp)
     staging = staging_bytes(model_config, config, tp)
     workspace = workspace_bytes(model_config, config, tp)
-    per_block = block_bytes(model_config, block_size) // tp
+    per_block = block_bytes(model_config, block_size, platform=platform) // tp  # as the device lays it out
     blocks_per_seq = math.ceil(config.max_seq_len / block_size)
     budget = None
     if config.kv_cache_bytes is not None:

@@ -78,12 +78,19 @@ def write_kv(
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T]: block * bs + offset; out of range: dropped
 ) -> tuple[jax.Array, jax.Array]:
-    """Writes each token's K/V at its slot; padding tokens (slot past the cache) write nothing."""
+    """Writes each token's K/V at its slot; padding tokens (slot past the cache) write nothing.
+
+    Each (kv head, slot) pair is its own index, so the scatter's indexed dimensions are the
+    cache's two leading ones and XLA can update the donated cache in place. Indexing the slot
+    dimension alone (`pages[:, slots]`) leaves the heads as a window ahead of it, which XLA's
+    scatter canonicalization may move behind by transposing the whole cache
+    (benchmarks/kv_write.py measures both on the machine)."""
     heads, n, bs, d = k_pages.shape
+    head_ids = jnp.arange(heads, dtype=jnp.int32)[None, :]  # [1, Hkv] against slots [T, 1]
 
     def write(pages, x):
         flat = pages.reshape(heads, n * bs, d)
-        flat = flat.at[:, slot_mapping].set(jnp.swapaxes(x, 0, 1).astype(pages.dtype), mode="drop")
+        flat = flat.at[head_ids, slot_mapping[:, None]].set(x.astype(pages.dtype), mode="drop")
         return flat.reshape(pages.shape)
 
     return write(k_pages, k), write(v_pages, v)

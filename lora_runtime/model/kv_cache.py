@@ -39,10 +39,22 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     return DEFAULT_RULES.sharding(mesh, "kv_heads", None, None, "head_dim")
 
 
-def block_bytes(config: ModelConfig, block_size: int, dtype=None) -> int:
-    """Bytes one block takes over all layers, K and V, all devices' shards together."""
+TPU_LANES = 128
+
+
+def block_bytes(config: ModelConfig, block_size: int, dtype=None, *, platform: str | None = None) -> int:
+    """Bytes one block takes over all layers, K and V, all devices' shards together.
+
+    On "tpu" a page [block_size, head_dim] is stored in (sublane, 128-lane) tiles, so a head_dim
+    under a multiple of 128 takes the whole lanes (head_dim 32 takes 4x its bytes) and a block
+    size under a multiple of the sublane tile (8 rows of 32 bits) its whole rows."""
     itemsize = jnp.dtype(dtype or config.dtype).itemsize
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size * itemsize
+    head_dim = config.head_dim
+    if platform == "tpu":
+        sublanes = 8 * max(1, 4 // itemsize)
+        head_dim = -(-head_dim // TPU_LANES) * TPU_LANES
+        block_size = -(-block_size // sublanes) * sublanes
+    return 2 * config.num_layers * config.num_kv_heads * head_dim * block_size * itemsize
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v"), meta_fields=("num_layers",))

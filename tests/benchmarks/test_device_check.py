@@ -11,7 +11,7 @@ def test_device_check_cpu_smoke(tmp_path):
     assert device_check.main(["--cpu-smoke", "--budget-s", "300", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "device_check.json").read_text())
     sections = record["sections"]
-    assert sections["env"]["triton_add_ok"] is True
+    assert sections["env"]["add_kernel_ok"] is True
     lowering = sections["cuda_lowering"]
     assert lowering["passed"] == lowering["total"] > 0, [r for r in lowering["rows"] if not r["ok"]]
     correctness = sections["correctness"]

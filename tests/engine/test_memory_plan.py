@@ -180,6 +180,27 @@ def test_the_cache_takes_what_the_budget_leaves():
     assert given.num_blocks == 100
 
 
+def test_on_tpu_a_page_counts_its_tiled_bytes():
+    """A TPU stores a page [bs, head_dim] in (sublane, 128-lane) tiles: head_dim 32 takes 4x its
+    bytes. The plan sizes the cache by what the chip allocates; counting the logical bytes, a
+    head_dim-32 model's cache alone asked the chip for 4x its memory."""
+    import jax.numpy as jnp
+
+    config = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=0, kv_cache_memory_fraction=0.5)
+    mesh = make_mesh(1)
+    tpu = plan_memory(MODEL, config, mesh, platform="tpu", block_size=128, device_bytes=GIB)
+    gpu = plan_memory(MODEL, config, mesh, platform="gpu", block_size=128, device_bytes=GIB)
+    assert MODEL.head_dim == 32
+    assert tpu.block_bytes == 4 * gpu.block_bytes == 4 * block_bytes(MODEL, 128)
+    assert tpu.num_blocks == gpu.num_blocks // 4  # the same bytes left for the cache
+    assert tpu.kv_cache_bytes <= GIB // 2 - tpu.weights_bytes - tpu.workspace_bytes
+    wide = synthetic_config(hidden=1024, layers=2, heads=8, kv_heads=2, intermediate=512, vocab=4096)
+    assert wide.head_dim == 128 and block_bytes(wide, 128, platform="tpu") == block_bytes(wide, 128)
+    # A block under a whole sublane tile takes the tile's rows: 8 of 32 bits, 16 of bfloat16.
+    assert block_bytes(wide, 4, platform="tpu") == block_bytes(wide, 8)
+    assert block_bytes(wide, 8, jnp.bfloat16, platform="tpu") == block_bytes(wide, 16, jnp.bfloat16)
+
+
 def test_a_config_that_does_not_fit_is_refused_naming_the_part():
     mesh = make_mesh(1)
     big_pool = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=8, max_lora_rank=1024)

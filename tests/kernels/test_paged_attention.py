@@ -71,6 +71,23 @@ def test_bf16_and_long_tables(platform):
     assert_close(got, naive_paged_attention(q, k, v, tables, q_start), jnp.bfloat16)
 
 
+def test_tpu_kernel_steps_over_blocks_of_kv_heads(monkeypatch):
+    """A TPU grid step takes as many kv heads as fit its VMEM budget: all of them for decode,
+    fewer for long chunks, one when even two would not fit; every split gives the same result."""
+    from kernels.paged_attention import tpu
+
+    assert tpu.heads_per_step(8, 4, 128, 128, 2) == 8  # Llama-3-8B decode: every head at once
+    assert tpu.heads_per_step(8, 512, 128, 128, 2) == 4  # a 128-token chunk, 4 query heads each
+    assert tpu.heads_per_step(4, 8192, 128, 128, 2) == 1
+    assert tpu.heads_per_step(6, 1024, 128, 128, 4) in (1, 2, 3)  # a divisor of the kv heads
+    case = random_case(11, c=4, groups=3, pages=5, kv_heads=4, heads=8, bs=8)
+    want = naive_paged_attention(*case, window=13)
+    for budget in (tpu.VMEM_BUDGET, 4 << 10):  # all 4 heads a step, then 1
+        monkeypatch.setattr(tpu, "VMEM_BUDGET", budget)
+        assert tpu.heads_per_step(4, 4 * 2, 8, 32, 4) == (4 if budget > 1 << 20 else 1)
+        assert_close(paged_attention(*case, window=13, platform="tpu", interpret=True), want, jnp.float32)
+
+
 def test_null_page_rows_stay_finite():
     """Idle groups (position 0, every page the null page) give finite output on every platform."""
     q, k, v, tables, _ = random_case(8, groups=2, pages=3)

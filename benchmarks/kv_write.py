@@ -1,0 +1,125 @@
+"""The KV cache's write and page read as XLA compiles them for this machine: do they touch the
+cache in place, or copy it?
+
+    python -m benchmarks.kv_write [--cache-gib G] [--dtype bfloat16]
+
+A decode step writes each token's K/V at its slot of the cache ([Hkv, L * N * bs, D] per K
+or V, donated, layer l's pages from l * N) and, through the XLA formulation, gathers each
+sequence's pages, once per layer inside the step's loop over layers (as the model runs
+them). Both index a dimension behind the kv heads. Two formulations of each, compiled for
+the default backend:
+  write  `pages[heads, slots]`: (head, slot) index pairs, the leading dims (lora_runtime's)
+         `pages[:, slots]`:     the slot dim alone, the heads a window ahead of it
+  read   `pages[heads, table]`: (head, page) pairs (kernels/paged_attention/xla.py's)
+         `pages[:, table]`:     the page dim alone
+For each: XLA's memory analysis of the compiled function (temporary bytes, against the
+cache's bytes: a copy of the cache shows as about 1.0 per copy), the transposes and copies
+left in the optimized HLO, and the time per call (4 layers; 64 tokens; 64 sequences of 4 pages). Last line:
+`write_temp_over_cache=<f> read_temp_over_cache=<f> write_us=<f> read_us=<f>` for the
+formulations lora_runtime uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import best_time, print_table
+
+HEADS, HEAD_DIM, BLOCK, TOKENS, PAGES_PER_SEQ, LAYERS = 8, 128, 128, 64, 4, 4
+
+
+def write_pairs(flat, x, slots):  # [Hkv, S, D], [T, Hkv, D], i32[T]
+    heads = jnp.arange(flat.shape[0], dtype=jnp.int32)[None, :]
+    return flat.at[heads, slots[:, None]].set(x, mode="drop")
+
+
+def write_slot_axis(flat, x, slots):
+    return flat.at[:, slots].set(jnp.swapaxes(x, 0, 1), mode="drop")
+
+
+def read_pairs(pages, table):  # [Hkv, N, bs, D], i32[Q, P] -> [Hkv, Q, D]
+    heads = jnp.arange(pages.shape[0], dtype=jnp.int32)[:, None, None]
+    return pages[heads, table[None]].sum(axis=(2, 3), dtype=jnp.float32)
+
+
+def read_page_axis(pages, table):
+    return pages[:, table].sum(axis=(2, 3), dtype=jnp.float32)
+
+
+def over_layers(write):
+    """Each layer writes its own pages (slots offset by the layer), in a loop as the model's."""
+    def run(flat, x, slots):
+        per_layer = flat.shape[1] // LAYERS
+        return jax.lax.fori_loop(0, LAYERS, lambda l, f: write(f, x, slots + l * per_layer), flat)
+    return run
+
+
+def reading_layers(read):
+    def run(pages, table):
+        per_layer = pages.shape[1] // LAYERS
+        init = jnp.zeros((pages.shape[0], table.shape[0], pages.shape[3]), jnp.float32)
+        return jax.lax.fori_loop(0, LAYERS, lambda l, acc: acc + read(pages, table + l * per_layer), init)
+    return run
+
+
+def measure(fn, donate: bool, *args) -> dict:
+    """Temporary bytes, transposes and copies of the compiled fn, and its best time."""
+    jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
+    compiled = jitted.lower(*args).compile()
+    memory = compiled.memory_analysis()
+    text = compiled.as_text()
+    state = {"args": list(args)}
+
+    def call():
+        out = jitted(*state["args"])
+        if donate:
+            state["args"][0] = out
+        return out
+
+    return {"temp_bytes": getattr(memory, "temp_size_in_bytes", float("nan")),
+            "transposes": text.count(" transpose("), "copies": text.count(" copy("),
+            "us": 1e6 * best_time(call, repeats=10, warmup=2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cache-gib", type=float, default=1.0, help="bytes of one of K or V, in GiB")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    args = parser.parse_args(argv)
+    dtype = jnp.dtype(args.dtype)
+    slots_total = int(args.cache_gib * 2**30) // (HEADS * HEAD_DIM * dtype.itemsize) // (BLOCK * LAYERS) * BLOCK * LAYERS
+    num_pages = slots_total // BLOCK
+    per_layer_pages = num_pages // LAYERS
+    cache_bytes = HEADS * slots_total * HEAD_DIM * dtype.itemsize
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((TOKENS, HEADS, HEAD_DIM)), dtype)
+    slots = jnp.asarray(rng.choice(slots_total // LAYERS, TOKENS, replace=False), jnp.int32)
+    table = jnp.asarray(rng.integers(0, per_layer_pages, (TOKENS, PAGES_PER_SEQ)), jnp.int32)
+    rows, result = [], {}
+    for kind, formulations in (("write", (("pages[heads, slots]", over_layers(write_pairs)),
+                                          ("pages[:, slots]", over_layers(write_slot_axis)))),
+                               ("read", (("pages[heads, table]", reading_layers(read_pairs)),
+                                         ("pages[:, table]", reading_layers(read_page_axis))))):
+        for name, fn in formulations:
+            flat = jnp.zeros((HEADS, slots_total, HEAD_DIM), dtype)
+            if kind == "write":
+                got = measure(fn, True, flat, x, slots)
+            else:
+                got = measure(fn, False, flat.reshape(HEADS, num_pages, BLOCK, HEAD_DIM), table)
+            del flat
+            rows.append((kind, name, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"], got["us"]))
+            result.setdefault(kind, got)  # the first formulation of each is lora_runtime's
+    print(f"device={jax.devices()[0].platform} cache={cache_bytes / 2**30:.2f}GiB per K or V ({args.dtype}, "
+          f"{HEADS} kv heads, {LAYERS} layers of {slots_total // LAYERS} slots) tokens={TOKENS}")
+    print_table(["op", "formulation", "temp_over_cache", "transposes", "copies", "us"], rows)
+    print(f"write_temp_over_cache={result['write']['temp_bytes'] / cache_bytes:.4f} "
+          f"read_temp_over_cache={result['read']['temp_bytes'] / cache_bytes:.4f} "
+          f"write_us={result['write']['us']:.1f} read_us={result['read']['us']:.1f}")
+
+
+if __name__ == "__main__":
+    main()

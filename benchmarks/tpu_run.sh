@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The TPU runs (one chip, Python 3.11, JAX preinstalled, no network), from the repository root;
+# outputs go to $OUT (default ./.device_out). One call may run several modes in order:
+#   bash benchmarks/tpu_run.sh MODE [MODE ...]
+#   check        the Mosaic kernels against float64 / dense references, their block sweep, speed
+#                against the XLA formulations and the byte roofline (benchmarks/device_check.py;
+#                about 4 minutes)
+#   correctness  only the kernels' and paged attention's correctness (under a minute)
+#   kv           the KV write and page read compiled for the chip (benchmarks/kv_write.py)
+#   engine       the engine on the demo model through the kernels and through XLA
+#                (benchmarks/engine_device_check.py; about 2 minutes)
+#   steps        the LoRA decode step at Llama-3-8B layer widths (8 layers, bfloat16) through the
+#                kernels and through XLA (benchmarks/multi_lora.py; about 3 minutes)
+#   starts       engine starts (benchmarks/engine_scale.py --start-only): 16 layers of Llama-3-8B
+#                widths in bfloat16 over an empty compilation cache, then over that cache (32
+#                layers do not fit one 16 GB chip beside the pool); 4- and 32-layer warm-ups
+#   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
+# The image lacks flax, safetensors, tokenizers, jinja2 and pydantic: the first four come
+# from the machine's own package index, pydantic (and llguidance) from the wheels that
+# `bash scripts/device_wheels.sh 3.11` puts in .whl/, which the call carries.
+set -uo pipefail
+OUT=${OUT:-./.device_out}
+mkdir -p "$OUT"
+site=/tmp/site
+if [ "${1:-}" != smoke ] && ! PYTHONPATH=${PYTHONPATH:-}:$site python3 -c "import flax, safetensors, tokenizers, jinja2, pydantic" 2>/dev/null; then
+  start=$(date +%s)
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --no-cache-dir --no-compile \
+    --index-url file:///opt/pypi/simple --target "$site" flax safetensors tokenizers jinja2 fsspec 2>&1 | tail -3
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target "$site" .whl/*.whl 2>&1 | tail -3
+  fi
+  echo "installed in $(( $(date +%s) - start ))s"
+fi
+# The machine's own JAX stays first; what was installed comes last.
+export PYTHONPATH=$PWD:${PYTHONPATH:-}:$site PYTHONUNBUFFERED=1
+for mode in "${@:-check}"; do
+  case "$mode" in
+    smoke)
+      python3 benchmarks/device_check.py --cpu-smoke --platform tpu --budget-s 120 --out "$OUT" 2>&1 | tail -12
+      python3 -m benchmarks.kv_write --cache-gib 0.05 2>&1 | tail -3
+      python3 -m benchmarks.engine_device_check --words 2 --out "$OUT/engine_device_check.json" 2>&1 | tail -4 ;;
+    check)
+      timeout 250 python3 benchmarks/device_check.py --budget-s 215 --out "$OUT" 2>&1 | tee "$OUT/device_check.log" \
+        | grep -v "^  BlockSizes" ;;
+    correctness)
+      timeout 90 python3 benchmarks/device_check.py --sections env,correctness,attention --budget-s 80 \
+        --out "$OUT/correctness" 2>&1 | tee "$OUT/device_check_correctness.log" | tail -14 ;;
+    kv)
+      timeout 45 python3 -m benchmarks.kv_write --cache-gib 2 2>&1 | tee "$OUT/kv_write.log" | tail -8 ;;
+    engine)
+      timeout 120 python3 -m benchmarks.engine_device_check --out "$OUT/engine_device_check.json" 2>&1 \
+        | tee "$OUT/engine_device_check.log" | grep -v Warn ;;
+    steps)
+      for backend in pallas xla; do
+        timeout 130 python3 -m benchmarks.multi_lora --quick --large --backend $backend 2>&1 \
+          | tee "$OUT/multi_lora_$backend.log" | tail -16
+      done ;;
+    steps-pallas)
+      timeout 130 python3 -m benchmarks.multi_lora --quick --large --backend pallas 2>&1 \
+        | tee "$OUT/multi_lora_pallas.log" | tail -16 ;;
+    starts)
+      timeout 240 python3 -m benchmarks.engine_scale --start-only --layers 16 --dtype bfloat16 --widths 8b \
+        --depth-widths 1024 2>&1 | tee "$OUT/engine_starts.log" | tail -12 ;;
+    *)
+      echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, starts, smoke)" >&2
+      exit 2 ;;
+  esac
+done
