@@ -14,9 +14,10 @@ the default backend:
          `pages[:, table]`:     the page dim alone
 For each: XLA's memory analysis of the compiled function (temporary bytes, against the
 cache's bytes: a copy of the cache shows as about 1.0 per copy), the transposes and copies
-left in the optimized HLO, and the time per call (4 layers; 64 tokens; 64 sequences of 4 pages). Last line:
-`write_temp_over_cache=<f> read_temp_over_cache=<f> write_us=<f> read_us=<f>` for the
-formulations lora_runtime uses.
+left in the optimized HLO, and the time per layer (writes of 8, 64 and 512 tokens; reads of 64
+sequences of 4 pages). Last line:
+`write_temp_over_cache=<f> read_temp_over_cache=<f> write_us_per_layer=<f> read_us_per_layer=<f>`
+for the formulations lora_runtime uses, 64 tokens.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache-gib", type=float, default=1.0, help="bytes of one of K or V, in GiB")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--tokens", type=lambda v: [int(t) for t in v.split(",")], default=[8, TOKENS, 512],
+                        help="tokens a write step writes (comma-separated)")
     args = parser.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
     slots_total = int(args.cache_gib * 2**30) // (HEADS * HEAD_DIM * dtype.itemsize) // (BLOCK * LAYERS) * BLOCK * LAYERS
@@ -96,29 +99,30 @@ def main(argv: list[str] | None = None) -> None:
     per_layer_pages = num_pages // LAYERS
     cache_bytes = HEADS * slots_total * HEAD_DIM * dtype.itemsize
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((TOKENS, HEADS, HEAD_DIM)), dtype)
-    slots = jnp.asarray(rng.choice(slots_total // LAYERS, TOKENS, replace=False), jnp.int32)
     table = jnp.asarray(rng.integers(0, per_layer_pages, (TOKENS, PAGES_PER_SEQ)), jnp.int32)
     rows, result = [], {}
-    for kind, formulations in (("write", (("pages[heads, slots]", over_layers(write_pairs)),
-                                          ("pages[:, slots]", over_layers(write_slot_axis)))),
-                               ("read", (("pages[heads, table]", reading_layers(read_pairs)),
-                                         ("pages[:, table]", reading_layers(read_page_axis))))):
-        for name, fn in formulations:
-            flat = jnp.zeros((HEADS, slots_total, HEAD_DIM), dtype)
-            if kind == "write":
-                got = measure(fn, True, flat, x, slots)
-            else:
-                got = measure(fn, False, flat.reshape(HEADS, num_pages, BLOCK, HEAD_DIM), table)
-            del flat
-            rows.append((kind, name, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"], got["us"]))
-            result.setdefault(kind, got)  # the first formulation of each is lora_runtime's
+    writes = (("pages[heads, slots]", over_layers(write_pairs)), ("pages[:, slots]", over_layers(write_slot_axis)))
+    reads = (("pages[heads, table]", reading_layers(read_pairs)), ("pages[:, table]", reading_layers(read_page_axis)))
+    for tokens in args.tokens:
+        x = jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_DIM)), dtype)
+        slots = jnp.asarray(rng.choice(slots_total // LAYERS, tokens, replace=False), jnp.int32)
+        for name, fn in writes:
+            got = measure(fn, True, jnp.zeros((HEADS, slots_total, HEAD_DIM), dtype), x, slots)
+            rows.append(("write", name, tokens, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"],
+                         got["us"] / LAYERS))
+            if tokens == TOKENS:
+                result.setdefault("write", got)  # the first formulation is lora_runtime's
+    for name, fn in reads:
+        got = measure(fn, False, jnp.zeros((HEADS, num_pages, BLOCK, HEAD_DIM), dtype), table)
+        rows.append(("read", name, TOKENS, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"],
+                     got["us"] / LAYERS))
+        result.setdefault("read", got)
     print(f"device={jax.devices()[0].platform} cache={cache_bytes / 2**30:.2f}GiB per K or V ({args.dtype}, "
           f"{HEADS} kv heads, {LAYERS} layers of {slots_total // LAYERS} slots) tokens={TOKENS}")
-    print_table(["op", "formulation", "temp_over_cache", "transposes", "copies", "us"], rows)
+    print_table(["op", "formulation", "tokens", "temp_over_cache", "transposes", "copies", "us_per_layer"], rows)
     print(f"write_temp_over_cache={result['write']['temp_bytes'] / cache_bytes:.4f} "
           f"read_temp_over_cache={result['read']['temp_bytes'] / cache_bytes:.4f} "
-          f"write_us={result['write']['us']:.1f} read_us={result['read']['us']:.1f}")
+          f"write_us_per_layer={result['write']['us'] / LAYERS:.1f} read_us_per_layer={result['read']['us'] / LAYERS:.1f}")
 
 
 if __name__ == "__main__":
