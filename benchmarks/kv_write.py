@@ -8,8 +8,9 @@ or V, donated, layer l's pages from l * N) and, through the XLA formulation, gat
 sequence's pages, once per layer inside the step's loop over layers (as the model runs
 them). Both index a dimension behind the kv heads. Two formulations of each, compiled for
 the default backend:
-  write  `pages[heads, slots]`: (head, slot) index pairs, the leading dims (lora_runtime's)
+  write  `pages[heads, slots]`: (head, slot) index pairs, the leading dims (the XLA path's)
          `pages[:, slots]`:     the slot dim alone, the heads a window ahead of it
+         mosaic sub-blocks:     on a TPU, kernels/paged_attention/write.py's kernel
   read   `pages[heads, table]`: (head, page) pairs (kernels/paged_attention/xla.py's)
          `pages[:, table]`:     the page dim alone
 For each: XLA's memory analysis of the compiled function (temporary bytes, against the
@@ -29,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import best_time, print_table
+from kernels.common import default_platform
+from kernels.paged_attention.write import tpu_write_pages
 
 HEADS, HEAD_DIM, BLOCK, TOKENS, PAGES_PER_SEQ, LAYERS = 8, 128, 128, 64, 4, 4
 
@@ -40,6 +43,12 @@ def write_pairs(flat, x, slots):  # [Hkv, S, D], [T, Hkv, D], i32[T]
 
 def write_slot_axis(flat, x, slots):
     return flat.at[:, slots].set(jnp.swapaxes(x, 0, 1), mode="drop")
+
+
+def mosaic_write(flat, x, slots):  # kernels/paged_attention/write.py's TPU kernel, on 128-token pages
+    heads, total, d = flat.shape
+    pages = tpu_write_pages(flat.reshape(heads, total // BLOCK, BLOCK, d), x, slots)
+    return pages.reshape(flat.shape)
 
 
 def read_pairs(pages, table):  # [Hkv, N, bs, D], i32[Q, P] -> [Hkv, Q, D]
@@ -101,25 +110,35 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     table = jnp.asarray(rng.integers(0, per_layer_pages, (TOKENS, PAGES_PER_SEQ)), jnp.int32)
     rows, result = [], {}
-    writes = (("pages[heads, slots]", over_layers(write_pairs)), ("pages[:, slots]", over_layers(write_slot_axis)))
+    writes = [("pages[heads, slots]", over_layers(write_pairs)), ("pages[:, slots]", over_layers(write_slot_axis))]
+    if default_platform() == "tpu":
+        writes.append(("mosaic sub-blocks", over_layers(mosaic_write)))
     reads = (("pages[heads, table]", reading_layers(read_pairs)), ("pages[:, table]", reading_layers(read_page_axis)))
     for tokens in args.tokens:
         x = jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_DIM)), dtype)
         slots = jnp.asarray(rng.choice(slots_total // LAYERS, tokens, replace=False), jnp.int32)
+        start = jnp.asarray(rng.standard_normal((HEADS, slots_total // LAYERS, HEAD_DIM)), dtype)
+        want = None
         for name, fn in writes:
+            # The same writes from the same cache give the same cache (checked on the first layer's rows).
+            out = jax.jit(fn)(jnp.tile(start, (1, LAYERS, 1)), x, slots)[:, : slots_total // LAYERS]
+            want = out if want is None else want
+            same = bool(jnp.array_equal(out, want))
+            del out
             got = measure(fn, True, jnp.zeros((HEADS, slots_total, HEAD_DIM), dtype), x, slots)
             rows.append(("write", name, tokens, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"],
-                         got["us"] / LAYERS))
+                         got["us"] / LAYERS, same))
             if tokens == TOKENS:
                 result.setdefault("write", got)  # the first formulation is lora_runtime's
     for name, fn in reads:
         got = measure(fn, False, jnp.zeros((HEADS, num_pages, BLOCK, HEAD_DIM), dtype), table)
         rows.append(("read", name, TOKENS, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"],
-                     got["us"] / LAYERS))
+                     got["us"] / LAYERS, ""))
         result.setdefault("read", got)
     print(f"device={jax.devices()[0].platform} cache={cache_bytes / 2**30:.2f}GiB per K or V ({args.dtype}, "
           f"{HEADS} kv heads, {LAYERS} layers of {slots_total // LAYERS} slots) tokens={TOKENS}")
-    print_table(["op", "formulation", "tokens", "temp_over_cache", "transposes", "copies", "us_per_layer"], rows)
+    print_table(["op", "formulation", "tokens", "temp_over_cache", "transposes", "copies", "us_per_layer",
+                 "same_cache"], rows)
     print(f"write_temp_over_cache={result['write']['temp_bytes'] / cache_bytes:.4f} "
           f"read_temp_over_cache={result['read']['temp_bytes'] / cache_bytes:.4f} "
           f"write_us_per_layer={result['write']['us'] / LAYERS:.1f} read_us_per_layer={result['read']['us'] / LAYERS:.1f}")

@@ -47,7 +47,7 @@ for mode in "${@:-check}"; do
       timeout 90 python3 benchmarks/device_check.py --sections env,correctness,attention --budget-s 80 \
         --out "$OUT/correctness" 2>&1 | tee "$OUT/device_check_correctness.log" | tail -14 ;;
     kv)
-      timeout 45 python3 -m benchmarks.kv_write --cache-gib 2 2>&1 | tee "$OUT/kv_write.log" | tail -8 ;;
+      timeout 75 python3 -m benchmarks.kv_write --cache-gib 2 2>&1 | tee "$OUT/kv_write.log" | tail -8 ;;
     engine)
       timeout 120 python3 -m benchmarks.engine_device_check --out "$OUT/engine_device_check.json" 2>&1 \
         | tee "$OUT/engine_device_check.log" | grep -v Warn ;;

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels.paged_attention import paged_attention
+from kernels.paged_attention.write import sublane_rows, write_pages
 from kernels.paged_attention.xla import MASK_VALUE, online_softmax, online_softmax_step
 from lora_runtime.model.kv_cache import AttentionMetadata
 
@@ -77,23 +78,18 @@ def write_kv(
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T]: block * bs + offset; out of range: dropped
+    *,
+    platform: str = "xla",
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes each token's K/V at its slot; padding tokens (slot past the cache) write nothing.
-
-    Each (kv head, slot) pair is its own index, so the scatter's indexed dimensions are the
-    cache's two leading ones and XLA can update the donated cache in place. Indexing the slot
-    dimension alone (`pages[:, slots]`) leaves the heads as a window ahead of it, which XLA's
-    scatter canonicalization may move behind by transposing the whole cache
-    (benchmarks/kv_write.py measures both on the machine)."""
-    heads, n, bs, d = k_pages.shape
-    head_ids = jnp.arange(heads, dtype=jnp.int32)[None, :]  # [1, Hkv] against slots [T, 1]
-
-    def write(pages, x):
-        flat = pages.reshape(heads, n * bs, d)
-        flat = flat.at[head_ids, slot_mapping[:, None]].set(x.astype(pages.dtype), mode="drop")
-        return flat.reshape(pages.shape)
-
-    return write(k_pages, k), write(v_pages, v)
+    `platform` "tpu" writes through the Mosaic kernel where the block size is whole sublane
+    tiles (the TPU default of 128 is), any other through one XLA scatter
+    (kernels/paged_attention/write.py)."""
+    tiled = k_pages.shape[2] % sublane_rows(k_pages.dtype) == 0
+    write = "tpu" if platform == "tpu" and tiled else "xla"
+    return (write_pages(k_pages, k, slot_mapping, platform=write, interpret=interpret),
+            write_pages(v_pages, v, slot_mapping, platform=write, interpret=interpret))
 
 
 def _tensor_parallel() -> bool:

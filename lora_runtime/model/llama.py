@@ -160,7 +160,7 @@ class Attention(nnx.Module):
 
         n = kv.num_blocks
         slots = layer_slots(attn.slot_mapping, layer, n, kv.block_size, kv.num_layers)
-        k_pages, v_pages = write_kv(kv.k, kv.v, k, v, slots)
+        k_pages, v_pages = write_kv(kv.k, kv.v, k, v, slots, platform=attn.platform, interpret=attn.interpret)
         kv = dataclasses.replace(kv, k=k_pages, v=v_pages)
         if attn.mode == "prefill":
             groups = c.num_heads // c.num_kv_heads

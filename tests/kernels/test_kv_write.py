@@ -1,0 +1,59 @@
+"""The KV write: the TPU (Mosaic) kernel, in interpret mode, gives the XLA scatter's cache for
+prefill runs, scattered decode tokens and dropped padding; it lowers for TPU at real shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.paged_attention.write import sublane_rows, tpu_write_pages, write_pages
+
+
+def _case(seed, dtype, heads=2, blocks=6, bs=16, d=128):
+    rng = np.random.default_rng(seed)
+    pages = jnp.asarray(rng.standard_normal((heads, blocks, bs, d)), dtype)
+    return pages, rng
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tpu_kernel_gives_the_scatters_cache(dtype):
+    pages, rng = _case(0, dtype)
+    total = pages.shape[1] * pages.shape[2]
+    # Padding first, a prefill run across a sub-block boundary, padding inside, decode tokens
+    # on other blocks, padding last (slots past the cache are dropped).
+    slots = jnp.asarray([total + 3, 13, 14, 15, 16, 17, total, 5, 70, 49, total + 1, total + 9], jnp.int32)
+    new = jnp.asarray(rng.standard_normal((slots.shape[0], 2, 128)), dtype)
+    want = write_pages(pages, new, slots, platform="xla")
+    got = jax.jit(lambda p, n, s: write_pages(p, n, s, platform="tpu", interpret=True))(pages, new, slots)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # The written rows hold the new values; the rest of the cache is untouched.
+    flat = np.asarray(got, np.float32).reshape(2, total, 128)
+    np.testing.assert_array_equal(flat[:, 49], np.asarray(new[9], np.float32))
+    untouched = np.setdiff1d(np.arange(total), [13, 14, 15, 16, 17, 5, 70, 49])
+    np.testing.assert_array_equal(flat[:, untouched],
+                                  np.asarray(pages, np.float32).reshape(2, total, 128)[:, untouched])
+
+
+def test_all_dropped_leaves_the_cache_unchanged():
+    pages, rng = _case(1, jnp.float32)
+    new = jnp.asarray(rng.standard_normal((3, 2, 128)), jnp.float32)
+    got = tpu_write_pages(pages, new, jnp.asarray([-1, 10**6, 96], jnp.int32), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(pages))
+
+
+def test_block_size_must_be_whole_sublane_tiles():
+    assert sublane_rows(jnp.float32) == 8 and sublane_rows(jnp.bfloat16) == 16
+    pages, _ = _case(2, jnp.bfloat16, bs=8)
+    with pytest.raises(ValueError, match="block size 8 is not a multiple of the 16-row"):
+        tpu_write_pages(pages, jnp.zeros((1, 2, 128), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="platform='gpu'"):
+        write_pages(pages, jnp.zeros((1, 2, 128), jnp.bfloat16), jnp.zeros((1,), jnp.int32), platform="gpu")
+
+
+@pytest.mark.parametrize("tokens", [64, 2048])
+def test_tpu_lowering_real_shapes(tokens):
+    """Llama-3-8B's K pages of 32 layers (8 kv heads, 128-token blocks), decode and a prefill."""
+    sds = jax.ShapeDtypeStruct
+    args = (sds((8, 32 * 512, 128, 128), jnp.bfloat16), sds((tokens, 8, 128), jnp.bfloat16), sds((tokens,), jnp.int32))
+    text = jax.jit(lambda p, n, s: tpu_write_pages(p, n, s)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1
