@@ -85,7 +85,7 @@ def assemble_engine(
     if cache_dir:
         logger.info("persistent compilation cache: %s", cache_dir)
     plan = plan or make_plan(model_config, config, mesh)
-    platform, interpret = attention or (config.attention_platform(plan.platform), False)
+    platform, interpret = attention or (config.attention_platform(plan.platform, model_config.head_dim), False)
     backend = manager = None
     if config.max_loras_per_batch > 0:
         from lora_runtime.lora.backend.select import select_backend

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # max_seq_len does not make one step compute a whole long prompt at once.
 DEFAULT_PREFILL_TOKENS = 2048
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+TPU_LANES = 128  # a TPU vector tile's lanes: the Mosaic kernels' head_dim unit
 
 
 class EngineConfig(BaseModel):
@@ -32,7 +33,8 @@ class EngineConfig(BaseModel):
         None, ge=1, description="KV cache bytes per device, overriding the fraction; on CPU (no memory "
         "limit to read) None sizes it for max_batch sequences of max_seq_len tokens.")
     attention_backend: str = Field(
-        "auto", description="Paged attention: auto (the Pallas kernel on TPU and GPU, XLA on CPU), xla or pallas.")
+        "auto", description="Paged attention: auto (the Pallas kernel on TPU and GPU, XLA on CPU and on TPU "
+        "for a head_dim that is not a multiple of 128), xla or pallas.")
     max_prefill_tokens: int | None = Field(
         None,
         ge=16,
@@ -157,12 +159,21 @@ class EngineConfig(BaseModel):
         """Tokens per KV block on `platform` ("cpu", "gpu" or "tpu")."""
         return self.kv_block_size or (128 if platform == "tpu" else 16)
 
-    def attention_platform(self, platform: str) -> str:
-        """The paged-attention formulation (kernels/paged_attention) for `platform`."""
-        if self.attention_backend == "xla" or (self.attention_backend == "auto" and platform == "cpu"):
+    def attention_platform(self, platform: str, head_dim: int | None = None) -> str:
+        """The paged-attention formulation (kernels/paged_attention) for `platform`.
+
+        On TPU the Mosaic kernels take heads of whole 128-lane tiles: a cache of narrower heads
+        is laid out in other tiles than a kernel reads, and XLA relayouts the whole cache for
+        every call (on a v5e chip that overran memory at head_dim 32). There auto takes XLA."""
+        narrow_tpu_heads = platform == "tpu" and head_dim is not None and head_dim % TPU_LANES != 0
+        if self.attention_backend == "xla" or (self.attention_backend == "auto" and (platform == "cpu"
+                                                                                     or narrow_tpu_heads)):
             return "xla"
         if platform == "cpu":
             raise ValueError("attention_backend='pallas' needs a GPU or TPU (on CPU: auto or xla)")
+        if narrow_tpu_heads:
+            raise ValueError(f"attention_backend='pallas' on TPU needs head_dim a multiple of {TPU_LANES}, the "
+                             f"model's is {head_dim} (auto or xla use the XLA formulation there)")
         return platform
 
     def compilation_cache_path(self) -> str | None:
