@@ -88,8 +88,18 @@ def write_kv(
     (kernels/paged_attention/write.py)."""
     tiled = k_pages.shape[2] % sublane_rows(k_pages.dtype) == 0
     write = "tpu" if platform == "tpu" and tiled else "xla"
-    return (write_pages(k_pages, k, slot_mapping, platform=write, interpret=interpret),
-            write_pages(v_pages, v, slot_mapping, platform=write, interpret=interpret))
+
+    def both(k_pages, v_pages, k, v, slot_mapping):
+        return (write_pages(k_pages, k, slot_mapping, platform=write, interpret=interpret),
+                write_pages(v_pages, v, slot_mapping, platform=write, interpret=interpret))
+
+    if _tensor_parallel():
+        # Each device writes its own kv heads: a kernel sees one device's pages, and XLA's
+        # partitioner would gather the (head, slot)-indexed scatter's operands across devices.
+        pages_spec, new_spec = P(TENSOR_AXIS, None, None, None), P(None, TENSOR_AXIS, None)
+        both = jax.shard_map(both, in_specs=(pages_spec, pages_spec, new_spec, new_spec, P()),
+                             out_specs=(pages_spec, pages_spec), check_vma=False)
+    return both(k_pages, v_pages, k, v, slot_mapping)
 
 
 def _tensor_parallel() -> bool:
@@ -114,8 +124,9 @@ def paged_layer_attention(
     q_start = positions.reshape(groups, c)[:, 0]
     fn = functools.partial(paged_attention, window=window, platform=attn.platform, interpret=attn.interpret)
     qg = q.reshape(groups, c, heads, d)
-    if attn.platform != "xla" and _tensor_parallel():
-        # A Pallas kernel sees one device's heads: shard_map over the heads of q and the pages.
+    if _tensor_parallel():
+        # A Pallas kernel sees one device's heads, and the XLA formulation's (head, page)-indexed
+        # gather would be gathered across devices: shard_map over the heads of q and the pages.
         heads_spec, pages_spec = P(None, None, TENSOR_AXIS, None), P(TENSOR_AXIS, None, None, None)
         fn = jax.shard_map(fn, in_specs=(heads_spec, pages_spec, pages_spec, P(), P()), out_specs=heads_spec,
                            check_vma=False)

@@ -163,3 +163,30 @@ def test_blocked_prefill_equals_the_whole_score_matrix(window, block):
     real = np.asarray(seq) >= 0
     np.testing.assert_allclose(np.asarray(blocked)[real], np.asarray(dense)[real], rtol=1e-5, atol=1e-5)
     assert np.isfinite(np.asarray(blocked)).all()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_cache_write_and_xla_read_stay_on_each_devices_heads(tp):
+    """Under tensor parallelism each device writes and reads its own kv heads: the compiled
+    write and XLA page read gather nothing across devices and copy no cache (their (head,
+    slot) and (head, page) indices would otherwise be partitioned by gathering the cache)."""
+    heads, blocks, bs, d, t = 8, 8192, 16, 128, 64  # the read gathers 64 x 8 pages of K and V: 1/8 of it
+    mesh = make_mesh(tp)
+    sds = jax.ShapeDtypeStruct
+    pages = sds((heads, blocks, bs, d), jnp.float32, sharding=NamedSharding(mesh, P("tensor", None, None, None)))
+    new = sds((t, heads, d), jnp.float32, sharding=NamedSharding(mesh, P(None, "tensor", None)))
+    rows = sds((t,), jnp.int32, sharding=NamedSharding(mesh, P()))
+    q = sds((t, 4 * heads, d), jnp.float32, sharding=NamedSharding(mesh, P(None, "tensor", None)))
+    tables = sds((t, 8), jnp.int32, sharding=NamedSharding(mesh, P()))
+    per_device = heads * blocks * bs * d * 4 // tp
+
+    def read(q, k_pages, v_pages, tables, positions):
+        attn = AttentionMetadata(slot_mapping=positions, block_tables=tables, mode="paged", platform="xla")
+        return paged_layer_attention(q, k_pages, v_pages, positions, attn, None)
+
+    with jax.set_mesh(mesh):
+        write = jax.jit(write_kv, donate_argnums=(0, 1)).lower(pages, pages, new, new, rows).compile()
+        paged = jax.jit(read).lower(q, pages, pages, tables, rows).compile()
+    for compiled in (write, paged):
+        assert "all-gather" not in compiled.as_text()
+        assert compiled.memory_analysis().temp_size_in_bytes < per_device // 4
