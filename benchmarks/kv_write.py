@@ -31,14 +31,14 @@ import numpy as np
 
 from benchmarks.common import best_time, print_table
 from kernels.common import default_platform
-from kernels.paged_attention.write import tpu_write_pages
+from kernels.paged_attention.write import tpu_write_pages, xla_write_pages
 
 HEADS, HEAD_DIM, BLOCK, TOKENS, PAGES_PER_SEQ, LAYERS = 8, 128, 128, 64, 4, 4
 
 
-def write_pairs(flat, x, slots):  # [Hkv, S, D], [T, Hkv, D], i32[T]
-    heads = jnp.arange(flat.shape[0], dtype=jnp.int32)[None, :]
-    return flat.at[heads, slots[:, None]].set(x, mode="drop")
+def write_pairs(flat, x, slots):  # [Hkv, S, D], [T, Hkv, D], i32[T]: the XLA path's write
+    heads, total, d = flat.shape
+    return xla_write_pages(flat.reshape(heads, total // BLOCK, BLOCK, d), x, slots).reshape(flat.shape)
 
 
 def write_slot_axis(flat, x, slots):
