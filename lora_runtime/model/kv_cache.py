@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from kernels.paged_attention.tpu import LANES
+from kernels.paged_attention.write import sublane_rows
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.sharding import DEFAULT_RULES, zeros_on
 
@@ -39,21 +41,19 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     return DEFAULT_RULES.sharding(mesh, "kv_heads", None, None, "head_dim")
 
 
-TPU_LANES = 128
-
-
 def block_bytes(config: ModelConfig, block_size: int, dtype=None, *, platform: str | None = None) -> int:
     """Bytes one block takes over all layers, K and V, all devices' shards together.
 
     On "tpu" a page [block_size, head_dim] is stored in (sublane, 128-lane) tiles, so a head_dim
     under a multiple of 128 takes the whole lanes (head_dim 32 takes 4x its bytes) and a block
     size under a multiple of the sublane tile (8 rows of 32 bits) its whole rows."""
-    itemsize = jnp.dtype(dtype or config.dtype).itemsize
+    dtype = jnp.dtype(dtype or config.dtype)
     head_dim = config.head_dim
     if platform == "tpu":
-        sublanes = 8 * max(1, 4 // itemsize)
-        head_dim = -(-head_dim // TPU_LANES) * TPU_LANES
-        block_size = -(-block_size // sublanes) * sublanes
+        rows = sublane_rows(dtype)
+        head_dim = -(-head_dim // LANES) * LANES
+        block_size = -(-block_size // rows) * rows
+    itemsize = dtype.itemsize
     return 2 * config.num_layers * config.num_kv_heads * head_dim * block_size * itemsize
 
 

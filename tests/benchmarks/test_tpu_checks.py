@@ -18,11 +18,15 @@ def test_kv_write_compares_the_formulations(capsys):
     assert float(last["write_temp_over_cache"]) < 0.05  # in place: no copy of the cache
 
 
-def test_engine_device_check_on_cpu(tmp_path, capsys):
+def test_engine_device_check_on_cpu(tmp_path, capsys, monkeypatch):
+    assert engine_device_check.configurations("cpu") == [("xla", "xla"), ("reference", "xla")]
+    assert ("pallas", "pallas") in engine_device_check.configurations("tpu")
+    # Two engines compared as on a device; the XLA backend twice (the reference one warms up slowly).
+    monkeypatch.setattr(engine_device_check, "configurations", lambda platform: [("xla", "xla"), ("xla", "auto")])
     out = tmp_path / "engine.json"
     assert engine_device_check.main(["--words", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["lora_backend"], r["attention_backend"]) for r in rows] == [("xla", "xla"), ("reference", "xla")]
+    assert [(r["lora_backend"], r["attention_backend"]) for r in rows] == [("xla", "xla"), ("xla", "auto")]
     assert all(r["task_accuracy"] == 1.0 and r["compiles_after_warmup"] == 0 and r["again_same"] for r in rows)
     assert rows[0]["tokens"] == rows[1]["tokens"]
     last = capsys.readouterr().out.strip().splitlines()[-1]
