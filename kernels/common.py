@@ -18,6 +18,30 @@ import jax.numpy as jnp
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
+TPU_LANES = 128  # lanes of a TPU vector tile
+
+
+def sublane_rows(dtype) -> int:
+    """Rows of one TPU sublane tile: 8 of 32 bits, 16 of 16 bits."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def stored_elements(shape, dtype, platform: str | None) -> int:
+    """Elements a device stores for an array of `shape`: on TPU the last two dims fill whole
+    (sublane, 128-lane) tiles (a rank-8 bf16 [8, 4096] block takes 16 rows, a [128, 32] f32
+    page 128 lanes), elsewhere exactly the shape."""
+    dims = [int(n) for n in shape]
+    if platform == "tpu" and dims:
+        dims[-1] = -(-dims[-1] // TPU_LANES) * TPU_LANES
+        if len(dims) >= 2:
+            rows = sublane_rows(dtype)
+            dims[-2] = -(-dims[-2] // rows) * rows
+    out = 1
+    for n in dims:
+        out *= n
+    return out
+
+
 def mxu_dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:  # f32
     """A Mosaic kernel's matrix product, accumulated in f32. float32 operands get full
     precision: the TPU's default multiplies them as bfloat16 (about 3 digits), which a

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.common import mxu_dot
+from kernels.common import TPU_LANES, mxu_dot
 from kernels.paged_attention.validate import static_validate_inputs
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(mask - mask) stays 1, never NaN
-LANES = 128
+LANES = TPU_LANES
 
 
 def _page_range(start, c: int, bs: int, window: int | None):

@@ -17,12 +17,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.common import sublane_rows
+
 WRITE_PLATFORMS = ("xla", "tpu")
-
-
-def sublane_rows(dtype) -> int:
-    """Rows of one TPU sublane tile: 8 of 32 bits, 16 of 16 bits."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
 def xla_write_pages(

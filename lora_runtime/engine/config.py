@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # max_seq_len does not make one step compute a whole long prompt at once.
 DEFAULT_PREFILL_TOKENS = 2048
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
-TPU_LANES = 128  # a TPU vector tile's lanes (kernels.paged_attention.tpu.LANES; this module imports no JAX)
+TPU_LANES = 128  # a TPU vector tile's lanes (kernels.common.TPU_LANES; this module imports no JAX)
 
 
 class EngineConfig(BaseModel):

@@ -2,7 +2,9 @@
 the rest KV blocks.
 
 Computed from shapes alone, before anything is allocated, per device (each part divided as
-the mesh shards it). On GPU and TPU the budget is `kv_cache_memory_fraction` of the
+the mesh shards it, and as the device lays it out: on TPU every array's last two dims take
+whole (sublane, 128-lane) tiles, so a small rank's B block or a narrow head's KV page takes
+more than its elements). On GPU and TPU the budget is `kv_cache_memory_fraction` of the
 smallest device's memory limit (JAX's allocator limit, `memory_stats()["bytes_limit"]`);
 what weights, pool, staged adapters and workspace leave of it becomes KV blocks. On CPU, which reports no
 limit, `kv_cache_bytes` sizes the cache (default: what one row per sequence of
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels.common import stored_elements
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.kv_cache import block_bytes
@@ -87,22 +90,24 @@ def _gib(n: int) -> str:
     return f"{n} B"
 
 
-def weights_bytes(model_config: ModelConfig, mesh: jax.sharding.Mesh) -> int:
-    """Bytes of the model's parameters on one device, from their abstract shapes and shardings."""
+def weights_bytes(model_config: ModelConfig, mesh: jax.sharding.Mesh, platform: str | None = None) -> int:
+    """Bytes of the model's parameters on one device, from their abstract shapes and shardings
+    (as `platform` lays them out)."""
     abstract = nnx.eval_shape(lambda: LlamaModel(model_config, rngs=nnx.Rngs(0)))
     total = 0
     for path, value in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         arr = value.get_value()
         shard = param_sharding(path, arr.shape, mesh).shard_shape(arr.shape)
-        total += math.prod(shard) * jnp.dtype(arr.dtype).itemsize
+        total += stored_elements(shard, arr.dtype, platform) * jnp.dtype(arr.dtype).itemsize
     return total
 
 
 def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_lora_rank: int, *,
                        outer: bool = False, dora: bool = False, bias: bool = False,
-                       classes: Sequence[tuple[int, int]] | None = None) -> int:
+                       classes: Sequence[tuple[int, int]] | None = None, platform: str | None = None) -> int:
     """Bytes of the adapter pool on one device (its layout: lora_runtime/lora/memory_pool.py):
-    `num_slots` slots of rank `max_lora_rank`, or the rank `classes` ((rank, slots) pairs)."""
+    `num_slots` slots of rank `max_lora_rank`, or the rank `classes` ((rank, slots) pairs),
+    as `platform` lays them out (stored_elements)."""
     from lora_runtime.lora.memory_pool import TENSOR_AXIS as POOL_AXIS, PoolLayout, group_dims
 
     if classes is None:
@@ -110,8 +115,9 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
     itemsize = jnp.dtype(model_config.dtype).itemsize
     layout = PoolLayout.of(model_config, tp, outer=outer, dora=dora, bias=bias)
 
-    def per_device(shape, spec) -> int:
-        return math.prod(n // tp if i < len(spec) and spec[i] == POOL_AXIS else n for i, n in enumerate(shape))
+    def per_device(shape, spec, dtype=model_config.dtype) -> int:
+        local = [n // tp if i < len(spec) and spec[i] == POOL_AXIS else n for i, n in enumerate(shape)]
+        return stored_elements(local, dtype, platform)
 
     total = 0
     for rank, slots in classes:
@@ -121,7 +127,7 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
             total += per_device((depth, slots, len(outs) * rank, fan_in), a_spec) * itemsize
             total += sum(per_device((depth, slots, rank, o), b_spec) for o in outs) * itemsize
             terms = int(layout.has_scale(g)) + int(shifted)  # f32 scale and shift where held
-            total += terms * sum(per_device((depth, slots, o), s_spec) for o in outs) * 4
+            total += terms * sum(per_device((depth, slots, o), s_spec, jnp.float32) for o in outs) * 4
     return total
 
 
@@ -162,7 +168,7 @@ def pool_classes(model_config: ModelConfig, config: EngineConfig, tp: int) -> tu
     return tuple(out)
 
 
-def staging_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
+def staging_bytes(model_config: ModelConfig, config: EngineConfig, tp: int, platform: str | None = None) -> int:
     """Bytes on one device of the adapters staged for their slot writes: the manager's
     MAX_STAGED waiting and one being written, each a slot of the widest rank (0 with LoRA off)."""
     from lora_runtime.lora.manager import MAX_STAGED
@@ -170,7 +176,8 @@ def staging_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> i
     if not config.max_loras_per_batch:
         return 0
     slots = min(config.max_loras_per_batch, MAX_STAGED) + 1
-    return adapter_pool_bytes(model_config, tp, slots, config.max_lora_rank, **pool_options(config))
+    return adapter_pool_bytes(model_config, tp, slots, config.max_lora_rank, **pool_options(config),
+                              platform=platform)
 
 
 def workspace_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
@@ -213,11 +220,12 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
                 block_size: int, device_bytes: int | None) -> MemoryPlan:
     """Sizes the KV cache; raises MemoryPlanError (before anything is allocated) if it cannot fit."""
     tp = mesh.shape.get(TENSOR_AXIS, 1)
-    weights = weights_bytes(model_config, mesh)
+    # Bytes as the device lays them out (on TPU, whole tiles: a small rank's B takes more).
+    weights = weights_bytes(model_config, mesh, platform)
     pool = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank,
-                              **pool_options(config), classes=pool_classes(model_config, config, tp))
+                              **pool_options(config), classes=pool_classes(model_config, config, tp), platform=platform)
     pool += saved_module_bytes(model_config, config, tp)
-    staging = staging_bytes(model_config, config, tp)
+    staging = staging_bytes(model_config, config, tp, platform)
     workspace = workspace_bytes(model_config, config, tp)
     per_block = block_bytes(model_config, block_size, platform=platform) // tp  # as the device lays it out
     blocks_per_seq = math.ceil(config.max_seq_len / block_size)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels.paged_attention import paged_attention
-from kernels.paged_attention.write import sublane_rows, write_pages
+from kernels.common import sublane_rows
+from kernels.paged_attention.write import write_pages
 from kernels.paged_attention.xla import MASK_VALUE, online_softmax, online_softmax_step
 from lora_runtime.model.kv_cache import AttentionMetadata
 

@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from kernels.paged_attention.tpu import LANES
-from kernels.paged_attention.write import sublane_rows
+from kernels.common import stored_elements
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.sharding import DEFAULT_RULES, zeros_on
 
@@ -46,15 +45,10 @@ def block_bytes(config: ModelConfig, block_size: int, dtype=None, *, platform: s
 
     On "tpu" a page [block_size, head_dim] is stored in (sublane, 128-lane) tiles, so a head_dim
     under a multiple of 128 takes the whole lanes (head_dim 32 takes 4x its bytes) and a block
-    size under a multiple of the sublane tile (8 rows of 32 bits) its whole rows."""
+    size under a multiple of the sublane tile its whole rows (kernels.common.stored_elements)."""
     dtype = jnp.dtype(dtype or config.dtype)
-    head_dim = config.head_dim
-    if platform == "tpu":
-        rows = sublane_rows(dtype)
-        head_dim = -(-head_dim // LANES) * LANES
-        block_size = -(-block_size // rows) * rows
-    itemsize = dtype.itemsize
-    return 2 * config.num_layers * config.num_kv_heads * head_dim * block_size * itemsize
+    page = stored_elements((block_size, config.head_dim), dtype, platform)
+    return 2 * config.num_layers * config.num_kv_heads * page * dtype.itemsize
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v"), meta_fields=("num_layers",))

@@ -201,6 +201,31 @@ def test_on_tpu_a_page_counts_its_tiled_bytes():
     assert block_bytes(wide, 8, jnp.bfloat16, platform="tpu") == block_bytes(wide, 16, jnp.bfloat16)
 
 
+def test_on_tpu_small_ranks_count_whole_sublane_tiles():
+    """A TPU stores a rank-8 bf16 B block [8, out] in 16-row tiles: the plan counts the adapter
+    pool (and staged adapters) as laid out there, so the cache does not take their difference."""
+    from kernels.common import stored_elements
+
+    assert stored_elements((4, 8, 4096), "bfloat16", "tpu") == 4 * 16 * 4096
+    assert stored_elements((4, 8, 4096), "float32", "tpu") == 4 * 8 * 4096  # a whole f32 tile already
+    assert stored_elements((3, 100), "float32", "tpu") == 8 * 128 and stored_elements((3, 100), "float32", None) == 300
+    bf16 = synthetic_config(hidden=256, layers=2, heads=8, kv_heads=2, intermediate=512, vocab=4096, dtype="bfloat16")
+    config = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=4, max_lora_rank=8)
+    mesh = make_mesh(1)
+    tpu = plan_memory(bf16, config, mesh, platform="tpu", block_size=128, device_bytes=GIB)
+    gpu = plan_memory(bf16, config, mesh, platform="gpu", block_size=128, device_bytes=GIB)
+    logical = adapter_pool_bytes(bf16, 1, 4, 8, **pool_options(config))
+    assert gpu.adapter_pool_bytes == logical < tpu.adapter_pool_bytes < 2 * logical
+    assert tpu.adapter_pool_bytes == adapter_pool_bytes(bf16, 1, 4, 8, **pool_options(config), platform="tpu")
+    assert tpu.staging_bytes > gpu.staging_bytes and tpu.weights_bytes >= gpu.weights_bytes
+    # Plain A and B of rank 16 in bf16 are whole tiles when every projection is a multiple of 128
+    # wide (here k and v are 4 x 32); the per-slot f32 DoRA scales, [layers, 4 slots, out], fill
+    # 8-row tiles.
+    wide = synthetic_config(hidden=256, layers=2, heads=8, kv_heads=4, intermediate=512, vocab=4096, dtype="bfloat16")
+    assert adapter_pool_bytes(wide, 1, 4, 16, platform="tpu") == adapter_pool_bytes(wide, 1, 4, 16)
+    assert adapter_pool_bytes(wide, 1, 4, 16, dora=True, platform="tpu") > adapter_pool_bytes(wide, 1, 4, 16, dora=True)
+
+
 def test_a_config_that_does_not_fit_is_refused_naming_the_part():
     mesh = make_mesh(1)
     big_pool = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=8, max_lora_rank=1024)

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.paged_attention.write import sublane_rows, tpu_write_pages, write_pages
+from kernels.common import sublane_rows
+from kernels.paged_attention.write import tpu_write_pages, write_pages
 
 
 def _case(seed, dtype, heads=2, blocks=6, bs=16, d=128):
