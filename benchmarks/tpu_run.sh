@@ -17,7 +17,7 @@
 #   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
 # The image lacks flax, safetensors, tokenizers, jinja2 and pydantic: the first four come
 # from the machine's own package index, pydantic (and llguidance) from the wheels that
-# `bash scripts/device_wheels.sh 3.11` puts in .whl/, which the call carries.
+# `bash scripts/device_wheels.sh 3.11` puts in .whl/ (copied to the TPU host with the repository).
 set -uo pipefail
 OUT=${OUT:-./.device_out}
 mkdir -p "$OUT"

@@ -1,4 +1,4 @@
-"""The TPU run's Python steps run end to end on CPU, so a device call is never spent on a
+"""The TPU run's Python steps run end to end on CPU, so an accelerator run is never spent on a
 script that breaks: the KV write / read comparison and the whole-engine check."""
 
 import json
