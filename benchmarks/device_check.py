@@ -61,7 +61,8 @@ class Run:
     def __init__(self, args):
         self.smoke = args.cpu_smoke
         # The kernel path under test: the machine's, or --platform's (interpreted in smoke mode).
-        self.platform = args.platform or (default_platform() if default_platform() != "cpu" else "gpu")
+        machine = default_platform()
+        self.platform = args.platform or (machine if machine != "cpu" else "gpu")
         self.interpret = self.smoke
         self.t0 = time.perf_counter() - IMPORT_SECONDS
         self.budget = args.budget_s

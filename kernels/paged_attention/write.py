@@ -92,9 +92,11 @@ def tpu_write_pages(
 
 
 def write_pages(pages, new, slots, *, platform: str = "xla", interpret: bool = False) -> jax.Array:
-    """Writes each token's row of `new` at its slot of `pages` (see the module docstring)."""
+    """Writes each token's row of `new` at its slot of `pages` (see the module docstring). On
+    "tpu" a block size that is not whole sublane tiles (the TPU default of 128 is) takes the
+    XLA scatter."""
     if platform not in WRITE_PLATFORMS:
         raise ValueError(f"{platform=} is not one of {WRITE_PLATFORMS}")
-    if platform == "tpu":
+    if platform == "tpu" and pages.shape[2] % sublane_rows(pages.dtype) == 0:
         return tpu_write_pages(pages, new, slots, interpret=interpret)
     return xla_write_pages(pages, new, slots)

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels.paged_attention import paged_attention
-from kernels.common import sublane_rows
 from kernels.paged_attention.write import write_pages
 from kernels.paged_attention.xla import MASK_VALUE, online_softmax, online_softmax_step
 from lora_runtime.model.kv_cache import AttentionMetadata
@@ -84,11 +83,9 @@ def write_kv(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes each token's K/V at its slot; padding tokens (slot past the cache) write nothing.
-    `platform` "tpu" writes through the Mosaic kernel where the block size is whole sublane
-    tiles (the TPU default of 128 is), any other through one XLA scatter
+    `platform` "tpu" writes through the Mosaic kernel, any other through one XLA scatter
     (kernels/paged_attention/write.py)."""
-    tiled = k_pages.shape[2] % sublane_rows(k_pages.dtype) == 0
-    write = "tpu" if platform == "tpu" and tiled else "xla"
+    write = "tpu" if platform == "tpu" else "xla"
 
     def both(k_pages, v_pages, k, v, slot_mapping):
         return (write_pages(k_pages, k, slot_mapping, platform=write, interpret=interpret),
