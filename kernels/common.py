@@ -42,6 +42,16 @@ def stored_elements(shape, dtype, platform: str | None) -> int:
     return out
 
 
+def page_head_dim(head_dim: int, platform: str | None) -> int:
+    """The last dim of a paged K/V cache: on "tpu" whole 128-lane tiles, a narrower head padded
+    with zeros (the tiles hold the padding anyway, so it costs no memory), elsewhere head_dim.
+    A cache of heads narrower than its tiles is laid out apart from how the kernels and XLA's
+    own gathers read it, and XLA relayouts it, the whole cache, around every call."""
+    if platform == "tpu":
+        return -(-head_dim // TPU_LANES) * TPU_LANES
+    return head_dim
+
+
 def mxu_dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:  # f32
     """A Mosaic kernel's matrix product, accumulated in f32. float32 operands get full
     precision: the TPU's default multiplies them as bfloat16 (about 3 digits), which a

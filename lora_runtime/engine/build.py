@@ -7,7 +7,7 @@ import os
 
 import jax
 
-from kernels.common import default_platform
+from kernels.common import default_platform, page_head_dim
 from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
@@ -85,7 +85,7 @@ def assemble_engine(
     if cache_dir:
         logger.info("persistent compilation cache: %s", cache_dir)
     plan = plan or make_plan(model_config, config, mesh)
-    platform, interpret = attention or (config.attention_platform(plan.platform, model_config.head_dim), False)
+    platform, interpret = attention or (config.attention_platform(plan.platform), False)
     backend = manager = None
     if config.max_loras_per_batch > 0:
         from lora_runtime.lora.backend.select import select_backend
@@ -115,8 +115,12 @@ def assemble_engine(
             saved_slots=config.lora_modules_to_save_slots,
             load_timeout_s=config.adapter_load_timeout_s,
         )
+    # A TPU cache fills whole lane tiles (page_head_dim), as does one the TPU kernel reads
+    # interpreted on another machine.
+    width = page_head_dim(model_config.head_dim, "tpu" if "tpu" in (plan.platform, platform) else plan.platform)
     runner = ModelRunner(model, model_config, config, mesh, backend, num_blocks=plan.num_blocks,
-                         block_size=plan.block_size, attention_platform=platform, interpret=interpret)
+                         block_size=plan.block_size, attention_platform=platform, interpret=interpret,
+                         page_head_dim=width)
     engine = Engine(runner, tokenizer, lora_manager=manager, model_name=model_name)
     engine.memory_plan = plan
     return engine

@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # max_seq_len does not make one step compute a whole long prompt at once.
 DEFAULT_PREFILL_TOKENS = 2048
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
-TPU_LANES = 128  # a TPU vector tile's lanes (kernels.common.TPU_LANES; this module imports no JAX)
 
 
 class EngineConfig(BaseModel):
@@ -159,21 +158,14 @@ class EngineConfig(BaseModel):
         """Tokens per KV block on `platform` ("cpu", "gpu" or "tpu")."""
         return self.kv_block_size or (128 if platform == "tpu" else 16)
 
-    def attention_platform(self, platform: str, head_dim: int | None = None) -> str:
-        """The paged-attention formulation (kernels/paged_attention) for `platform`.
-
-        On TPU the Mosaic kernels take heads of whole 128-lane tiles: a cache of narrower heads
-        is laid out in other tiles than a kernel reads, and XLA relayouts the whole cache for
-        every call (on a v5e chip that overran memory at head_dim 32). There auto takes XLA."""
-        narrow_tpu_heads = platform == "tpu" and head_dim is not None and head_dim % TPU_LANES != 0
-        if self.attention_backend == "xla" or (self.attention_backend == "auto" and (platform == "cpu"
-                                                                                     or narrow_tpu_heads)):
+    def attention_platform(self, platform: str) -> str:
+        """The paged-attention formulation (kernels/paged_attention) for `platform`: auto takes the
+        machine's kernel on an accelerator, XLA's on CPU. (On TPU any head_dim: the cache pads
+        heads to whole lane tiles, kernels.common.page_head_dim.)"""
+        if self.attention_backend == "xla" or (self.attention_backend == "auto" and platform == "cpu"):
             return "xla"
         if platform == "cpu":
             raise ValueError("attention_backend='pallas' needs a GPU or TPU (on CPU: auto or xla)")
-        if narrow_tpu_heads:
-            raise ValueError(f"attention_backend='pallas' on TPU needs head_dim a multiple of {TPU_LANES}, the "
-                             f"model's is {head_dim} (auto or xla use the XLA formulation there)")
         return platform
 
     def compilation_cache_path(self) -> str | None:

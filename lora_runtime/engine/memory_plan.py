@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels.common import stored_elements
+from kernels.common import page_head_dim, stored_elements
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.kv_cache import block_bytes
@@ -180,12 +180,14 @@ def staging_bytes(model_config: ModelConfig, config: EngineConfig, tp: int, plat
                               platform=platform)
 
 
-def workspace_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) -> int:
+def workspace_bytes(model_config: ModelConfig, config: EngineConfig, tp: int, platform: str | None = None) -> int:
     """An upper estimate of the temporary bytes of the largest step on one device: packed
-    prefill at the full budget, a chunk over the cache, decode, or prompt log-probabilities."""
+    prefill at the full budget, a chunk over the cache, decode, or prompt log-probabilities
+    (pages read as `platform` lays them out: page_head_dim)."""
     c, f = model_config, 4
     a = jnp.dtype(c.dtype).itemsize
     hq, hkv, d = c.num_heads // tp, c.num_kv_heads // tp, c.head_dim
+    dp = page_head_dim(d, platform)
     vocab = c.vocab_size // tp if c.vocab_size % tp == 0 else c.vocab_size
     rank = config.max_lora_rank if config.max_loras_per_batch else 0
 
@@ -199,8 +201,8 @@ def workspace_bytes(model_config: ModelConfig, config: EngineConfig, tp: int) ->
     t, rows = config.prefill_budget, config.max_batch
     scores = hq * t * min(t, 512) * f * 3 + hq * t * d * f
     prefill = layer(t) + scores + sampling(rows) + t * c.hidden_size * a
-    paged = layer(t) + 3 * hq * t * CHUNK_KEYS * f + 2 * t * CHUNK_KEYS * hkv * d * a + sampling(1)
-    decode = layer(rows) + 3 * hq * rows * CHUNK_KEYS * f + 2 * rows * CHUNK_KEYS * hkv * d * a + sampling(rows)
+    paged = layer(t) + 3 * hq * t * CHUNK_KEYS * f + 2 * t * CHUNK_KEYS * hkv * dp * a + sampling(1)
+    decode = layer(rows) + 3 * hq * rows * CHUNK_KEYS * f + 2 * rows * CHUNK_KEYS * hkv * dp * a + sampling(rows)
     prompt_logprobs = t * vocab * f * 3
     return int(WORKSPACE_MARGIN * max(prefill, paged, decode, prompt_logprobs))
 
@@ -226,7 +228,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
                               **pool_options(config), classes=pool_classes(model_config, config, tp), platform=platform)
     pool += saved_module_bytes(model_config, config, tp)
     staging = staging_bytes(model_config, config, tp, platform)
-    workspace = workspace_bytes(model_config, config, tp)
+    workspace = workspace_bytes(model_config, config, tp, platform)
     per_block = block_bytes(model_config, block_size, platform=platform) // tp  # as the device lays it out
     blocks_per_seq = math.ceil(config.max_seq_len / block_size)
     budget = None

@@ -101,6 +101,7 @@ class ModelRunner:
         block_size: int,
         attention_platform: str = "xla",
         interpret: bool = False,
+        page_head_dim: int | None = None,
     ):
         self.model_config = model_config
         self.config = config
@@ -110,6 +111,7 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_platform = attention_platform
         self.interpret = interpret
+        self.page_head_dim = page_head_dim or model_config.head_dim  # the cache pages' last dim (kv_cache.py)
         self.graphdef, self.state = nnx.split(model)
         self._create_state()
         # The model's steps return logits; sampling is a program of its own, compiled once per
@@ -134,7 +136,8 @@ class ModelRunner:
     def _create_state(self) -> None:
         """The KV cache and the per-row token state the steps donate and return."""
         config, mesh = self.config, self.mesh
-        self.kv_cache = KVCache.create(self.model_config, self.num_blocks, self.block_size, mesh)
+        self.kv_cache = KVCache.create(self.model_config, self.num_blocks, self.block_size, mesh,
+                                       head_dim=self.page_head_dim)
         # How often each batch row's sequence generated each token (presence/frequency penalties).
         replicated = NamedSharding(mesh, PartitionSpec())
         rows_by_vocab = (config.max_batch, self.model_config.vocab_size)

@@ -73,8 +73,8 @@ def prefill_attention(
 
 
 def write_kv(
-    k_pages: jax.Array,  # [Hkv, N, bs, D]
-    v_pages: jax.Array,  # [Hkv, N, bs, D]
+    k_pages: jax.Array,  # [Hkv, N, bs, Dp]: Dp >= D (kv_cache.py)
+    v_pages: jax.Array,  # [Hkv, N, bs, Dp]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T]: block * bs + offset; out of range: dropped
@@ -86,6 +86,7 @@ def write_kv(
     `platform` "tpu" writes through the Mosaic kernel, any other through one XLA scatter
     (kernels/paged_attention/write.py)."""
     write = "tpu" if platform == "tpu" else "xla"
+    k, v = to_page_width(k, k_pages.shape[-1]), to_page_width(v, v_pages.shape[-1])
 
     def both(k_pages, v_pages, k, v, slot_mapping):
         return (write_pages(k_pages, k, slot_mapping, platform=write, interpret=interpret),
@@ -100,6 +101,14 @@ def write_kv(
     return both(k_pages, v_pages, k, v, slot_mapping)
 
 
+def to_page_width(x: jax.Array, width: int) -> jax.Array:
+    """`x` [..., D] padded with zeros to a cache page's last dim `width` (KVCache.create)."""
+    pad = width - x.shape[-1]
+    if pad < 0:
+        raise ValueError(f"head_dim {x.shape[-1]} is wider than the cache's pages ({width})")
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
 def _tensor_parallel() -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     return not mesh.empty and mesh.shape.get(TENSOR_AXIS, 1) > 1
@@ -107,8 +116,8 @@ def _tensor_parallel() -> bool:
 
 def paged_layer_attention(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [Hkv, N, bs, D], this step's K/V already written
-    v_pages: jax.Array,  # [Hkv, N, bs, D]
+    k_pages: jax.Array,  # [Hkv, N, bs, Dp >= D], this step's K/V already written
+    v_pages: jax.Array,  # [Hkv, N, bs, Dp]
     positions: jax.Array,  # i32[T]
     attn: AttentionMetadata,
     window: int | None,
@@ -120,12 +129,15 @@ def paged_layer_attention(
     if groups * c != t:
         raise ValueError(f"{t} tokens do not split into {groups} groups of equal size")
     q_start = positions.reshape(groups, c)[:, 0]
-    fn = functools.partial(paged_attention, window=window, platform=attn.platform, interpret=attn.interpret)
-    qg = q.reshape(groups, c, heads, d)
+    # Pages wider than the heads (a TPU cache's whole lane tiles) hold zeros past d: a query
+    # padded with zeros scores the same, and the output's columns past d are dropped.
+    fn = functools.partial(paged_attention, sm_scale=1.0 / math.sqrt(d), window=window, platform=attn.platform,
+                           interpret=attn.interpret)
+    qg = to_page_width(q, k_pages.shape[-1]).reshape(groups, c, heads, -1)
     if _tensor_parallel():
         # A Pallas kernel sees one device's heads, and the XLA formulation's (head, page)-indexed
         # gather would be gathered across devices: shard_map over the heads of q and the pages.
         heads_spec, pages_spec = P(None, None, TENSOR_AXIS, None), P(TENSOR_AXIS, None, None, None)
         fn = jax.shard_map(fn, in_specs=(heads_spec, pages_spec, pages_spec, P(), P()), out_specs=heads_spec,
                            check_vma=False)
-    return fn(qg, k_pages, v_pages, attn.block_tables, q_start).reshape(t, heads, d)
+    return fn(qg, k_pages, v_pages, attn.block_tables, q_start)[..., :d].reshape(t, heads, d)

@@ -1,8 +1,9 @@
 """The paged key/value cache, and the metadata that says where each token's K/V go and what it reads.
 
 K and V are pages, one array each for every layer: `[num_kv_heads, L * num_blocks,
-block_size, head_dim]`, a block of `block_size` consecutive positions of one sequence per
-page, layer l's pages at [l * num_blocks, (l + 1) * num_blocks). A block id (what block
+block_size, D]` (D the head_dim; on TPU padded with zeros to whole 128-lane tiles,
+kernels.common.page_head_dim), a block of `block_size` consecutive positions of one
+sequence per page, layer l's pages at [l * num_blocks, (l + 1) * num_blocks). A block id (what block
 tables and slot mappings hold, 0 .. num_blocks - 1) names the same block in every layer:
 layer l reads and writes page l * num_blocks + block (`layer_pages`, `layer_slots`). So
 the layers run as one loop over the cache, carried and updated in place, and every
@@ -56,16 +57,23 @@ def block_bytes(config: ModelConfig, block_size: int, dtype=None, *, platform: s
 class KVCache:
     """Keys and values of every layer as pages, arrays a jitted step can donate."""
 
-    k: jax.Array  # [Hkv, L * num_blocks, block_size, head_dim], model dtype; layer l's pages from l * num_blocks
+    k: jax.Array  # [Hkv, L * num_blocks, block_size, D >= head_dim], model dtype; layer l's pages from l * num_blocks
     v: jax.Array  # same
     num_layers: int
 
     @classmethod
-    def create(cls, config: ModelConfig, num_blocks: int, block_size: int, mesh: Mesh) -> KVCache:
-        """A zeroed cache of `num_blocks` blocks (block 0 the null block) in every layer, kv heads sharded."""
+    def create(cls, config: ModelConfig, num_blocks: int, block_size: int, mesh: Mesh,
+               head_dim: int | None = None) -> KVCache:
+        """A zeroed cache of `num_blocks` blocks (block 0 the null block) in every layer, kv heads sharded.
+
+        `head_dim`: the pages' last dim, the model's head_dim or wider (kernels.common.page_head_dim:
+        a TPU cache fills whole lane tiles); the dims past the model's stay zero."""
+        head_dim = config.head_dim if head_dim is None else head_dim
         if num_blocks < 2 or block_size < 1:
             raise ValueError(f"{num_blocks=} must be >= 2 (block 0 is the null block) and {block_size=} >= 1")
-        shape = (config.num_kv_heads, config.num_layers * num_blocks, block_size, config.head_dim)
+        if head_dim < config.head_dim:
+            raise ValueError(f"{head_dim=} is narrower than the model's head_dim {config.head_dim}")
+        shape = (config.num_kv_heads, config.num_layers * num_blocks, block_size, head_dim)
         sharding = kv_cache_sharding(mesh)
         return cls(k=zeros_on(shape, config.dtype, sharding), v=zeros_on(shape, config.dtype, sharding),
                    num_layers=config.num_layers)

@@ -100,17 +100,6 @@ def test_kv_cache_args_reach_the_engine_config():
         AppArgs(attention_backend="pallas").engine_config().attention_platform("cpu")
 
 
-def test_tpu_kernels_take_heads_of_whole_lane_tiles():
-    """On TPU auto takes the Mosaic attention for head_dim 128 (Llama-3-8B) and XLA for narrower
-    heads (64: Llama-3.2-1B; 32: the demo model); asking for the kernel there is refused, naming it."""
-    auto = AppArgs().engine_config()
-    assert auto.attention_platform("tpu", 128) == "tpu" and auto.attention_platform("tpu", 256) == "tpu"
-    assert auto.attention_platform("tpu", 64) == "xla" == auto.attention_platform("tpu", 32)
-    assert auto.attention_platform("gpu", 64) == "gpu"  # the GPU kernel takes any head_dim
-    with pytest.raises(ValueError, match="head_dim a multiple of 128, the model's is 64"):
-        AppArgs(attention_backend="pallas").engine_config().attention_platform("tpu", 64)
-
-
 def test_served_model_name():
     assert AppArgs().served_model_name == "demo"
     assert AppArgs(model="/ckpt/llama").served_model_name == "llama"

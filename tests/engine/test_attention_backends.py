@@ -1,6 +1,7 @@
 """The engine with each paged-attention formulation: the TPU (Mosaic) and GPU (Triton) kernels,
 run in Pallas interpret mode, give the XLA formulation's tokens through packed prefill, a
-chunk over shared prefix blocks, the several-sequence extend and decode."""
+chunk over shared prefix blocks, the several-sequence extend and decode (the TPU kernel's
+over a cache whose narrow heads are padded to whole lane tiles)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def _run(checkpoint, attention):
         rest = engine.generate_batch([shared + [50, 51, 52], shared + [60]], GREEDY)
         assert [o.cached_tokens for o in rest] == [16, 16]
         assert engine.compiles_after_warmup == 0
+        # The TPU kernel's cache fills whole 128-lane tiles (kernels.common.page_head_dim).
+        width = engine.runner.kv_cache.k.shape[-1]
+        assert model_config.head_dim < 128 and width == (128 if attention[0] == "tpu" else model_config.head_dim)
         return [first.token_ids] + [o.token_ids for o in rest]
     finally:
         engine.shutdown()

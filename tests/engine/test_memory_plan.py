@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from benchmarks.common import demo_tokenizer, synthetic_config
+from kernels.common import page_head_dim
 from lora_runtime.engine.sampling import SamplingBatch
 from lora_runtime.engine import build
 from lora_runtime.engine.build import assemble_engine
@@ -24,7 +25,7 @@ from lora_runtime.engine.memory_plan import (
     workspace_bytes,
 )
 from lora_runtime.lora.memory_pool import LoRAMemoryPool
-from lora_runtime.model.kv_cache import block_bytes
+from lora_runtime.model.kv_cache import KVCache, block_bytes
 from lora_runtime.model.llama import LlamaModel
 from lora_runtime.model.sharding import make_mesh, shard_model
 from tests.helpers.checkpoints import save_tiny_llama
@@ -192,8 +193,12 @@ def test_on_tpu_a_page_counts_its_tiled_bytes():
     gpu = plan_memory(MODEL, config, mesh, platform="gpu", block_size=128, device_bytes=GIB)
     assert MODEL.head_dim == 32
     assert tpu.block_bytes == 4 * gpu.block_bytes == 4 * block_bytes(MODEL, 128)
-    assert tpu.num_blocks == gpu.num_blocks // 4  # the same bytes left for the cache
+    # Pages 4x the bytes, and a workspace that reads them as wide: under a quarter of the blocks.
+    assert tpu.num_blocks < gpu.num_blocks // 4 and tpu.workspace_bytes > gpu.workspace_bytes
     assert tpu.kv_cache_bytes <= GIB // 2 - tpu.weights_bytes - tpu.workspace_bytes
+    # The cache a TPU engine makes pads its heads to those tiles: it takes what the plan counted.
+    padded = KVCache.create(MODEL, 2, 128, mesh, head_dim=page_head_dim(MODEL.head_dim, "tpu"))
+    assert padded.k.shape[-1] == 128 and padded.bytes_per_block == tpu.block_bytes
     wide = synthetic_config(hidden=1024, layers=2, heads=8, kv_heads=2, intermediate=512, vocab=4096)
     assert wide.head_dim == 128 and block_bytes(wide, 128, platform="tpu") == block_bytes(wide, 128)
     # A block under a whole sublane tile takes the tile's rows: 8 of 32 bits, 16 of bfloat16.
@@ -208,6 +213,8 @@ def test_on_tpu_small_ranks_count_whole_sublane_tiles():
 
     assert stored_elements((4, 8, 4096), "bfloat16", "tpu") == 4 * 16 * 4096
     assert stored_elements((4, 8, 4096), "float32", "tpu") == 4 * 8 * 4096  # a whole f32 tile already
+    assert [page_head_dim(d, "tpu") for d in (32, 64, 128, 200)] == [128, 128, 128, 256]
+    assert page_head_dim(64, "gpu") == page_head_dim(64, "cpu") == page_head_dim(64, None) == 64
     assert stored_elements((3, 100), "float32", "tpu") == 8 * 128 and stored_elements((3, 100), "float32", None) == 300
     bf16 = synthetic_config(hidden=256, layers=2, heads=8, kv_heads=2, intermediate=512, vocab=4096, dtype="bfloat16")
     config = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=4, max_lora_rank=8)

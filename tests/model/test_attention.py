@@ -115,6 +115,32 @@ def test_decode_reads_only_its_own_pages():
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("platform", ["xla", "tpu"])
+def test_pages_wider_than_the_heads_read_as_the_heads_own(platform):
+    """A TPU cache pads heads to whole 128-lane tiles (kernels.common.page_head_dim): K/V
+    written into pages 128 wide get zeros past D, and a chunk and a decode step reading them
+    get what pages D wide give, whatever the columns past D hold (the TPU kernels interpreted)."""
+    pages = RowPages(3, 24, 8, seed=11)
+    row, total, width = 1, 20, 128
+    q, k, v = _random((total, HKV * G, D), 0), _random((total, HKV, D), 1), _random((total, HKV, D), 2)
+    narrow = _pages_holding(pages, {row: (k, v)}, 3)
+    shape = (HKV, pages.num_blocks, pages.block_size, width)
+    slots = jnp.asarray(pages.slots(np.full(total, row), np.arange(total)))
+    wide = write_kv(_random(shape, 3), _random(shape, 4), k, v, slots, platform=platform, interpret=True)
+    written = np.asarray(wide[0]).reshape(HKV, -1, width)[:, np.asarray(slots)]
+    np.testing.assert_array_equal(written[..., :D], np.swapaxes(np.asarray(k), 0, 1))
+    assert not written[..., D:].any()  # the padding is written as zeros
+    wide = tuple(p.at[..., D:].set(_random(p[..., D:].shape, 6 + i)) for i, p in enumerate(wide))
+    for start, n in ((12, 8), (19, 1)):  # a chunk over cached positions, then a decode step
+        rows, positions = np.full(n, row), np.arange(start, start + n)
+        attn = pages.paged(rows, positions, 1)
+        want = paged_layer_attention(q[start:start + n], *narrow, jnp.asarray(positions, jnp.int32), attn, None)
+        attn = pages.paged(rows, positions, 1, platform=platform, interpret=True)
+        got = paged_layer_attention(q[start:start + n], *wide, jnp.asarray(positions, jnp.int32), attn, None)
+        assert got.shape == (n, HKV * G, D)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_write_kv_writes_its_slots_and_drops_padding():
     k_pages = jnp.zeros((HKV, 4, 2, D))
     k = _random((3, HKV, D), 0)
