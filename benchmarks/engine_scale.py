@@ -43,7 +43,7 @@ CPU; adapters of rank 64 on all seven projections, 64 device slots. Measured:
   intermediate 4096, vocab 128256): 32 layers of 8B widths do not fit a CPU host in f32.
 
 `--start-only` measures only the starts: the cold and cached pair (at `--widths`, `--layers`,
-`--dtype`), then the 4- and 32-layer warm-ups (layers as a loop, at `--depth-widths`). It needs
+`--dtype`) after the 4- and 32-layer warm-ups (layers as a loop, at `--depth-widths`). It needs
 no Ray, so it runs on an accelerator host as it is; there `--layers 32 --dtype bfloat16
 --depth-widths 8b` starts a whole Llama-3-8B-shaped model (16 GB in bfloat16). Its last line:
 `warm_start_s=<f> cached_start_s=<f> cached_speedup=<f> cached_warmup_speedup=<f> warmup_32_over_4=<f>`.
@@ -147,21 +147,33 @@ def _submit_p99_ms(engine, adapters, prompt, n: int) -> float:
 
 
 _START = textwrap.dedent("""
-    import json, sys, time
+    import collections, json, sys, time
     start = time.perf_counter()
+    import jax
+    from jax import monitoring
     from benchmarks.common import demo_tokenizer, synthetic_config, synthetic_engine
     from benchmarks.engine_scale import RANK
     from lora_runtime.engine import compile_events
     from lora_runtime.engine.config import EngineConfig
+    jax.devices()
+    backend = time.perf_counter()
+    spent = collections.Counter()  # where the warm-up's seconds go, by JAX's own events
+    monitoring.register_event_duration_secs_listener(lambda event, secs, **_: spent.update({event: secs}))
     shape, scan = json.loads(sys.argv[3]), sys.argv[4] == "1"
     model_config = synthetic_config(layers=int(sys.argv[1]), **shape)
     config = EngineConfig(max_batch=8, max_seq_len=128, max_loras_per_batch=8, max_lora_rank=RANK,
                           compilation_cache_dir=sys.argv[2] or None, scan_layers=scan)
     engine = synthetic_engine(model_config, config, demo_tokenizer())
     built = time.perf_counter()
+    spent.clear()
     engine.start()
     c = compile_events.process_counts()
+    event = lambda name: spent["/jax/core/compile/" + name]
     print(json.dumps({"ready_s": time.perf_counter() - start, "warmup_s": time.perf_counter() - built,
+                      "import_s": backend - start, "build_s": built - backend,
+                      "trace_s": event("jaxpr_trace_duration"), "lower_s": event("jaxpr_to_mlir_module_duration"),
+                      "backend_compile_s": event("backend_compile_duration"),
+                      "cache_read_s": spent["/jax/compilation_cache/cache_retrieval_time_sec"],
                       "compiled": c.compiled, "hits": c.cache_hits, "compile_s": c.seconds}))
     engine.shutdown()
 """)
@@ -324,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="--start-only: the weights' dtype")
     parser.add_argument("--widths", choices=sorted(WIDTHS), default="8b",
                         help="--start-only: the cold and cached pair's layer widths")
+    parser.add_argument("--no-depth", dest="depth", action="store_false",
+                        help="--start-only: leave out the 4- and 32-layer warm-ups")
     parser.add_argument("--depth-widths", choices=sorted(WIDTHS), default="1024",
                         help="--start-only: the 4- and 32-layer pair's layer widths")
     args = parser.parse_args(argv)
@@ -460,12 +474,19 @@ def _print_depth(depth: dict, shape: dict = DEPTH_SHAPE) -> None:
 
 
 def _print_starts(cold: dict, cached: dict, label: str) -> None:
+    starts = (("empty compilation cache", cold), ("cache from the run before", cached))
     print_table(
         [f"engine start, fresh process ({label})", "seconds", "of which warm-up", "compiled", "cache hits",
          "compiling (s, all threads)"],
-        [(name, r["ready_s"], r["warmup_s"], r["compiled"], r["hits"], r["compile_s"])
-         for name, r in (("empty compilation cache", cold), ("cache from the run before", cached))],
+        [(name, r["ready_s"], r["warmup_s"], r["compiled"], r["hits"], r["compile_s"]) for name, r in starts],
     )
+    # Where each start's seconds went: imports and the device's start, building the weights, then
+    # the warm-up's tracing, lowering and backend compiles (a cache hit's read included), the
+    # rest of it running the warm-up steps (all by JAX's events, summed over threads).
+    print_table(["start", "imports+device", "build", "warm-up", "trace", "lower", "backend compile",
+                 "of which cache reads"],
+                [(name, r["import_s"], r["build_s"], r["warmup_s"], r["trace_s"], r["lower_s"], r["backend_compile_s"],
+                  r["cache_read_s"]) for name, r in starts])
 
 
 def _starts_only(args) -> None:
@@ -473,20 +494,21 @@ def _starts_only(args) -> None:
     layers = args.layers or (2 if args.quick else 4)
     shape = dict(WIDTHS[args.widths], dtype=args.dtype)
     depth_shape = dict(WIDTHS[args.depth_widths], dtype=args.dtype)
+    depth = _depth_warmups(unrolled=False, shape=depth_shape) if args.depth else None
     with tempfile.TemporaryDirectory() as cache:
         cold = _start_s(layers, cache, shape)
         _progress(f"start, empty cache: {cold}")
         cached = _start_s(layers, cache, shape)
         _progress(f"start, cached: {cached}")
-    depth = _depth_warmups(unrolled=False, shape=depth_shape)
     print(f"device={jax.devices()[0].platform} dtype={args.dtype} start: {layers} layers of {shape}; "
           f"depth: {depth_shape}")
     _print_starts(cold, cached, f"{layers} layers, hidden {shape['hidden']}")
-    _print_depth(depth, depth_shape)
+    if depth:
+        _print_depth(depth, depth_shape)
     print(f"warm_start_s={cold['ready_s']:.1f} cached_start_s={cached['ready_s']:.1f} "
           f"cached_speedup={cold['ready_s'] / cached['ready_s']:.3f} "
-          f"cached_warmup_speedup={cold['warmup_s'] / cached['warmup_s']:.3f} "
-          f"warmup_32_over_4={depth[(True, 32)]['warmup_s'] / depth[(True, 4)]['warmup_s']:.3f}")
+          f"cached_warmup_speedup={cold['warmup_s'] / cached['warmup_s']:.3f}"
+          + (f" warmup_32_over_4={depth[(True, 32)]['warmup_s'] / depth[(True, 4)]['warmup_s']:.3f}" if depth else ""))
 
 
 if __name__ == "__main__":
