@@ -65,6 +65,7 @@ def route(
     homes: int = 1,
     eps: float = 0.25,
     prefix_match: dict[str, int] | None = None,
+    slack: int = 0,
 ) -> list[str]:
     """Replica ids in the order to try for a request for ``adapter`` (None: base model).
 
@@ -77,12 +78,16 @@ def route(
     replicas that served the longest start of their prompt first (``prefix_match``: replica
     id -> blocks matched, see PrefixAffinity), then least loaded first. Within each adapter
     tier too, the replica that served the longest start of the prompt (for this adapter)
-    comes first: a hot adapter's conversation stays with one of its homes.
+    comes first: a hot adapter's conversation stays with one of its homes. With ``slack``
+    (LoadBudget.slack), a device holder up to ``slack`` over the cap comes next, least
+    loaded first, before any replica that would have to load the adapter.
     """
     if not replicas:
         raise ValueError("no replicas to route to")
     if homes < 1:
         raise ValueError(f"{homes=} must be >= 1")
+    if slack < 0:
+        raise ValueError(f"{slack=} must be >= 0")
     ids = [r.replica_id for r in replicas]
     if len(set(ids)) != len(ids):
         raise ValueError(f"replica ids must be unique, got {ids!r}")
@@ -104,6 +109,7 @@ def route(
     choices = set(order[: max(homes, PLACEMENT_CHOICES)])
     tiers = (
         [r.replica_id for r in under if adapter in r.resident or r.replica_id in spread],
+        [r.replica_id for r in by_load if adapter in r.resident and cap <= r.load < cap + slack],
         [r.replica_id for r in under if adapter in r.host_cached],
         [r.replica_id for r in under if r.replica_id in choices],
         sorted((r.replica_id for r in under), key=rank.__getitem__),
@@ -115,7 +121,53 @@ def route(
             if rid not in seen:
                 seen.add(rid)
                 chosen.append(rid)
-    return chosen + over
+    return chosen + [rid for rid in over if rid not in seen]
+
+
+class LoadBudget:
+    """The recent mean of max/mean load over the replicas, and whether it leaves room for a
+    device holder to take a request over the load cap.
+
+    The cap counts whole requests, so it is coarse: with 4 replicas and 16 requests in
+    flight it is 5 (1.25 x the mean), and one more would be 1.5. A holder at the cap turns
+    its adapter's requests away, each a slot miss elsewhere (and often a second copy that
+    evicts another adapter), while the cluster also spends moments evenly loaded (max/mean
+    1.0): under a hard cap the mean of max/mean sits below the bound. The budget spends
+    that gap on hits. While the decayed mean of max/mean, taken after each placement, is
+    under ``bound - margin``, ``slack()`` is 1 (route lets a holder take one over the cap);
+    after, 0. So the bound holds on average over about ``half_life`` routes rather than at
+    every moment: a replica may hold one request over the cap for a while. Misses never go
+    over the cap, so they cannot spend it. The mean swings about its target by a little
+    within a half-life (the margin keeps it under the bound).
+    """
+
+    def __init__(self, *, bound: float, half_life: float = 200.0, margin: float = 0.01):
+        if bound < 1.0:
+            raise ValueError(f"{bound=} must be >= 1 (max/mean load is never below 1)")
+        if half_life <= 0:
+            raise ValueError(f"{half_life=} must be > 0")
+        if margin < 0:
+            raise ValueError(f"{margin=} must be >= 0")
+        self.bound = bound
+        self.margin = margin
+        self._keep = 0.5 ** (1.0 / half_life)
+        self._mean = 1.0  # an idle cluster is balanced
+
+    @property
+    def mean(self) -> float:
+        """The decayed mean of max/mean load over the placements recorded."""
+        return self._mean
+
+    def record(self, loads: Sequence[int]) -> None:
+        """Counts the replicas' loads just after a placement (that request included)."""
+        total = sum(loads)
+        if total > 0:
+            ratio = max(loads) * len(loads) / total
+            self._mean = self._keep * self._mean + (1.0 - self._keep) * ratio
+
+    def slack(self) -> int:
+        """How far over the load cap a device holder may take a request now (0 or 1)."""
+        return 1 if self._mean < self.bound - self.margin else 0
 
 
 # Where a routed request went, by what the router knew of the replicas then (routing_outcome).
@@ -470,6 +522,7 @@ __all__ = [
     "HeldReport",
     "HotAdapterTracker",
     "InFlight",
+    "LoadBudget",
     "PrefixAffinity",
     "PLACEMENT_CHOICES",
     "ROUTING_OUTCOMES",

@@ -23,8 +23,8 @@ from ray.serve._private.request_router.pow_2_router import (
 from ray.serve.request_router import FIFOMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.routing import (
-    HeldReport, HotAdapterTracker, InFlight, PrefixAffinity, ReplicaView, ResidencyEstimate, prompt_text, route,
-    routing_outcome,
+    HeldReport, HotAdapterTracker, InFlight, LoadBudget, PrefixAffinity, ReplicaView, ResidencyEstimate, prompt_text,
+    route, routing_outcome,
 )
 
 # (app, deployment) -> replica id -> the report that replica last published: {"as_of": its
@@ -209,7 +209,9 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
 
     A replica's load under the bound is what this router has in flight there plus what the
     other ingress replicas last said they have, or Serve's cached queue length where that is
-    less (cluster.routing.InFlight says why Serve's alone would not do).
+    less (cluster.routing.InFlight says why Serve's alone would not do). The bound is soft:
+    a holder of the adapter may take a request one over it while the recent mean of max/mean
+    load is under 1 + eps (cluster.routing.LoadBudget).
 
     A replica found for a request goes to the oldest pending request for the same adapter,
     else the oldest pending request (FIFOMixin, as Serve's default router). The base
@@ -224,9 +226,12 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         max_homes: int = 2,
         half_life_s: float = 10.0,
         residency_horizon_s: float = 2.0,
+        budget_half_life: float = 200.0,
     ) -> None:
         """``residency_horizon_s``: how long a request this router sent counts as making its
-        adapter held there without a report showing it (about two stats periods)."""
+        adapter held there without a report showing it (about two stats periods).
+        ``budget_half_life``: over how many routes the mean of max/mean load is held under
+        1 + eps (cluster.routing.LoadBudget)."""
         if eps < 0:
             raise ValueError(f"{eps=} must be >= 0")
         self._eps = eps
@@ -234,6 +239,9 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         self._prefixes = PrefixAffinity()
         self._residency = ResidencyEstimate(horizon_s=residency_horizon_s)
         self._in_flight = InFlight()  # the load the bound counts
+        # The bound holds on average over about 10 s of routes at 20 a second (LoadBudget).
+        self._budget = LoadBudget(bound=1.0 + eps, half_life=budget_half_life)
+        self._loads_seen: dict[str, int] = {}  # replica id -> load, as the last choice saw them
         # Other ingress replicas' routing records (give_routes), for this router's thread to apply.
         self._routes_in: deque = deque(maxlen=ROUTES_HELD)
 
@@ -262,7 +270,9 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         ]
         homes = self._hot.homes(adapter, len(views)) if adapter else 1
         match = self._prefixes.match(_prompt_of(pending_request))
-        order = route(adapter or None, views, homes=homes, eps=self._eps, prefix_match=match)
+        order = route(adapter or None, views, homes=homes, eps=self._eps, prefix_match=match,
+                      slack=self._budget.slack())
+        self._loads_seen = {v.replica_id: v.load for v in views}  # for the budget, once routed
         if pending_request is not None:
             # Every replica is ranked on every attempt, so when none can take the request
             # now Serve must back off before asking again; without this it re-asks at once,
@@ -297,6 +307,8 @@ class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, Requ
         rid = replica_id.unique_id
         if adapter:
             self._hot.record(adapter)
+        if rid in self._loads_seen:  # the loads it was routed by, with it placed
+            self._budget.record([load + (r == rid) for r, load in self._loads_seen.items()])
         keys = self._prefixes.record(_prompt_of(pending_request), rid)
         out = _module()._ROUTES_OUT.get((self._deployment_id.app_name, self._deployment_id.name))
         if out is not None:

@@ -18,6 +18,7 @@ from cluster.routing import (
     HeldReport,
     HotAdapterTracker,
     InFlight,
+    LoadBudget,
     PrefixAffinity,
     ReplicaView,
     ResidencyEstimate,
@@ -142,6 +143,46 @@ def test_a_holder_takes_requests_up_to_the_load_cap_and_no_further():
     assert got[0] != order[3] and got[-1] == order[3]
 
 
+def test_slack_lets_a_holder_take_a_request_over_the_cap_but_never_a_miss():
+    order = rendezvous_order("a1", IDS)
+    # cap = 3 (as above); the holder sits at it, one other replica is past cap + 1.
+    loads = {order[0]: 4, order[1]: 3, order[2]: 1, order[3]: 1, order[4]: 0}
+    held = {order[1]: ["a1"]}
+    assert route("a1", views(loads=loads, resident=held))[0] != order[1]
+    got = route("a1", views(loads=loads, resident=held), slack=1)
+    assert got[0] == order[1]
+    assert sorted(got) == sorted(IDS)  # each replica once
+    # A holder past cap + slack, and a replica at the cap that would load it, still wait.
+    loads |= {order[1]: 4, order[2]: 0}  # 9 in all still: cap 3
+    got = route("a1", views(loads=loads, resident=held), slack=1)
+    assert got[0] not in (order[0], order[1]) and set(got[-2:]) == {order[0], order[1]}
+    loads[order[1]] = 3
+    got = route("a1", views(loads=loads, host=held), slack=1)  # host-cached only: a miss there
+    assert got[0] != order[1]
+
+
+def test_load_budget_grants_slack_while_the_mean_imbalance_is_under_its_bound():
+    budget = LoadBudget(bound=1.25, half_life=10.0)
+    assert budget.slack() == 1 and budget.mean == 1.0
+    for _ in range(40):
+        budget.record([6, 4, 3, 3])  # max/mean 1.5
+    assert budget.mean > 1.4 and budget.slack() == 0
+    for _ in range(40):
+        budget.record([4, 4, 4, 4])  # evenly loaded: the budget refills
+    assert budget.mean < 1.1 and budget.slack() == 1
+    budget.record([0, 0, 0, 0])  # an idle cluster says nothing of imbalance
+    assert budget.mean < 1.1
+    # The margin keeps the mean from settling on the bound itself.
+    assert LoadBudget(bound=1.0, margin=0.0).slack() == 0
+    assert LoadBudget(bound=1.2, margin=0.25).slack() == 0
+    with pytest.raises(ValueError, match="bound=0.9"):
+        LoadBudget(bound=0.9)
+    with pytest.raises(ValueError, match="half_life=0"):
+        LoadBudget(bound=1.25, half_life=0)
+    with pytest.raises(ValueError, match="margin=-0.1"):
+        LoadBudget(bound=1.25, margin=-0.1)
+
+
 def test_base_model_goes_to_least_loaded():
     loads = {IDS[0]: 3, IDS[1]: 2, IDS[2]: 0, IDS[3]: 1, IDS[4]: 2}
     assert route(None, views(loads=loads))[:2] == [IDS[2], IDS[3]]
@@ -228,6 +269,8 @@ def test_hot_adapter_spreads_over_its_first_homes():
 def test_route_rejects_bad_input():
     with pytest.raises(ValueError, match="homes=0"):
         route("a", views(), homes=0)
+    with pytest.raises(ValueError, match="slack=-1"):
+        route("a", views(), slack=-1)
     with pytest.raises(ValueError, match="no replicas"):
         route("a", [])
     with pytest.raises(ValueError, match="unique"):
