@@ -1,4 +1,4 @@
-"""Routing simulation (no Ray): slot-miss rate and load imbalance of seven routing policies.
+"""Routing simulation (no Ray): slot-miss rate and load imbalance of eight routing policies.
 
 N replicas, each with a pool of S device slots (evicting as the engine does, the least used
 lately: lora_runtime/lora/eviction.py; or LRU) and an LRU host cache of H adapters,
@@ -29,7 +29,14 @@ the number of requests in flight on a replica. Policies:
   (device slots in eviction order with their use counts, host cache least recently used
   first, and how many of each it has room for), taken every ``report_ticks`` and delivered
   ``report_delay`` ticks later, replayed forward through its own routes since
-  (ResidencyEstimate). The other policies see the replicas' state as it is.
+  (ResidencyEstimate). The other policies see the replicas' state as it is. Its load bound
+  is soft (cluster/routing.py LoadBudget): a device holder may take a request one over the
+  cap while the recent mean of max/mean load is under 1 + eps.
+- affinity_hard: the same with the cap held at every moment (no LoadBudget).
+
+Last comes a fair comparison, not a policy: multiplex at the largest max ongoing requests
+whose max/mean load is at most affinity's (``multiplex@N``), since a looser bound buys
+either router fewer misses.
 
 A tick is about 50 ms of a real cluster (the rate half-life of 200 ticks stands for the
 router's 10 s), so the default report period of 20 ticks is Serve's 1 s stats period.
@@ -43,7 +50,9 @@ import random
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
-from cluster.routing import HeldReport, HotAdapterTracker, ReplicaView, ResidencyEstimate, load_cap, route
+from cluster.routing import (
+    HeldReport, HotAdapterTracker, LoadBudget, ReplicaView, ResidencyEstimate, load_cap, route,
+)
 from lora_runtime.lora.eviction import HALF_LIFE_PER_SLOT, UseScores
 
 
@@ -100,7 +109,8 @@ class LeastUsedPool(LRUPool):
 
 
 POOLS = {"least-used": LeastUsedPool, "lru": LRUPool}
-POLICIES = ("random", "least_loaded", "multiplex", "multiplex_bounded", "partition", "partition_bounded", "affinity")
+POLICIES = ("random", "least_loaded", "multiplex", "multiplex_bounded", "partition", "partition_bounded", "affinity_hard",
+            "affinity")
 
 
 @dataclass
@@ -148,6 +158,8 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
     residency = ResidencyEstimate(horizon_s=2.0 * report_ticks, skew_s=0.0, clock=lambda: float(tick[0]))
     reports: deque[tuple[int, dict[str, tuple[HeldReport, HeldReport]]]] = deque()
     reported = {r: (HeldReport((), slots, 0.0), HeldReport((), host_slots, 0.0)) for r in ids}
+    # The affinity router's soft load bound (over the routes of about 10 s, as the rates').
+    budget = LoadBudget(bound=1.0 + eps, half_life=200.0) if policy == "affinity" else None
     homes = balanced_homes(workload, ids) if policy.startswith("partition") else {}
     misses = 0
     fetches = 0
@@ -177,14 +189,17 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
                 holders = ([r for r in under if adapter in pools[r]] or [r for r in under if adapter in hosts[r]]
                            or under)
                 chosen = min(holders, key=lambda r: (loads[r], r))
-        elif policy == "affinity":
+        elif policy in ("affinity", "affinity_hard"):
             if t % report_ticks == 0:
                 reports.append((t + report_delay, {r: (pools[r].report(t), hosts[r].report(t)) for r in ids}))
             while reports and reports[0][0] <= t:
                 reported = reports.popleft()[1]
             views = [ReplicaView(r, loads[r], residency.held(r, reported[r][0], "slots"),
                                  residency.held(r, reported[r][1], "host")) for r in ids]
-            chosen = route(adapter, views, homes=hot.homes(adapter, replicas), eps=eps)[0]
+            chosen = route(adapter, views, homes=hot.homes(adapter, replicas), eps=eps,
+                           slack=budget.slack() if budget is not None else 0)[0]
+            if budget is not None:
+                budget.record([loads[r] + (r == chosen) for r in ids])
             hot.record(adapter)
             residency.record(chosen, adapter)
         else:
@@ -198,6 +213,23 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
         samples.append(max(loads.values()))
     samples.sort()
     return Result(policy, misses / len(workload), fetches / len(workload), sum(ratios) / len(ratios), samples[int(0.99 * (len(samples) - 1))])
+
+
+def multiplex_at_load(run, ratio: float, limit: int) -> tuple[int, Result]:
+    """Serve's multiplexing at the largest max ongoing requests (up to ``limit``, past
+    which nothing bounds it) whose max/mean load does not exceed ``ratio`` (the least uneven
+    if none is under it): a comparison with affinity at the same load imbalance, since a
+    looser bound buys either of them fewer misses. ``run(policy, max_ongoing)`` simulates one."""
+    best: tuple[int, Result] | None = None
+    for max_ongoing in range(1, limit + 1):
+        got = run("multiplex", max_ongoing)
+        if got.max_load_ratio <= ratio:
+            best = (max_ongoing, got)
+        elif best is not None:
+            break  # looser bounds only load more unevenly
+        elif max_ongoing == 1 or got.max_load_ratio < fallback[1].max_load_ratio:
+            fallback = (max_ongoing, got)
+    return best if best is not None else fallback
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -225,13 +257,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if a.report_delay < 0:
         raise SystemExit(f"--report-delay={a.report_delay} must be >= 0")
     workload = zipf_workload(a.adapters, a.alpha, a.requests, random.Random(a.seed))
-    results = {
-        policy: simulate(policy, workload, replicas=a.replicas, slots=a.slots, host_slots=a.host_slots,
-                         service_ticks=a.service_ticks,
-                         max_ongoing=a.max_ongoing, eps=a.eps, seed=a.seed, report_ticks=a.report_ticks,
-                         report_delay=a.report_delay, eviction=a.eviction)
-        for policy in POLICIES
-    }
+    def run(policy: str, max_ongoing: int = a.max_ongoing) -> Result:
+        return simulate(policy, workload, replicas=a.replicas, slots=a.slots, host_slots=a.host_slots,
+                        service_ticks=a.service_ticks, max_ongoing=max_ongoing, eps=a.eps, seed=a.seed,
+                        report_ticks=a.report_ticks, report_delay=a.report_delay, eviction=a.eviction)
+
+    results = {policy: run(policy) for policy in POLICIES}
+    matched_ongoing, results["multiplex_matched"] = multiplex_at_load(run, results["affinity"].max_load_ratio,
+                                                                    a.service_ticks)
+    results["multiplex_matched"].policy = f"multiplex@{matched_ongoing}"
     print(f"{a.replicas} replicas x {a.slots} slots ({a.eviction}) + {a.host_slots} host, {a.adapters} adapters, "
           f"Zipf alpha={a.alpha}, "
           f"{a.requests} requests, {a.service_ticks} ticks each; affinity sees reports every {a.report_ticks} ticks, "
@@ -257,6 +291,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "max_load_ratio_multiplex": results["multiplex"].max_load_ratio,
         "max_load_ratio_partition": results["partition"].max_load_ratio,
         "max_load_ratio_partition_bounded": results["partition_bounded"].max_load_ratio,
+        "miss_rate_affinity_hard": results["affinity_hard"].miss_rate,
+        "fetch_rate_affinity_hard": results["affinity_hard"].fetch_rate,
+        "max_load_ratio_affinity_hard": results["affinity_hard"].max_load_ratio,
+        "miss_rate_multiplex_matched": results["multiplex_matched"].miss_rate,
+        "fetch_rate_multiplex_matched": results["multiplex_matched"].fetch_rate,
+        "max_load_ratio_multiplex_matched": results["multiplex_matched"].max_load_ratio,
+        "max_ongoing_multiplex_matched": matched_ongoing,
     }
     print(" ".join(f"{k}={v:.4f}" for k, v in out.items()))
     return out

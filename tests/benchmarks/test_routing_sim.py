@@ -40,3 +40,13 @@ def test_replayed_reports_route_about_as_well_as_live_state():
     live = routing_sim.main([*SMALL, "--report-ticks", "1", "--report-delay", "0"])
     assert abs(periodic["miss_rate_affinity"] - live["miss_rate_affinity"]) < 0.02
     assert abs(periodic["fetch_rate_affinity"] - live["fetch_rate_affinity"]) < 0.02
+
+
+def test_the_soft_bound_buys_fewer_misses_within_the_same_mean_imbalance():
+    got = routing_sim.main(SMALL)
+    assert got["max_load_ratio"] <= 1.25 and got["max_load_ratio_affinity_hard"] <= 1.25
+    assert got["miss_rate_affinity"] < got["miss_rate_affinity_hard"] - 0.01
+    assert got["fetch_rate_affinity"] < got["fetch_rate_affinity_hard"] + 0.01
+    # Serve's multiplexing loaded no more unevenly than affinity misses more.
+    assert got["max_load_ratio_multiplex_matched"] <= got["max_load_ratio"]
+    assert got["miss_rate_multiplex_matched"] > got["miss_rate_affinity"] + 0.04
