@@ -1,9 +1,9 @@
 """Adapter-affinity routing: rendezvous hashing of adapters over replicas, within a load bound.
 
 Pure logic (no Ray): the Serve plugin in cluster/serve_router.py feeds it replica views.
-Each adapter gets a preference order over replicas from highest-random-weight hashing, so
-it has stable homes and host caches across replicas add up instead of all holding the
-same popular adapters. A replica leaving moves only the adapters homed on it. What a
+Each adapter gets a preference order over replicas from highest-random-weight hashing: a
+hot adapter spreads over its first few, and an adapter held nowhere loads on its first
+among the least loaded. A replica leaving moves only the adapters homed on it. What a
 replica holds comes from its periodic report, replayed forward through the requests the
 router has sent it since (ResidencyEstimate), since a report is up to a stats period old.
 """
@@ -27,10 +27,6 @@ class ReplicaView:
     load: int
     resident: frozenset[str] = field(default_factory=frozenset)  # adapters in device slots
     host_cached: frozenset[str] = field(default_factory=frozenset)  # adapters in host memory
-
-
-# An adapter held nowhere goes to the less loaded of its first this many rendezvous replicas.
-PLACEMENT_CHOICES = 2
 
 
 def rendezvous_score(adapter: str, replica_id: str) -> int:
@@ -71,10 +67,13 @@ def route(
 
     Under the load cap, in order: replicas holding the adapter in device slots (with a hot
     adapter's homes, ``homes > 1``), then in host memory (each least loaded first), then
-    the adapter's first ``max(homes, 2)`` rendezvous replicas, least loaded first (two
-    choices: an adapter held nowhere loads where there is room, yet only on one of two
-    replicas, so host caches still split the adapters between them), then the rest of its
-    rendezvous order. Replicas over the cap come last, least loaded first. Base-model requests go, under the cap, to the
+    the rest, least loaded first and in the adapter's rendezvous order among equally loaded
+    ones (so an idle cluster sends it to its home). A request that must load its adapter
+    goes where the load is least rather than to a home: at the load bound, host caches do
+    not stay split by home anyway (a holder at the cap spills its adapter's requests, each
+    a copy that evicts another adapter), and loading a busier home pushes it to the cap,
+    so more of its holders spill and copy. Replicas over the cap come last, least loaded
+    first. Base-model requests go, under the cap, to the
     replicas that served the longest start of their prompt first (``prefix_match``: replica
     id -> blocks matched, see PrefixAffinity), then least loaded first. Within each adapter
     tier too, the replica that served the longest start of the prompt (for this adapter)
@@ -106,13 +105,11 @@ def route(
                    key=lambda r: (-depth.get(r.replica_id, 0), r.load, rank[r.replica_id]))
     # A hot adapter's homes rank with its device holders, so its load spreads over them.
     spread = set(order[:homes]) if homes > 1 else set()
-    choices = set(order[: max(homes, PLACEMENT_CHOICES)])
     tiers = (
         [r.replica_id for r in under if adapter in r.resident or r.replica_id in spread],
         [r.replica_id for r in by_load if adapter in r.resident and cap <= r.load < cap + slack],
         [r.replica_id for r in under if adapter in r.host_cached],
-        [r.replica_id for r in under if r.replica_id in choices],
-        sorted((r.replica_id for r in under), key=rank.__getitem__),
+        [r.replica_id for r in under],
     )
     chosen: list[str] = []
     seen: set[str] = set()
@@ -524,7 +521,6 @@ __all__ = [
     "InFlight",
     "LoadBudget",
     "PrefixAffinity",
-    "PLACEMENT_CHOICES",
     "ROUTING_OUTCOMES",
     "ReplicaView",
     "ResidencyEstimate",

@@ -4,8 +4,8 @@ Replicas publish the adapters they hold and their metrics through ``record_routi
 (``{"resident": [...], "host_cached": [...], "slots": n, "host_slots": m, "metrics": {...}}``),
 which Serve delivers once a stats period; the router corrects that report with where it
 has sent requests since (ResidencyEstimate), ranks replicas for each request by device
-holders, host holders, then the adapter's rendezvous order, within a load bound, and keeps
-the metrics for the ingress's ``GET /metrics``.
+holders, host holders, then the least loaded (the adapter's rendezvous order among equals),
+within a load bound, and keeps the metrics for the ingress's ``GET /metrics``.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _prompt_of(pending_request: PendingRequest | None) -> str:
 
 
 class AdapterAffinityRouter(ReplicaMetricsMixin, FIFOMixin, MultiplexMixin, RequestRouter):
-    """Routes each adapter to a replica that holds it or to its rendezvous home, within a load bound.
+    """Routes each adapter to a replica that holds it, else the least loaded, within a load bound.
 
     Base-model requests go to the replica that was sent the longest start of their prompt
     (so likely holds it in its prefix cache), within the same bound, else the least loaded;

@@ -124,13 +124,14 @@ def test_overloaded_home_is_skipped_for_the_next_in_order():
     assert got[-1] == order[0]  # over the cap: last resort only
 
 
-def test_adapter_held_nowhere_goes_to_the_less_loaded_of_its_two_homes():
+def test_adapter_held_nowhere_goes_to_the_least_loaded_replica_its_home_first_among_equals():
     order = rendezvous_order("a1", IDS)
-    loads = {order[0]: 1}  # the other four are idle, but only order[1] is a home of a1
-    assert route("a1", views(loads=loads))[:3] == [order[1], order[0], order[2]]
+    loads = {order[0]: 2, order[1]: 1, order[2]: 1, order[3]: 0, order[4]: 1}
+    # Not to its busier first homes: least loaded first, rendezvous order among equals.
+    assert route("a1", views(loads=loads)) == [order[3], order[1], order[2], order[4], order[0]]
     # A host-cache holder still comes first: it saves a fetch from storage.
-    got = route("a1", views(loads=loads, host={order[3]: ["a1"]}))
-    assert got[:3] == [order[3], order[1], order[0]]
+    got = route("a1", views(loads=loads, host={order[2]: ["a1"]}))
+    assert got[:3] == [order[2], order[3], order[1]]
 
 
 def test_a_holder_takes_requests_up_to_the_load_cap_and_no_further():
