@@ -12,9 +12,9 @@
 #   steps        the LoRA decode step at Llama-3-8B layer widths (8 layers, bfloat16) through the
 #                kernels and through XLA (benchmarks/multi_lora.py; about 3 minutes)
 #   starts       engine starts (benchmarks/engine_scale.py --start-only): 4- and 32-layer warm-ups,
-#                then 16 layers of Llama-3-8B widths in bfloat16 over an empty compilation cache,
-#                then over that cache (32 layers do not fit one 16 GB chip beside the pool;
-#                about 7 minutes)
+#                then 8 layers of Llama-3-8B widths in bfloat16 over an empty compilation cache,
+#                then over that cache (16 layers ran out of a 16 GB chip while their random
+#                weights were built op by op; about 7 minutes)
 #   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
 # The image lacks flax, safetensors, tokenizers, jinja2 and pydantic: the first four come
 # from the machine's own package index, pydantic (and llguidance) from the wheels that
@@ -61,7 +61,7 @@ for mode in "${@:-check}"; do
       timeout 130 python3 -m benchmarks.multi_lora --quick --large --backend pallas 2>&1 \
         | tee "$OUT/multi_lora_pallas.log" | tail -16 ;;
     starts)
-      timeout 450 python3 -m benchmarks.engine_scale --start-only --layers 16 --dtype bfloat16 --widths 8b \
+      timeout 450 python3 -m benchmarks.engine_scale --start-only --layers 8 --dtype bfloat16 --widths 8b \
         --depth-widths 1024 2>&1 | tee "$OUT/engine_starts.log" | tail -12 ;;
     *)
       echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, starts, smoke)" >&2
