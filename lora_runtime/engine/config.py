@@ -32,8 +32,8 @@ class EngineConfig(BaseModel):
         None, ge=1, description="KV cache bytes per device, overriding the fraction; on CPU (no memory "
         "limit to read) None sizes it for max_batch sequences of max_seq_len tokens.")
     attention_backend: str = Field(
-        "auto", description="Paged attention: auto (the Pallas kernel on TPU and GPU, XLA on CPU and on TPU "
-        "for a head_dim that is not a multiple of 128), xla or pallas.")
+        "auto", description="Paged attention: auto (the Pallas kernel on TPU and GPU, XLA on CPU), xla or "
+        "pallas.")
     max_prefill_tokens: int | None = Field(
         None,
         ge=16,
