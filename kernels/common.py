@@ -21,6 +21,11 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 TPU_LANES = 128  # lanes of a TPU vector tile
 
 
+def whole_lanes(n: int) -> int:
+    """`n` rounded up to whole 128-lane tiles."""
+    return -(-n // TPU_LANES) * TPU_LANES
+
+
 def sublane_rows(dtype) -> int:
     """Rows of one TPU sublane tile: 8 of 32 bits, 16 of 16 bits."""
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
@@ -32,7 +37,7 @@ def stored_elements(shape, dtype, platform: str | None) -> int:
     page 128 lanes), elsewhere exactly the shape."""
     dims = [int(n) for n in shape]
     if platform == "tpu" and dims:
-        dims[-1] = -(-dims[-1] // TPU_LANES) * TPU_LANES
+        dims[-1] = whole_lanes(dims[-1])
         if len(dims) >= 2:
             rows = sublane_rows(dtype)
             dims[-2] = -(-dims[-2] // rows) * rows
@@ -47,9 +52,7 @@ def page_head_dim(head_dim: int, platform: str | None) -> int:
     with zeros (the tiles hold the padding anyway, so it costs no memory), elsewhere head_dim.
     A cache of heads narrower than its tiles is laid out apart from how the kernels and XLA's
     own gathers read it, and XLA relayouts it, the whole cache, around every call."""
-    if platform == "tpu":
-        return -(-head_dim // TPU_LANES) * TPU_LANES
-    return head_dim
+    return whole_lanes(head_dim) if platform == "tpu" else head_dim
 
 
 def mxu_dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:  # f32
