@@ -46,16 +46,21 @@ def synthetic_config(**shape) -> ModelConfig:
     return ModelConfig.from_hf_dict(synthetic_hf_config(**shape))
 
 
-def write_random_checkpoint(out_dir, **shape):
+def write_random_checkpoint(out_dir, *, tiled: bool = False, **shape):
     """A random Llama checkpoint as Hugging Face saves one (config.json, model.safetensors,
-    f32, weights normal with std 0.02) of the given shape; returns its directory."""
+    weights normal with std 0.02, in the shape's dtype, float32 by default) of the given
+    shape; returns its directory. `tiled`: each large tensor repeats one block of 16M random
+    values (a load reads as many bytes; drawing billions of values one by one is what takes
+    time at Llama-3-8B widths)."""
     import json
     import pathlib
 
+    import ml_dtypes  # noqa: F401  (numpy's bfloat16)
     import numpy as np
     from safetensors.numpy import save_file
 
     hf = synthetic_hf_config(**shape)
+    dtype = np.dtype(hf["torch_dtype"])
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -63,16 +68,20 @@ def write_random_checkpoint(out_dir, **shape):
     head_dim = h // hf["num_attention_heads"]
     q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
 
-    def normal(*shape_):
-        return (0.02 * rng.standard_normal(shape_, dtype=np.float32)).astype(np.float32)
+    block = (0.02 * rng.standard_normal(1 << 24, dtype=np.float32)).astype(dtype) if tiled else None
 
-    tensors = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": np.ones(h, np.float32),
+    def normal(*shape_):
+        if tiled and np.prod(shape_) > block.size:
+            return np.resize(block, shape_)
+        return (0.02 * rng.standard_normal(shape_, dtype=np.float32)).astype(dtype)
+
+    tensors = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": np.ones(h, dtype),
                "lm_head.weight": normal(v, h)}
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors.update({
-            p + "input_layernorm.weight": np.ones(h, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+            p + "input_layernorm.weight": np.ones(h, dtype),
+            p + "post_attention_layernorm.weight": np.ones(h, dtype),
             p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.k_proj.weight": normal(kv, h),
             p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, q),
             p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),

@@ -33,9 +33,12 @@ CPU; adapters of rank 64 on all seven projections, 64 device slots. Measured:
   for the device, and every other thread (engine loop, Serve, proxy, ingress, Ray, client) on
   the other; 9 runs alternate in process and over HTTP, and `http_over_engine` is the median
   pair's ratio.
-- `warm_start_s`, `cached_start_s`: build and warm-up of an engine in a fresh process with
-  an empty persistent compilation cache, then again reading it (the table splits off the
-  warm-up: building random weights of these widths on CPU is a fixed cost of its own).
+- `warm_start_s`, `cached_start_s`: a replica's start in a fresh process, loading a
+  checkpoint from disk (random, written first) and warming up, over an empty persistent
+  compilation cache, then again over what that start left in it: compiled executables, and
+  the step programs as exports (engine/program_store.py), so the restart neither traces nor
+  compiles them. The table splits each start into imports, the checkpoint's load and
+  warm-up, and the warm-up by JAX's events.
 - `warmup_32_over_4`: the warm-up (every step shape compiled, then run once) of a 32-layer
   engine over a 4-layer one, layers as a loop (scan_layers), each in a fresh process with
   no compilation cache; the table also shows them unrolled, and the seconds XLA spent
@@ -159,11 +162,16 @@ _START = textwrap.dedent("""
     backend = time.perf_counter()
     spent = collections.Counter()  # where the warm-up's seconds go, by JAX's own events
     monitoring.register_event_duration_secs_listener(lambda event, secs, **_: spent.update({event: secs}))
-    shape, scan = json.loads(sys.argv[3]), sys.argv[4] == "1"
-    model_config = synthetic_config(layers=int(sys.argv[1]), **shape)
+    shape, scan, checkpoint = json.loads(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
     config = EngineConfig(max_batch=8, max_seq_len=128, max_loras_per_batch=8, max_lora_rank=RANK,
-                          compilation_cache_dir=sys.argv[2] or None, scan_layers=scan)
-    engine = synthetic_engine(model_config, config, demo_tokenizer())
+                          compilation_cache_dir=sys.argv[2] or None, scan_layers=scan,
+                          dtype=shape.get("dtype", "float32"))
+    if checkpoint:  # as a replica starts: the checkpoint read from disk
+        from lora_runtime.demo import BASE_MODEL_DIR
+        from lora_runtime.engine.engine import Engine
+        engine = Engine.from_pretrained(checkpoint, config, tokenizer_path=str(BASE_MODEL_DIR))
+    else:
+        engine = synthetic_engine(synthetic_config(layers=int(sys.argv[1]), **shape), config, demo_tokenizer())
     built = time.perf_counter()
     spent.clear()
     engine.start()
@@ -174,21 +182,38 @@ _START = textwrap.dedent("""
                       "trace_s": event("jaxpr_trace_duration"), "lower_s": event("jaxpr_to_mlir_module_duration"),
                       "backend_compile_s": event("backend_compile_duration"),
                       "cache_read_s": spent["/jax/compilation_cache/cache_retrieval_time_sec"],
-                      "compiled": c.compiled, "hits": c.cache_hits, "compile_s": c.seconds}))
+                      "compiled": c.compiled, "hits": c.cache_hits, "compile_s": c.seconds,
+                      "programs_loaded": engine.runner.programs.loaded,
+                      "programs_stored": engine.runner.programs.saved}))
     engine.shutdown()
 """)
 
 
-def _start_s(layers: int, cache_dir: str, shape: dict = SHAPE, scan_layers: bool = True) -> dict:
+def _start_s(layers: int, cache_dir: str, shape: dict = SHAPE, scan_layers: bool = True,
+             checkpoint: str = "") -> dict:
     """Build and warm-up times of an engine started in a fresh process (cache_dir "": no
-    persistent compilation cache)."""
+    persistent compilation cache), loading `checkpoint` (a directory) or, without one,
+    building random weights of `layers` layers of `shape` on the device."""
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, "-c", _START, str(layers), cache_dir, json.dumps(shape),
-                           "1" if scan_layers else "0"], env=env, capture_output=True, text=True, timeout=1800)
+                           "1" if scan_layers else "0", checkpoint], env=env, capture_output=True, text=True,
+                          timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"engine start failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _start_pair(layers: int, shape: dict) -> tuple[dict, dict]:
+    """A replica's start from a checkpoint on disk (written here first, random) over an empty
+    compilation cache, then its restart over the cache that start left."""
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = str(write_random_checkpoint(f"{tmp}/base", tiled=True, layers=layers, **shape))
+        cold = _start_s(layers, f"{tmp}/cache", shape, checkpoint=checkpoint)
+        _progress(f"start, empty cache: {cold}")
+        cached = _start_s(layers, f"{tmp}/cache", shape, checkpoint=checkpoint)
+        _progress(f"start, cached: {cached}")
+    return cold, cached
 
 
 def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1,
@@ -408,9 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     _progress(f"gaps: resident {1e3 * warm_gap:.1f} ms, cold {1e3 * cold_gap:.1f} ms; submit p99 {submit_p99:.3f} ms")
 
-    with tempfile.TemporaryDirectory() as cache:
-        cold_start = _start_s(layers, cache)
-        cached_start = _start_s(layers, cache)
+    cold_start, cached_start = _start_pair(layers, SHAPE)
     depth = _depth_warmups(unrolled=not args.quick)
     with tempfile.TemporaryDirectory() as tmp:
         http = _http_over_engine(tmp, repeats=2, stream_interval=args.stream_interval)
@@ -477,13 +500,14 @@ def _print_starts(cold: dict, cached: dict, label: str) -> None:
     starts = (("empty compilation cache", cold), ("cache from the run before", cached))
     print_table(
         [f"engine start, fresh process ({label})", "seconds", "of which warm-up", "compiled", "cache hits",
-         "compiling (s, all threads)"],
-        [(name, r["ready_s"], r["warmup_s"], r["compiled"], r["hits"], r["compile_s"]) for name, r in starts],
+         "programs read", "compiling (s, all threads)"],
+        [(name, r["ready_s"], r["warmup_s"], r["compiled"], r["hits"], r["programs_loaded"], r["compile_s"])
+         for name, r in starts],
     )
-    # Where each start's seconds went: imports and the device's start, building the weights, then
-    # the warm-up's tracing, lowering and backend compiles (a cache hit's read included), the
-    # rest of it running the warm-up steps (all by JAX's events, summed over threads).
-    print_table(["start", "imports+device", "build", "warm-up", "trace", "lower", "backend compile",
+    # Where each start's seconds went: imports and the device's start, loading the checkpoint,
+    # then the warm-up's tracing, lowering and backend compiles (a cache hit's read included),
+    # the rest of it running the warm-up steps (all by JAX's events, summed over threads).
+    print_table(["start", "imports+device", "load", "warm-up", "trace", "lower", "backend compile",
                  "of which cache reads"],
                 [(name, r["import_s"], r["build_s"], r["warmup_s"], r["trace_s"], r["lower_s"], r["backend_compile_s"],
                   r["cache_read_s"]) for name, r in starts])
@@ -495,11 +519,7 @@ def _starts_only(args) -> None:
     shape = dict(WIDTHS[args.widths], dtype=args.dtype)
     depth_shape = dict(WIDTHS[args.depth_widths], dtype=args.dtype)
     depth = _depth_warmups(unrolled=False, shape=depth_shape) if args.depth else None
-    with tempfile.TemporaryDirectory() as cache:
-        cold = _start_s(layers, cache, shape)
-        _progress(f"start, empty cache: {cold}")
-        cached = _start_s(layers, cache, shape)
-        _progress(f"start, cached: {cached}")
+    cold, cached = _start_pair(layers, shape)
     print(f"device={jax.devices()[0].platform} dtype={args.dtype} start: {layers} layers of {shape}; "
           f"depth: {depth_shape}")
     _print_starts(cold, cached, f"{layers} layers, hidden {shape['hidden']}")

@@ -16,14 +16,15 @@
 #                then over that cache (16 layers ran out of a 16 GB chip while their random
 #                weights were built op by op; about 7 minutes)
 #   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
-# The image lacks flax, safetensors, tokenizers, jinja2 and pydantic: the first four come
-# from the machine's own package index, pydantic (and llguidance) from the wheels that
-# `bash scripts/device_wheels.sh 3.11` puts in .whl/ (copied to the TPU host with the repository).
+# The image lacks flax, safetensors, tokenizers, jinja2, pydantic and flatbuffers (jax.export's
+# serialization): the first four come from the machine's own package index, the rest (and
+# llguidance) from the wheels that `bash scripts/device_wheels.sh 3.11` puts in .whl/ (copied
+# to the TPU host with the repository).
 set -uo pipefail
 OUT=${OUT:-./.device_out}
 mkdir -p "$OUT"
 site=/tmp/site
-if [ "${1:-}" != smoke ] && ! PYTHONPATH=${PYTHONPATH:-}:$site python3 -c "import flax, safetensors, tokenizers, jinja2, pydantic" 2>/dev/null; then
+if [ "${1:-}" != smoke ] && ! PYTHONPATH=${PYTHONPATH:-}:$site python3 -c "import flax, safetensors, tokenizers, jinja2, pydantic, flatbuffers" 2>/dev/null; then
   start=$(date +%s)
   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --no-cache-dir --no-compile \
     --index-url file:///opt/pypi/simple --target "$site" flax safetensors tokenizers jinja2 fsspec 2>&1 | tail -3

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python_version=${1:-3.12}
 rm -rf .whl && mkdir -p .whl
-for name in pydantic pydantic-core annotated-types typing-inspection typing-extensions llguidance; do
+for name in pydantic pydantic-core annotated-types typing-inspection typing-extensions llguidance flatbuffers; do
   version=$(python3 -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
   [ -n "$version" ] || { echo "$name is not installed here: pip install -e '.[test]' first" >&2; exit 1; }
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \

@@ -120,7 +120,7 @@ def assemble_engine(
     width = page_head_dim(model_config.head_dim, "tpu" if "tpu" in (plan.platform, platform) else plan.platform)
     runner = ModelRunner(model, model_config, config, mesh, backend, num_blocks=plan.num_blocks,
                          block_size=plan.block_size, attention_platform=platform, interpret=interpret,
-                         page_head_dim=width)
+                         page_head_dim=width, program_dir=cache_dir and cache_dir.rstrip("/") + "/programs")
     engine = Engine(runner, tokenizer, lora_manager=manager, model_name=model_name)
     engine.memory_plan = plan
     return engine

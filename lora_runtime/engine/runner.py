@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.program_store import ProgramStore
 from lora_runtime.engine.sampling import SamplingBatch, apply_penalties, apply_token_mask, sample, step_logprobs
 from lora_runtime.lora.batch_info import LoRABatchInfo
 from lora_runtime.lora.backend.base import BaseLoRABackend
@@ -102,6 +103,7 @@ class ModelRunner:
         attention_platform: str = "xla",
         interpret: bool = False,
         page_head_dim: int | None = None,
+        program_dir: str | None = None,
     ):
         self.model_config = model_config
         self.config = config
@@ -132,6 +134,15 @@ class ModelRunner:
         self._last_head = (None, None)  # the last prefill's pool and adapter batch, if its head has adapters
         # A multi-host replica's leader (engine/spmd.py): every device op goes to the followers first.
         self.mirror = None
+        # The steps' programs, kept as exports under the compilation cache (program_store.py).
+        self.programs = ProgramStore(program_dir, self._program_context())
+
+    def _program_context(self) -> str:
+        """What besides their arguments shapes the traced steps (ProgramStore's key)."""
+        return "\n".join(map(repr, (
+            self.graphdef, self.model_config, self.config.model_dump(mode="json"), type(self.backend).__qualname__,
+            getattr(self.backend, "__dict__", None), self.attention_platform, self.interpret,
+            self.page_head_dim, self.block_size, self.mesh.shape, self.mesh.axis_names)))
 
     def _create_state(self) -> None:
         """The KV cache and the per-row token state the steps donate and return."""
@@ -177,10 +188,12 @@ class ModelRunner:
         for the sample op."""
         with jax.set_mesh(self.mesh):
             if kind == "decode":
-                self._logits, self.kv_cache = self._decode(*self._decode_args(inputs, pool))
+                self._logits, self.kv_cache = self.programs.call("decode", self._decode,
+                                                                 self._decode_args(inputs, pool))
                 return
             step = self._prefill if kind == "prefill" else self._extend
-            self._logits, self.kv_cache, self._last_hidden = step(*self._prefill_args(inputs, pool))
+            self._logits, self.kv_cache, self._last_hidden = self.programs.call(
+                kind, step, self._prefill_args(inputs, pool))
         self._last_head = _head_lora(inputs, pool)
 
     def op_idle_logits(self, rows: int) -> None:
@@ -194,8 +207,8 @@ class ModelRunner:
         anything; a program of its own)."""
         logits, self._logits = self._logits, None
         with jax.set_mesh(self.mesh):
-            tokens, logprobs, self.token_counts = self._sample(logits, self.token_counts, self.prompt_seen,
-                                                               sampling, seq_rows, mask)
+            tokens, logprobs, self.token_counts = self.programs.call(
+                "sample", self._sample, (logits, self.token_counts, self.prompt_seen, sampling, seq_rows, mask))
         return PendingSample(tokens, logprobs, sampling.any_logprobs)
 
     def op_init_row(self, row: int, history: np.ndarray, prompt_len: int) -> None:
@@ -205,7 +218,8 @@ class ModelRunner:
 
     def op_prompt_logprobs(self, next_tokens: np.ndarray):
         with jax.set_mesh(self.mesh):
-            return self._prompt_logprobs(self.state, self._last_hidden, next_tokens, *self._last_head)
+            return self.programs.call("prompt_logprobs", self._prompt_logprobs,
+                                      (self.state, self._last_hidden, next_tokens, *self._last_head))
 
     # ---- host-side metadata ----------------------------------------------------------
 
@@ -246,7 +260,7 @@ class ModelRunner:
         del mode  # in the metadata; kept apart so each mode is its own compiled function
         model, hook, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info,
                                                       True)
-        return model.logits(hidden[last_index], hook, last_index), kv_cache, hidden
+        return self._whole(model.logits(hidden[last_index], hook, last_index)), kv_cache, hidden
 
     @staticmethod
     def _init_row_impl(counts, seen, row, tokens, prompt_len):
@@ -267,7 +281,12 @@ class ModelRunner:
     def _decode_impl(self, state, kv_cache, pool, tokens, positions, attn, lora_info):
         model, hook, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info,
                                                       False)
-        return model.logits(hidden, hook), kv_cache  # token b of the batch is batch row b
+        return self._whole(model.logits(hidden, hook)), kv_cache  # token b of the batch is batch row b
+
+    def _whole(self, logits):
+        """Logits whole on every device, as the sampler is compiled for them (a tensor-parallel
+        head leaves them split over the vocabulary; the sampler's sort gathers them anyway)."""
+        return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, PartitionSpec()))
 
     # ---- host calls --------------------------------------------------------------------
 
@@ -296,27 +315,28 @@ class ModelRunner:
 
     # ---- ahead-of-time compilation (warm-up) ----------------------------------------------
     # Each compiles the step the matching call above would run on inputs of this shape, and
-    # runs nothing: the call then finds the executable in jit's cache. Safe to call from
-    # several threads at once (warm-up compiles in parallel).
+    # runs nothing: the call then finds the executable in the program store (or jit's cache).
+    # Safe to call from several threads at once (warm-up compiles in parallel).
 
     def compile_prefill(self, inputs: StepInputs, pool, *, prompt_logprobs: bool = False) -> None:
         """Compiles the packed prefill of `inputs`' shape and, with `prompt_logprobs`, the
         prompt log-probabilities read from its hidden states (in the layout it leaves them)."""
         with jax.set_mesh(self.mesh):
-            compiled = self._prefill.lower(*self._prefill_args(inputs, pool)).compile()
+            shardings = self.programs.compile("prefill", self._prefill, self._prefill_args(inputs, pool),
+                                              donate=(1,))
             if prompt_logprobs:
                 t, h = inputs.tokens.shape[0], self.model_config.hidden_size
-                aval = jax.ShapeDtypeStruct((t, h), self.model_config.dtype, sharding=compiled.output_shardings[-1])
-                self._prompt_logprobs.lower(self.state, aval, np.zeros(t, np.int32),
-                                            *_head_lora(inputs, pool)).compile()
+                aval = jax.ShapeDtypeStruct((t, h), self.model_config.dtype, sharding=shardings[-1])
+                self.programs.compile("prompt_logprobs", self._prompt_logprobs,
+                                      (self.state, aval, np.zeros(t, np.int32), *_head_lora(inputs, pool)))
 
     def compile_extend(self, inputs: StepInputs, pool) -> None:
         with jax.set_mesh(self.mesh):
-            self._extend.lower(*self._prefill_args(inputs, pool)).compile()
+            self.programs.compile("extend", self._extend, self._prefill_args(inputs, pool), donate=(1,))
 
     def compile_decode(self, inputs: StepInputs, pool) -> None:
         with jax.set_mesh(self.mesh):
-            self._decode.lower(*self._decode_args(inputs, pool)).compile()
+            self.programs.compile("decode", self._decode, self._decode_args(inputs, pool), donate=(1,))
 
     def compile_sample(self, rows: int, *, masked: bool = False) -> None:
         """Compiles the sampler for steps that sample `rows` rows; `masked`: the variant for
@@ -325,8 +345,9 @@ class ModelRunner:
                                       sharding=NamedSharding(self.mesh, PartitionSpec()))
         mask = np.full((rows, self.mask_words), -1, np.int32) if masked else None
         with jax.set_mesh(self.mesh):
-            self._sample.lower(logits, self.token_counts, self.prompt_seen, SamplingBatch.from_rows([None] * rows),
-                               np.full(rows, -1, np.int32), mask).compile()
+            self.programs.compile("sample", self._sample, (logits, self.token_counts, self.prompt_seen,
+                                                           SamplingBatch.from_rows([None] * rows),
+                                                           np.full(rows, -1, np.int32), mask), donate=(1,))
 
     def warm_sample(self, rows: int, *, masked: bool) -> None:
         """Runs the sampler once on zero logits of `rows` idle rows (warm-up)."""

@@ -81,7 +81,8 @@ _RUN = textwrap.dedent("""
     c = compile_events.process_counts()
     print(json.dumps({"compiled": c.compiled, "hits": c.cache_hits, "ready_s": ready,
                       "warm_builds": engine.warm_counts.builds, "tokens": out[0].token_ids,
-                      "after": engine.compiles_after_warmup}))
+                      "after": engine.compiles_after_warmup, "programs": len(engine.runner.programs),
+                      "programs_read": engine.runner.programs.loaded}))
     engine.shutdown()
 """)
 
@@ -89,7 +90,9 @@ _RUN = textwrap.dedent("""
 def test_engines_started_together_share_their_compiles_and_a_restart_reads_them(tmp_path):
     """Two engines start at once over one empty persistent cache, as replicas on one host
     do: each takes the steps in an order of its own, so each reads much of what the other
-    compiled. Then a restarted engine reads every step program back."""
+    compiled. Then a restarted engine reads every step program back: its compiled executable
+    from the compilation cache, and the program itself from the exports the first start stored
+    (engine/program_store.py), so it does not trace the model again."""
     checkpoint = save_tiny_llama(tmp_path / "ckpt")
     cache = tmp_path / "compile-cache"
     env = {k: v for k, v in os.environ.items()
@@ -117,6 +120,9 @@ def test_engines_started_together_share_their_compiles_and_a_restart_reads_them(
     # Every step program is read back; at most a few tiny eager ops are compiled.
     assert warm["hits"] >= programs - 3 and warm["compiled"] <= 3, (first, warm)
     assert warm["after"] == 0
+    # Every step shape (prefill, extend, decode, sampler, prompt log-probabilities) came back
+    # as a stored export.
+    assert first["programs"] == warm["programs"] == warm["programs_read"] > 0, (first, warm)
 
 
 _MIN_TIME = textwrap.dedent("""

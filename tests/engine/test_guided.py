@@ -129,15 +129,14 @@ def test_masks_are_computed_while_the_forward_runs(engine, monkeypatch):
     """Each constrained decode step: forward dispatched, then the grammars' masks on the host,
     then the masked sampler; a step with no grammar samples without a mask."""
     events: list[str] = []
-    runner = engine.runner
-    for name, label in (("_decode", "forward"), ("_sample", "sample")):
-        real = getattr(runner, name)
+    launch = engine.runner.programs.call  # every step program goes through it
 
-        def spy(*args, _real=real, _label=label):
-            events.append(_label if _label != "sample" or args[-1] is None else "masked sample")
-            return _real(*args)
+    def spy(name, fn, args):
+        if name in ("decode", "sample"):
+            events.append("forward" if name == "decode" else "sample" if args[-1] is None else "masked sample")
+        return launch(name, fn, args)
 
-        monkeypatch.setattr(runner, name, spy)
+    monkeypatch.setattr(engine.runner.programs, "call", spy)
     fill = engine.grammars.fill_masks
     monkeypatch.setattr(engine.grammars, "fill_masks", lambda *a: (events.append("mask"), fill(*a))[1])
     spec = GuidedSpec("regex", "[0-9]{6}", param="guided_regex")

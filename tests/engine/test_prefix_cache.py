@@ -211,22 +211,24 @@ def test_the_default_step_budget_is_capped():
 def test_a_step_that_loses_the_cache_fails_its_requests_and_the_next_ones_run(engine, hf_model):
     """A step that fails after consuming (donating) the KV cache fails the requests in it;
     the engine starts over with an empty cache and no stale prefixes, and serves on."""
-    runner = engine.runner
-    decode = runner._decode
+    programs = engine.runner.programs
+    launch = programs.call  # every step program goes through it
 
-    def failing(state, kv_cache, *args):
-        for a in kv_cache.arrays:
+    def failing(name, fn, args):
+        if name != "decode":
+            return launch(name, fn, args)
+        for a in args[1].arrays:  # the KV cache, donated
             a.delete()
         raise RuntimeError("device fault")
 
     prompt = SYSTEM + "after a fault"
     engine.generate_batch([prompt], GREEDY)  # leaves the prompt's blocks cached
-    runner._decode = failing
+    programs.call = failing
     try:
         with pytest.raises(RuntimeError, match="device fault"):
             engine.generate_batch([prompt], GREEDY)
     finally:
-        runner._decode = decode
+        del programs.call
     out = engine.generate_batch([prompt], GREEDY)[0]
     assert out.cached_tokens == 0  # what the blocks held went with the cache
     assert out.token_ids == _hf_greedy(hf_model, _ids(engine, prompt), GREEDY.max_tokens)
