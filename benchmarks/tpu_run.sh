@@ -15,6 +15,9 @@
 #                then 8 layers of Llama-3-8B widths in bfloat16 over an empty compilation cache,
 #                then over that cache (16 layers ran out of a 16 GB chip while their random
 #                weights were built op by op; about 7 minutes)
+#   restarts     only the 8-layer cold and cached pair of `starts` (about 4 minutes)
+#   load         a checkpoint of 8 layers of Llama-3-8B widths in bfloat16 read onto the chip
+#                (benchmarks/checkpoint_load.py; about a minute)
 #   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
 # The image lacks flax, safetensors, tokenizers, jinja2, pydantic and flatbuffers (jax.export's
 # serialization): the first four come from the machine's own package index, the rest (and
@@ -64,8 +67,15 @@ for mode in "${@:-check}"; do
     starts)
       timeout 450 python3 -m benchmarks.engine_scale --start-only --layers 8 --dtype bfloat16 --widths 8b \
         --depth-widths 1024 2>&1 | tee "$OUT/engine_starts.log" | tail -12 ;;
+    restarts)
+      timeout 400 python3 -m benchmarks.engine_scale --start-only --layers 8 --dtype bfloat16 --widths 8b \
+        --no-depth 2>&1 | tee "$OUT/engine_restarts.log" | tail -8 ;;
+    load)
+      timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \
+        --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
-      echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, starts, smoke)" >&2
+      echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, starts, restarts, load," \
+        "smoke)" >&2
       exit 2 ;;
   esac
 done

@@ -3,11 +3,14 @@
 The module is built abstractly (``nnx.eval_shape``: no random init), then each parameter
 is made with ``jax.make_array_from_callback``: every device reads only its own slice of
 the memory-mapped file(s), so host memory holds at most one shard of one parameter at a
-time (of a stacked layer parameter, that shard of every layer).
+time (of a stacked layer parameter, that shard of every layer). Kernels, stored [out, in],
+are transposed tile by tile on every core (`transpose`): a plain strided copy made that
+most of a load (10.7 s of a 3 GB checkpoint on 2 cores, 3.2 s tiled).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 from collections.abc import Sequence
@@ -150,7 +153,7 @@ def _load_param(
 
     def read_one(tensor: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
         if transposed:
-            return np.ascontiguousarray(tensor[outputs(index[1]), index[0]].T.astype(dtype))
+            return transpose(tensor[outputs(index[1]), index[0]], dtype)
         if rows is not None:
             return np.ascontiguousarray(tensor[outputs(index[-1])].astype(dtype))
         return np.ascontiguousarray(tensor[index].astype(dtype))
@@ -167,6 +170,37 @@ def _load_param(
         return out
 
     return jax.make_array_from_callback(shape, param_sharding(param_path, shape, mesh), read)
+
+
+# The side of the square tiles a transposing copy moves at a time: a tile of rows and its
+# transpose both stay in cache (a plain strided copy of a Llama-3-8B MLP weight runs at a
+# third of this speed).
+_TILE = 256
+_threads: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def transpose(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """x.T as a new C-ordered array of `dtype`, copied tile by tile on every core (numpy
+    releases the interpreter lock while it copies)."""
+    out = np.empty(x.shape[::-1], dtype)
+    if x.dtype == dtype and dtype.itemsize in (1, 2, 4, 8):  # move bits: no casting loop
+        unsigned = np.dtype(f"u{dtype.itemsize}")
+        x, view = x.view(unsigned), out.view(unsigned)
+    else:
+        view = out
+    rows, cols = x.shape
+    bands = [(j, min(j + _TILE, cols)) for j in range(0, cols, _TILE)]  # a band of out's rows each
+
+    def copy(band: tuple[int, int]) -> None:
+        j0, j1 = band
+        for i in range(0, rows, _TILE):
+            view[j0:j1, i:i + _TILE] = x[i:i + _TILE, j0:j1].T
+
+    global _threads
+    if _threads is None:
+        _threads = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="load-transpose")
+    list(_threads.map(copy, bands))
+    return out
 
 
 def _nest(flat: dict[tuple, jax.Array]) -> dict:

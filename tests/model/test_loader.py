@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from tests.helpers.paged import RowPages
 from lora_runtime.errors import CheckpointError
-from lora_runtime.model.loader import hf_name, load_model
+from lora_runtime.model.loader import hf_name, load_model, transpose
 from lora_runtime.model.sharding import make_mesh, stacked_layer_param
 from tests.model.conftest import build_hf_model, save_checkpoint
 
@@ -242,3 +242,15 @@ def test_tensor_parallel_slices(hf_checkpoints):
     shard = next(s for s in attn.o_proj.kernel[...].addressable_shards if s.index[1].start == 16)
     np.testing.assert_array_equal(np.asarray(shard.data)[0], ref[16:32])
     assert model.embed_tokens.embedding[...].sharding.spec == P("tensor", None)
+
+
+@pytest.mark.parametrize("source, target", [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"),
+                                            ("float16", "float32")])
+def test_the_tiled_transpose_is_the_transpose(source, target):
+    """Kernels are stored [out, in]: the loader transposes them tile by tile on every core, over
+    edges that are not whole tiles and over a column slice of the file (one device's shard)."""
+    full = np.random.default_rng(0).standard_normal((700, 530)).astype(source)
+    x = full[:, 17:530]  # not contiguous
+    got = transpose(x, np.dtype(target))
+    assert got.flags.c_contiguous and got.dtype == np.dtype(target) and got.shape == (513, 700)
+    np.testing.assert_array_equal(got.view(np.uint8), np.ascontiguousarray(x.T.astype(target)).view(np.uint8))
