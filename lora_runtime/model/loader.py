@@ -151,12 +151,14 @@ def _load_param(
     def outputs(index: slice):
         return index if rows is None else rows[index]
 
-    def read_one(tensor: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
+    def read_one(tensor: np.ndarray, index: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
         if transposed:
-            return transpose(tensor[outputs(index[1]), index[0]], dtype)
-        if rows is not None:
-            return np.ascontiguousarray(tensor[outputs(index[-1])].astype(dtype))
-        return np.ascontiguousarray(tensor[index].astype(dtype))
+            return transpose(tensor[outputs(index[1]), index[0]], dtype, out)
+        part = tensor[outputs(index[-1])] if rows is not None else tensor[index]
+        if out is None:
+            return np.ascontiguousarray(part.astype(dtype))
+        out[...] = part
+        return out
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         if not stacked:
@@ -166,7 +168,7 @@ def _load_param(
         out = np.empty((len(layers),) + first.shape, dtype)  # one device's slice of every layer
         out[0] = first
         for j, i in enumerate(layers[1:], 1):
-            out[j] = read_one(data[i], index[1:])
+            read_one(data[i], index[1:], out[j])  # straight into its place
         return out
 
     return jax.make_array_from_callback(shape, param_sharding(param_path, shape, mesh), read)
@@ -179,10 +181,11 @@ _TILE = 256
 _threads: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def transpose(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """x.T as a new C-ordered array of `dtype`, copied tile by tile on every core (numpy
-    releases the interpreter lock while it copies)."""
-    out = np.empty(x.shape[::-1], dtype)
+def transpose(x: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+    """x.T as a C-ordered array of `dtype` (`out`, if given), copied tile by tile on every
+    core (numpy releases the interpreter lock while it copies)."""
+    if out is None:
+        out = np.empty(x.shape[::-1], dtype)
     if x.dtype == dtype and dtype.itemsize in (1, 2, 4, 8):  # move bits: no casting loop
         unsigned = np.dtype(f"u{dtype.itemsize}")
         x, view = x.view(unsigned), out.view(unsigned)
