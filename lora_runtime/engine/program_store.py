@@ -32,10 +32,10 @@ import os
 import pathlib
 import pickle
 import re
-import tempfile
 import threading
 
 import jax
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,12 @@ def exports_available() -> bool:
 
 
 def _leaf_signature(leaf) -> tuple:
-    return (tuple(leaf.shape), str(leaf.dtype))
+    """(shape, dtype) of an argument leaf: on every call, so kept cheap (a dtype's str costs
+    several microseconds; the dtype itself hashes)."""
+    try:
+        return leaf.shape, leaf.dtype
+    except AttributeError:  # a Python scalar
+        return np.shape(leaf), np.result_type(leaf)
 
 
 def _leaf_spec(leaf) -> jax.ShapeDtypeStruct:
@@ -91,6 +96,7 @@ class ProgramStore:
         self.directory = directory
         self._context = _digest("\n".join((f"format {FORMAT}", jax.__version__, source_digest(), _devices(), context)))
         self._programs: dict[tuple, tuple[object, object]] = {}
+        self._first = None  # (the last first argument, its leaves, its signature): see _flatten
         self._lock = threading.Lock()
         self.loaded = 0  # programs compiled from a stored export
         self.saved = 0  # programs exported and stored by this process
@@ -102,12 +108,27 @@ class ProgramStore:
 
     def call(self, name: str, fn, args: tuple):
         """`fn(*args)`, through the executable compiled for these arguments if there is one."""
-        leaves, tree = jax.tree.flatten(args)
-        found = self._programs.get((name, tree, tuple(map(_leaf_signature, leaves))))
+        if not self._programs:
+            return fn(*args)
+        leaves, signature = self._flatten(args)
+        found = self._programs.get((name, signature))
         if found is None:
             return fn(*args)
         executable, out_tree = found
         return jax.tree.unflatten(out_tree, executable(*leaves))
+
+    def _flatten(self, args: tuple) -> tuple[list, tuple]:
+        """(leaves, signature: treedefs, shapes and dtypes) of `args`. The first argument's are
+        remembered while the same object comes first again: the runner passes its weights first,
+        one object that is replaced, never changed in place, and flattening a model's state
+        (hundreds of variables, through flax's Python) cost more than the rest of a dispatch."""
+        first, rest = args[0], args[1:]
+        remembered = self._first
+        if remembered is None or remembered[0] is not first:
+            leaves, tree = jax.tree.flatten(first)
+            remembered = self._first = (first, leaves, (tree, tuple(map(_leaf_signature, leaves))))
+        leaves, tree = jax.tree.flatten(rest)
+        return [*remembered[1], *leaves], (remembered[2], tree, tuple(map(_leaf_signature, leaves)))
 
     # ---- warm-up ----------------------------------------------------------------------
 
@@ -118,8 +139,8 @@ class ProgramStore:
             return fn.trace(*args).lower().compile().output_shardings
         leaves, tree = jax.tree.flatten(args)
         specs = [_leaf_spec(leaf) for leaf in leaves]
-        signature = tuple(map(_leaf_signature, leaves))
-        key = _digest(repr((self._context, name, str(tree), signature, [str(s.sharding) for s in specs], donate)))
+        key = _digest(repr((self._context, name, str(tree), [(tuple(s.shape), str(s.dtype)) for s in specs],
+                            [str(s.sharding) for s in specs], donate)))
         stored = self._read(key)
         if stored is None:
             stored = self._export(fn, tree, specs)
@@ -131,7 +152,7 @@ class ProgramStore:
         donated = tuple(i for pos in donate for i in range(sum(counts[:pos]), sum(counts[:pos + 1])))
         executable = jax.jit(exported.call, donate_argnums=donated).trace(*specs).lower().compile()
         with self._lock:
-            self._programs[(name, tree, signature)] = (executable, out_tree)
+            self._programs[(name, self._flatten(args)[1])] = (executable, out_tree)
         return jax.tree.unflatten(out_tree, executable.output_shardings)
 
     def _export(self, fn, tree, specs):
@@ -190,11 +211,11 @@ class ProgramStore:
                 with fsspec.open(path, "wb") as f:  # an object store's write lands whole or not at all
                     f.write(data)
             else:
-                folder = os.path.dirname(path)
-                os.makedirs(folder, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=folder, delete=False) as f:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                partial = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"  # the umask's mode, as JAX's cache files
+                with open(partial, "wb") as f:
                     f.write(data)
-                os.replace(f.name, path)  # readers never see half a file
+                os.replace(partial, path)  # readers never see half a file
         except OSError as exc:
             logger.warning("could not store step program %s (%s)", path, exc)
             return
