@@ -46,12 +46,15 @@ def synthetic_config(**shape) -> ModelConfig:
     return ModelConfig.from_hf_dict(synthetic_hf_config(**shape))
 
 
+TILED_VALUES = 1 << 24  # the block a tiled random checkpoint repeats
+
+
 def write_random_checkpoint(out_dir, *, tiled: bool = False, **shape):
     """A random Llama checkpoint as Hugging Face saves one (config.json, model.safetensors,
     weights normal with std 0.02, in the shape's dtype, float32 by default) of the given
-    shape; returns its directory. `tiled`: each large tensor repeats one block of 16M random
-    values (a load reads as many bytes; drawing billions of values one by one is what takes
-    time at Llama-3-8B widths)."""
+    shape; returns its directory. `tiled`: each larger tensor repeats one block of
+    TILED_VALUES random values (a load reads as many bytes; drawing billions of values one by
+    one is what takes time at Llama-3-8B widths)."""
     import json
     import pathlib
 
@@ -68,7 +71,7 @@ def write_random_checkpoint(out_dir, *, tiled: bool = False, **shape):
     head_dim = h // hf["num_attention_heads"]
     q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
 
-    block = (0.02 * rng.standard_normal(1 << 24, dtype=np.float32)).astype(dtype) if tiled else None
+    block = (0.02 * rng.standard_normal(TILED_VALUES, dtype=np.float32)).astype(dtype) if tiled else None
 
     def normal(*shape_):
         if tiled and np.prod(shape_) > block.size:
