@@ -210,7 +210,9 @@ class Engine:
         """Compiles every step shape ahead of time (warm-up's first half; a multi-host
         replica's followers run only this, then launch what the leader's warm-up runs) in
         parallel, a thread per core; returns what JAX built for them (compiled, or read from
-        the persistent cache), summed over the threads.
+        the persistent cache), summed over the threads. With a compilation cache, each
+        program is compiled from its stored export where an earlier start left one, instead
+        of being traced (ModelRunner.programs, program_store.py).
 
         Each process takes the steps in an order of its own (random): replicas that start
         together over one persistent cache (on one host, or a shared gs:// cache) then
