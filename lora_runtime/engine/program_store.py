@@ -96,7 +96,7 @@ class ProgramStore:
         self.directory = directory
         self._context = _digest("\n".join((f"format {FORMAT}", jax.__version__, source_digest(), _devices(), context)))
         self._programs: dict[tuple, tuple[object, object]] = {}
-        self._first = None  # (the last first argument, its leaves, its signature): see _flatten
+        self._first: dict[str, tuple] = {}  # name -> (last first argument, its leaves, signature): _flatten
         self._lock = threading.Lock()
         self.loaded = 0  # programs compiled from a stored export
         self.saved = 0  # programs exported and stored by this process
@@ -110,23 +110,26 @@ class ProgramStore:
         """`fn(*args)`, through the executable compiled for these arguments if there is one."""
         if not self._programs:
             return fn(*args)
-        leaves, signature = self._flatten(args)
+        leaves, signature = self._flatten(name, args)
         found = self._programs.get((name, signature))
         if found is None:
             return fn(*args)
         executable, out_tree = found
         return jax.tree.unflatten(out_tree, executable(*leaves))
 
-    def _flatten(self, args: tuple) -> tuple[list, tuple]:
-        """(leaves, signature: treedefs, shapes and dtypes) of `args`. The first argument's are
-        remembered while the same object comes first again: the runner passes its weights first,
-        one object that is replaced, never changed in place, and flattening a model's state
-        (hundreds of variables, through flax's Python) cost more than the rest of a dispatch."""
+    def _flatten(self, name: str, args: tuple) -> tuple[list, tuple]:
+        """(leaves, signature: treedefs, shapes and dtypes) of `args`. A first argument that is
+        a pytree, not an array, is remembered per program while the same object comes first
+        again: the runner passes its weights first, one object that is replaced, never changed
+        in place, and flattening a model's state (hundreds of variables, through flax's
+        Python) cost more than the rest of a dispatch."""
         first, rest = args[0], args[1:]
-        remembered = self._first
+        remembered = self._first.get(name)
         if remembered is None or remembered[0] is not first:
             leaves, tree = jax.tree.flatten(first)
-            remembered = self._first = (first, leaves, (tree, tuple(map(_leaf_signature, leaves))))
+            remembered = (first, leaves, (tree, tuple(map(_leaf_signature, leaves))))
+            if not isinstance(first, jax.Array):  # an array (logits) is new at every call
+                self._first[name] = remembered
         leaves, tree = jax.tree.flatten(rest)
         return [*remembered[1], *leaves], (remembered[2], tree, tuple(map(_leaf_signature, leaves)))
 
@@ -152,7 +155,7 @@ class ProgramStore:
         donated = tuple(i for pos in donate for i in range(sum(counts[:pos]), sum(counts[:pos + 1])))
         executable = jax.jit(exported.call, donate_argnums=donated).trace(*specs).lower().compile()
         with self._lock:
-            self._programs[(name, self._flatten(args)[1])] = (executable, out_tree)
+            self._programs[(name, self._flatten(name, args)[1])] = (executable, out_tree)
         return jax.tree.unflatten(out_tree, executable.output_shardings)
 
     def _export(self, fn, tree, specs):

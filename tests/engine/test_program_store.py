@@ -85,6 +85,29 @@ def test_another_context_shape_or_static_field_is_not_the_stored_program(tmp_pat
     assert traces == ["add"]
 
 
+def test_a_program_compiled_for_avals_runs_on_arrays_without_tracing(tmp_path):
+    """The sampler is compiled for logits it has not seen (a ShapeDtypeStruct) and called
+    with the forward's arrays; weights come first, the same object at every call."""
+    calls = []
+
+    def scaled(x, state):
+        calls.append(1)
+        return x * state["s"]
+
+    fn = jax.jit(scaled)
+    state = {"s": jnp.float32(3.0)}
+    store = ProgramStore(str(tmp_path), "avals")
+    store.compile("scaled", fn, (jax.ShapeDtypeStruct((2, 5), jnp.float32), state))
+    store.compile("weights_first", jax.jit(lambda s, x: x + s["s"]), (state, jax.ShapeDtypeStruct((4,), jnp.float32)))
+    calls.clear()
+    for i in range(3):
+        x = jnp.full((2, 5), float(i))
+        np.testing.assert_array_equal(store.call("scaled", fn, (x, state)), np.full((2, 5), 3.0 * i))
+        y = store.call("weights_first", None, (state, jnp.arange(4.0)))  # None: it must be found
+        np.testing.assert_array_equal(y, np.arange(4.0) + 3)
+    assert calls == []
+
+
 def test_a_torn_file_is_traced_again_and_replaced(tmp_path, caplog):
     ProgramStore(str(tmp_path), "model A").compile("step", step, _args(), donate=(1,))
     [path] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
