@@ -23,18 +23,17 @@ import jax
 from flax import nnx
 
 from benchmarks.common import print_table, write_random_checkpoint
+from benchmarks.engine_scale import WIDTHS
 from lora_runtime.model.loader import load_model
 from lora_runtime.model.sharding import make_mesh
 
-WIDTHS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
-          "small": dict(hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=1024)}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    parser.add_argument("--widths", choices=sorted(WIDTHS), default="8b")
+    parser.add_argument("--widths", choices=("8b", "small"), default="8b")
     parser.add_argument("--checkpoint", default=None, help="an existing checkpoint directory to load instead")
     parser.add_argument("--profile", default=None, help="write the load's profile (cumulative) to this file")
     args = parser.parse_args(argv)

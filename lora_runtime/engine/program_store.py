@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import pathlib
@@ -57,11 +58,7 @@ def source_digest() -> str:
 
 def exports_available() -> bool:
     """Whether jax.export can serialize here (it needs the flatbuffers package)."""
-    try:
-        from jax._src.export import serialization  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("flatbuffers") is not None
 
 
 def _leaf_signature(leaf) -> tuple:
@@ -139,7 +136,7 @@ class ProgramStore:
         """Compiles `fn` (jitted, donating the arguments at `donate`) for `args` (arrays or
         ShapeDtypeStructs) and returns its outputs' shardings; `call` then runs it. Thread-safe."""
         if self.directory is None:
-            return fn.trace(*args).lower().compile().output_shardings
+            return _traced(fn, args)
         leaves, tree = jax.tree.flatten(args)
         specs = [_leaf_spec(leaf) for leaf in leaves]
         key = _digest(repr((self._context, name, str(tree), [(tuple(s.shape), str(s.dtype)) for s in specs],
@@ -147,8 +144,8 @@ class ProgramStore:
         stored = self._read(key)
         if stored is None:
             stored = self._export(fn, tree, specs)
-            if stored is None:  # not exportable: trace and compile as jit does
-                return fn.trace(*args).lower().compile().output_shardings
+            if stored is None:  # not exportable
+                return _traced(fn, args)
             self._write(key, stored)
         exported, out_tree = stored
         counts = [len(jax.tree.leaves(a)) for a in args]
@@ -224,6 +221,12 @@ class ProgramStore:
             return
         with self._lock:
             self.saved += 1
+
+
+def _traced(fn, args: tuple):
+    """Compiles `fn` for `args` as jit does (tracing it; jit's cache keeps the executable
+    for the call) and returns its outputs' shardings."""
+    return fn.trace(*args).lower().compile().output_shardings
 
 
 def _digest(text: str) -> str:
