@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels.paged_attention import paged_attention
-from kernels.paged_attention.write import write_pages
+from kernels.paged_attention.write import write_kv_pages
 from kernels.paged_attention.xla import MASK_VALUE, online_softmax, online_softmax_step
 from lora_runtime.model.kv_cache import AttentionMetadata
 
@@ -83,14 +83,13 @@ def write_kv(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes each token's K/V at its slot; padding tokens (slot past the cache) write nothing.
-    `platform` "tpu" writes through the Mosaic kernel, any other through one XLA scatter
-    (kernels/paged_attention/write.py)."""
+    `platform` "tpu" writes both through one Mosaic kernel, any other through an XLA scatter
+    each (kernels/paged_attention/write.py)."""
     write = "tpu" if platform == "tpu" else "xla"
     k, v = to_page_width(k, k_pages.shape[-1]), to_page_width(v, v_pages.shape[-1])
 
     def both(k_pages, v_pages, k, v, slot_mapping):
-        return (write_pages(k_pages, k, slot_mapping, platform=write, interpret=interpret),
-                write_pages(v_pages, v, slot_mapping, platform=write, interpret=interpret))
+        return write_kv_pages(k_pages, v_pages, k, v, slot_mapping, platform=write, interpret=interpret)
 
     if _tensor_parallel():
         # Each device writes its own kv heads: a kernel sees one device's pages, and XLA's

@@ -1,5 +1,6 @@
 """The KV write: the TPU (Mosaic) kernel, in interpret mode, gives the XLA scatter's cache for
-prefill runs, scattered decode tokens and dropped padding; it lowers for TPU at real shapes."""
+prefill runs, scattered decode tokens, tokens sharing a sub-block apart, runs across chunks and
+dropped padding; it lowers for TPU at real shapes."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels.common import sublane_rows
-from kernels.paged_attention.write import tpu_write_pages, write_pages
+from kernels.paged_attention.write import CHUNK_BUDGET, MAX_CHUNK, chunk_tokens, tpu_write_pages, write_pages
 
 
 def _case(seed, dtype, heads=2, blocks=6, bs=16, d=128):
@@ -35,6 +36,34 @@ def test_tpu_kernel_gives_the_scatters_cache(dtype):
                                   np.asarray(pages, np.float32).reshape(2, total, 128)[:, untouched])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_runs_across_chunks_and_apart(dtype):
+    """150 tokens: three chunks of 64 (the last padded), a prefill run crossing both chunk
+    boundaries mid sub-block, and tokens on one sub-block that are not adjacent."""
+    pages, rng = _case(3, dtype, blocks=24, bs=16)
+    total = pages.shape[1] * pages.shape[2]
+    prefill = np.arange(40, 40 + 140)  # slots 40..179: 64 and 128 fall inside sub-blocks
+    apart = np.array([300, 200, 301, total + 5, 302, 201, -1, 303, 302 + 16, 210])
+    slots = jnp.asarray(np.concatenate([prefill, apart]), jnp.int32)
+    assert slots.shape[0] == 150 and chunk_tokens(150, 2 * 16 * 128 * 2) == MAX_CHUNK
+    new = jnp.asarray(rng.standard_normal((150, 2, 128)), dtype)
+    want = write_pages(pages, new, slots, platform="xla")
+    got = jax.jit(lambda p, n, s: write_pages(p, n, s, platform="tpu", interpret=True))(pages, new, slots)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # Slot -1 is dropped on both paths, not taken as the cache's last slot.
+    np.testing.assert_array_equal(np.asarray(want)[:, -1, -1], np.asarray(pages)[:, -1, -1])
+    np.testing.assert_array_equal(np.asarray(want).reshape(2, total, 128)[:, 318], np.asarray(new[-2], np.float32))
+
+
+def test_chunk_fits_vmem():
+    # 8 bf16 kv heads: 32 KiB a token, a decode batch of 64 in one step.
+    assert chunk_tokens(64, 8 * 16 * 128 * 2) == 64
+    assert chunk_tokens(5, 8 * 16 * 128 * 2) == 8
+    assert chunk_tokens(1, 8 * 16 * 128 * 2) == 1
+    # 32 f32 kv heads: 128 KiB a token, so 32 tokens a step.
+    assert chunk_tokens(2048, 32 * 8 * 128 * 4) == 32 and 32 * 32 * 8 * 128 * 4 <= CHUNK_BUDGET
+
+
 def test_all_dropped_leaves_the_cache_unchanged():
     pages, rng = _case(1, jnp.float32)
     new = jnp.asarray(rng.standard_normal((3, 2, 128)), jnp.float32)
@@ -56,5 +85,13 @@ def test_tpu_lowering_real_shapes(tokens):
     """Llama-3-8B's K pages of 32 layers (8 kv heads, 128-token blocks), decode and a prefill."""
     sds = jax.ShapeDtypeStruct
     args = (sds((8, 32 * 512, 128, 128), jnp.bfloat16), sds((tokens, 8, 128), jnp.bfloat16), sds((tokens,), jnp.int32))
+    text = jax.jit(lambda p, n, s: tpu_write_pages(p, n, s)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1
+
+
+def test_tpu_lowering_many_heads_float32():
+    """32 kv heads in float32 (a model without grouped queries): 32 tokens a grid step."""
+    sds = jax.ShapeDtypeStruct
+    args = (sds((32, 1024, 16, 128), jnp.float32), sds((100, 32, 128), jnp.float32), sds((100,), jnp.int32))
     text = jax.jit(lambda p, n, s: tpu_write_pages(p, n, s)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 1
