@@ -10,12 +10,14 @@ them). Both index a dimension behind the kv heads. Two formulations of each, com
 the default backend:
   write  `pages[heads, slots]`: (head, slot) index pairs, the leading dims (the XLA path's)
          `pages[:, slots]`:     the slot dim alone, the heads a window ahead of it
-         mosaic sub-blocks:     on a TPU, kernels/paged_attention/write.py's kernel
+         mosaic sub-blocks:     on a TPU, kernels/paged_attention/write.py's kernel (lora_runtime's
+                                there), and the same kernel writing K and V in one call
   read   `pages[heads, table]`: (head, page) pairs (kernels/paged_attention/xla.py's)
          `pages[:, table]`:     the page dim alone
 For each: XLA's memory analysis of the compiled function (temporary bytes, against the
 cache's bytes: a copy of the cache shows as about 1.0 per copy), the transposes and copies
-left in the optimized HLO, and the time per layer (writes of 8, 64 and 512 tokens; reads of 64
+left in the optimized HLO, and the device's time per layer, taken as the slope between a call
+of one round of the layers and one of 16 rounds (writes of 8, 64 and 512 tokens; reads of 64
 sequences of 4 pages). Last line:
 `write_temp_over_cache=<f> read_temp_over_cache=<f> write_us_per_layer=<f> read_us_per_layer=<f>`
 for the formulations lora_runtime uses, 64 tokens (else the first of --tokens).
@@ -24,6 +26,7 @@ for the formulations lora_runtime uses, 64 tokens (else the first of --tokens).
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +34,7 @@ import numpy as np
 
 from benchmarks.common import best_time, print_table
 from kernels.common import default_platform
-from kernels.paged_attention.write import tpu_write_pages, xla_write_pages
+from kernels.paged_attention.write import tpu_write_caches, tpu_write_pages, xla_write_pages
 
 HEADS, HEAD_DIM, BLOCK, TOKENS, PAGES_PER_SEQ, LAYERS = 8, 128, 128, 64, 4, 4
 
@@ -51,6 +54,12 @@ def mosaic_write(flat, x, slots):  # kernels/paged_attention/write.py's TPU kern
     return pages.reshape(flat.shape)
 
 
+def mosaic_write_kv(flats, x, slots):  # K and V in one kernel call, as the model writes them
+    heads, total, d = flats[0].shape
+    pages = tuple(f.reshape(heads, total // BLOCK, BLOCK, d) for f in flats)
+    return tuple(p.reshape(flats[0].shape) for p in tpu_write_caches(pages, (x, x), slots))
+
+
 def read_pairs(pages, table):  # [Hkv, N, bs, D], i32[Q, P] -> [Hkv, Q, D]
     heads = jnp.arange(pages.shape[0], dtype=jnp.int32)[:, None, None]
     return pages[heads, table[None]].sum(axis=(2, 3), dtype=jnp.float32)
@@ -61,38 +70,51 @@ def read_page_axis(pages, table):
 
 
 def over_layers(write):
-    """Each layer writes its own pages (slots offset by the layer), in a loop as the model's."""
-    def run(flat, x, slots):
-        per_layer = flat.shape[1] // LAYERS
-        return jax.lax.fori_loop(0, LAYERS, lambda l, f: write(f, x, slots + l * per_layer), flat)
+    """Each layer writes its own pages (slots offset by the layer), in a loop as the model's,
+    `rounds` times over (the time per write is the slope over rounds: one call's dispatch and
+    wait, about half a millisecond on a TPU host, is more than a write). `flat` is one cache or
+    a tuple of them (K and V)."""
+    def run(flat, x, slots, rounds=1):
+        per_layer = jax.tree.leaves(flat)[0].shape[1] // LAYERS
+        return jax.lax.fori_loop(0, LAYERS * rounds, lambda l, f: write(f, x, slots + (l % LAYERS) * per_layer), flat)
     return run
 
 
 def reading_layers(read):
-    def run(pages, table):
+    def run(pages, table, rounds=1):
         per_layer = pages.shape[1] // LAYERS
         init = jnp.zeros((pages.shape[0], table.shape[0], pages.shape[3]), jnp.float32)
-        return jax.lax.fori_loop(0, LAYERS, lambda l, acc: acc + read(pages, table + l * per_layer), init)
+        return jax.lax.fori_loop(0, LAYERS * rounds,
+                                 lambda l, acc: acc + read(pages, table + (l % LAYERS) * per_layer), init)
     return run
 
 
+ROUNDS = 16  # the longer call's rounds of LAYERS writes
+
+
 def measure(fn, donate: bool, *args) -> dict:
-    """Temporary bytes, transposes and copies of the compiled fn, and its best time."""
-    jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
-    compiled = jitted.lower(*args).compile()
-    memory = compiled.memory_analysis()
-    text = compiled.as_text()
-    state = {"args": list(args)}
+    """Temporary bytes, transposes and copies of the compiled fn, and its time for LAYERS
+    calls on the device: the difference between ROUNDS rounds and one, over ROUNDS - 1."""
+    times = []
+    for rounds in (1, ROUNDS):
+        jitted = jax.jit(functools.partial(fn, rounds=rounds), donate_argnums=(0,) if donate else ())
+        compiled = jitted.lower(*args).compile()
+        if rounds == 1:
+            memory = compiled.memory_analysis()
+            text = compiled.as_text()
+        state = {"args": list(args)}
 
-    def call():
-        out = jitted(*state["args"])
-        if donate:
-            state["args"][0] = out
-        return out
+        def call():
+            out = jitted(*state["args"])
+            if donate:
+                state["args"][0] = out
+            return out
 
+        times.append(best_time(call, repeats=5, warmup=2))
+        args = tuple(state["args"])
     return {"temp_bytes": getattr(memory, "temp_size_in_bytes", float("nan")),
             "transposes": text.count(" transpose("), "copies": text.count(" copy("),
-            "us": 1e6 * best_time(call, repeats=10, warmup=2)}
+            "us": 1e6 * max(times[1] - times[0], 0.0) / (ROUNDS - 1), "call_us": 1e6 * times[0]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,8 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     rows, result = [], {}
     summary_tokens = TOKENS if TOKENS in args.tokens else args.tokens[0]
     writes = [("pages[heads, slots]", over_layers(write_pairs)), ("pages[:, slots]", over_layers(write_slot_axis))]
-    if default_platform() == "tpu":
-        writes.append(("mosaic sub-blocks", over_layers(mosaic_write)))
+    if default_platform() == "tpu":  # lora_runtime's write on a TPU: the summary's
+        writes.insert(0, ("mosaic sub-blocks", over_layers(mosaic_write)))
+        writes.append(("mosaic K and V (us for both)", over_layers(mosaic_write_kv)))
     reads = (("pages[heads, table]", reading_layers(read_pairs)), ("pages[:, table]", reading_layers(read_page_axis)))
     for tokens in args.tokens:
         x = jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_DIM)), dtype)
@@ -122,24 +145,29 @@ def main(argv: list[str] | None = None) -> None:
         want = None
         for name, fn in writes:
             # The same writes from the same cache give the same cache (checked on the first layer's rows).
-            out = jax.jit(fn)(jnp.tile(start, (1, LAYERS, 1)), x, slots)[:, : slots_total // LAYERS]
-            want = out if want is None else want
-            same = bool(jnp.array_equal(out, want))
+            pair = name.startswith("mosaic K and V")
+            cache = (lambda: (jnp.tile(start, (1, LAYERS, 1)),) * 2) if pair else (lambda: jnp.tile(start, (1, LAYERS, 1)))
+            out = jax.tree.leaves(jax.jit(fn)(cache(), x, slots))
+            out = [o[:, : slots_total // LAYERS] for o in out]
+            want = out[0] if want is None else want
+            same = all(bool(jnp.array_equal(o, want)) for o in out)
             del out
-            got = measure(fn, True, jnp.zeros((HEADS, slots_total, HEAD_DIM), dtype), x, slots)
+            zeros = jnp.zeros((HEADS, slots_total, HEAD_DIM), dtype)
+            got = measure(fn, True, (zeros, jnp.zeros_like(zeros)) if pair else zeros, x, slots)
+            del zeros
             rows.append(("write", name, tokens, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"],
-                         got["us"] / LAYERS, same))
+                         got["us"] / LAYERS, got["call_us"], same))
             if tokens == summary_tokens:
                 result.setdefault("write", got)  # the first formulation is lora_runtime's
     for name, fn in reads:
         got = measure(fn, False, jnp.zeros((HEADS, num_pages, BLOCK, HEAD_DIM), dtype), table)
         rows.append(("read", name, TOKENS, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"],
-                     got["us"] / LAYERS, ""))
+                     got["us"] / LAYERS, got["call_us"], ""))
         result.setdefault("read", got)
     print(f"device={jax.devices()[0].platform} cache={cache_bytes / 2**30:.2f}GiB per K or V ({args.dtype}, "
           f"{HEADS} kv heads, {LAYERS} layers of {slots_total // LAYERS} slots) tokens={TOKENS}")
     print_table(["op", "formulation", "tokens", "temp_over_cache", "transposes", "copies", "us_per_layer",
-                 "same_cache"], rows)
+                 "one_call_us", "same_cache"], rows)
     print(f"write_temp_over_cache={result['write']['temp_bytes'] / cache_bytes:.4f} "
           f"read_temp_over_cache={result['read']['temp_bytes'] / cache_bytes:.4f} "
           f"write_us_per_layer={result['write']['us'] / LAYERS:.1f} read_us_per_layer={result['read']['us'] / LAYERS:.1f}")
