@@ -16,6 +16,8 @@
 #                then over that cache (16 layers ran out of a 16 GB chip while their random
 #                weights were built op by op; about 7 minutes)
 #   restarts     only the 8-layer cold and cached pair of `starts` (about 4 minutes)
+#   profile      where a decode step's device time goes, at Llama-3-8B layer widths (8 layers,
+#                bfloat16), base traffic and 8 adapters (benchmarks/step_profile.py; about 4 minutes)
 #   load         a checkpoint of 8 layers of Llama-3-8B widths in bfloat16 read onto the chip
 #                (benchmarks/checkpoint_load.py; about a minute)
 #   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
@@ -52,7 +54,7 @@ for mode in "${@:-check}"; do
       timeout 90 python3 benchmarks/device_check.py --sections env,correctness,attention --budget-s 80 \
         --out "$OUT/correctness" 2>&1 | tee "$OUT/device_check_correctness.log" | tail -14 ;;
     kv)
-      timeout 75 python3 -m benchmarks.kv_write --cache-gib 2 2>&1 | tee "$OUT/kv_write.log" | tail -8 ;;
+      timeout 120 python3 -m benchmarks.kv_write --cache-gib 2 2>&1 | tee "$OUT/kv_write.log" | tail -8 ;;
     engine)
       timeout 120 python3 -m benchmarks.engine_device_check --out "$OUT/engine_device_check.json" 2>&1 \
         | tee "$OUT/engine_device_check.log" | grep -v Warn ;;
@@ -70,12 +72,17 @@ for mode in "${@:-check}"; do
     restarts)
       timeout 400 python3 -m benchmarks.engine_scale --start-only --layers 8 --dtype bfloat16 --widths 8b \
         --no-depth 2>&1 | tee "$OUT/engine_restarts.log" | tail -8 ;;
+    profile)
+      for adapters in 0 8; do
+        timeout 150 python3 -m benchmarks.step_profile --large --adapters $adapters --out "$OUT/step_profile_$adapters" \
+          2>&1 | tee "$OUT/step_profile_$adapters.log" | grep -v Warn | tail -17
+      done ;;
     load)
       timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \
         --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
-      echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, starts, restarts, load," \
-        "smoke)" >&2
+      echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, starts, restarts, profile," \
+        "load, smoke)" >&2
       exit 2 ;;
   esac
 done

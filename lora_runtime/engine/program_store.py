@@ -150,7 +150,7 @@ class ProgramStore:
         exported, out_tree = stored
         counts = [len(jax.tree.leaves(a)) for a in args]
         donated = tuple(i for pos in donate for i in range(sum(counts[:pos]), sum(counts[:pos + 1])))
-        executable = jax.jit(exported.call, donate_argnums=donated).trace(*specs).lower().compile()
+        executable = jax.jit(_named(exported.call, name), donate_argnums=donated).trace(*specs).lower().compile()
         with self._lock:
             self._programs[(name, self._flatten(name, args)[1])] = (executable, out_tree)
         return jax.tree.unflatten(out_tree, executable.output_shardings)
@@ -221,6 +221,15 @@ class ProgramStore:
             return
         with self._lock:
             self.saved += 1
+
+
+def _named(fn, name: str):
+    """`fn` under `name`, which jit gives the program (`jit_decode`): what a profile shows."""
+    def program(*args):
+        return fn(*args)
+
+    program.__name__ = program.__qualname__ = name
+    return program
 
 
 def _traced(fn, args: tuple):

@@ -178,3 +178,11 @@ def test_a_sharded_program_keeps_its_shardings(tmp_path):
         expected = fn(*args())
     assert out.sharding == expected.sharding
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
+def test_a_stored_program_is_named_for_its_step(tmp_path):
+    """A profile shows the program under its step's name (jit_step), not the export's `call`."""
+    store = ProgramStore(str(tmp_path), "model A")
+    store.compile("step", step, _args(), donate=(1,))
+    (executable, _), = store._programs.values()
+    assert "HloModule jit_step" in executable.as_text()

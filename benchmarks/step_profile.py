@@ -1,0 +1,193 @@
+"""Where a decode step's time goes: the device's own op times against the step's wall time.
+
+    python -m benchmarks.step_profile [--large] [--adapters N] [--new-tokens T] [--top K] [--out DIR]
+
+Builds the engine `benchmarks.multi_lora` measures (a batch of 8 on the demo tokenizer's
+vocabulary; `--large`: 8 layers of Llama-3-8B widths in bfloat16), decodes one batch to warm
+it, then decodes another under `jax.profiler.trace` and reads the trace back with
+`jax.profiler.ProfileData`. XLA's op events (the device's "XLA Ops" line on an accelerator,
+the executing threads' `hlo_op` events on CPU; an event enclosing others, a loop's, is left
+out for its body's) are grouped by the program they ran in, named by the engine's programs
+(`jit_decode` is the forward of a decode step, `jit_sample` its sampler). For the forward the
+table gives each op kind's time per step (the op's name without its number) and its share,
+and the last line its busy time per step (the union of its ops' intervals: a CPU runs ops on
+several threads at once) against the engine's own decode-step wall time (`decode_seconds`:
+dispatch, the device, the sampler, the sampled tokens' copy back). What neither covers is
+the host's.
+
+Last line: `step_ms=<f> device_ms=<f> device_share=<f> top_op=<name> top_op_share=<f>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import tempfile
+
+import jax
+from jax.profiler import ProfileData
+
+from benchmarks.common import demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.sampling_params import SamplingParams
+
+_NUMBER = re.compile(r"[._]\d+$")
+
+
+def _stats(event) -> dict:
+    return {k: v for k, v in event.stats}
+
+
+def op_kind(text: str) -> str:
+    """An op's kind: its name without the number. A TPU trace names an op by its whole HLO
+    instruction (`%fusion.106 = bf16[8,4096]... fusion(...)`), CPU by the name alone."""
+    name = text[1:text.index(" = ")] if text.startswith("%") and " = " in text else text
+    return _NUMBER.sub("", name)
+
+
+def _leaves(events: list) -> list:
+    """The events of one line that enclose no other (a while loop's event holds its body's ops)."""
+    events = sorted(events, key=lambda e: (e.start_ns, -e.end_ns))
+    return [e for i, e in enumerate(events) if i + 1 == len(events) or events[i + 1].start_ns >= e.end_ns]
+
+
+def op_events(profile: ProfileData) -> list[dict]:
+    """Every leaf XLA op execution in the trace: {program, kind, name, ns}. The program is the
+    device's "XLA Modules" event the op ran within (its name carries the program id) on an
+    accelerator, the op's module and program id on CPU."""
+    out = []
+    for plane in profile.planes:
+        on_device = plane.name.startswith("/device:")
+        lines = {line.name: list(line.events) for line in plane.lines}
+        modules = sorted(lines.get("XLA Modules", []), key=lambda e: e.start_ns)
+        for line_name, line_events in lines.items():
+            if on_device and line_name != "XLA Ops":
+                continue
+            ops = [(e, _stats(e)) for e in line_events]
+            ops = [(e, s) for e, s in ops if on_device or "hlo_op" in s]
+            leaves = {id(e) for e in _leaves([e for e, _ in ops])}
+            m = 0
+            for event, stats in sorted(ops, key=lambda es: es[0].start_ns):
+                if id(event) not in leaves:
+                    continue
+                if on_device:
+                    while m + 1 < len(modules) and modules[m].end_ns <= event.start_ns:
+                        m += 1
+                    program = modules[m].name if modules else "?"
+                else:
+                    program = f"{stats.get('hlo_module', '?')}({stats.get('program_id', '?')})"
+                text = str(stats.get("hlo_op", event.name))
+                out.append({"program": program, "kind": op_kind(text), "text": text, "ns": float(event.duration_ns),
+                            "start": event.start_ns, "end": event.end_ns})
+    return out
+
+
+def step_programs(events: list[dict], part: str) -> list[dict]:
+    """The events of the programs named for `part` ("decode": the forward, `jit_decode` from
+    the engine's stored programs, `jit__decode_impl` traced; "sample": the sampler)."""
+    return [e for e in events if part in e["program"].split("(")[0]]
+
+
+def breakdown(events: list[dict], steps: int):
+    """(busy ns per step, [(op kind, op ns per step)], the same per op) of the decode forward's
+    programs over `steps` decode steps."""
+    forward = step_programs(events, "decode")
+    if not forward:
+        raise SystemExit(f"no decode program among {sorted({e['program'] for e in events})}")
+    return busy_ns(forward) / steps, per_step(forward, "kind", steps), per_step(forward, "text", steps)
+
+
+def busy_ns(events: list[dict]) -> float:
+    """The time some op of `events` ran: the union of their intervals (a CPU runs a program's
+    ops on several threads at once, so their durations add up past the wall time)."""
+    total, reach = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e["start"]):
+        if e["end"] > reach:
+            total += e["end"] - max(e["start"], reach)
+            reach = e["end"]
+    return total
+
+
+def per_step(events: list[dict], field: str, n: int) -> list[tuple[str, float]]:
+    """[(events' `field`, ns per execution)], most first."""
+    total: collections.Counter = collections.Counter()
+    for e in events:
+        total[e[field]] += e["ns"]
+    return sorted(((k, ns / n) for k, ns in total.items()), key=lambda kv: -kv[1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--large", action="store_true", help="8 layers of Llama-3-8B widths, bfloat16")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default 8, or 2 without --large)")
+    parser.add_argument("--adapters", type=int, default=0, help="distinct rank-16 adapters in the batch of 8")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", default=None, help="keep the trace and a JSON summary here")
+    args = parser.parse_args(argv)
+    batch, rank = 8, 16
+    if args.large:
+        shape = dict(hidden=4096, layers=args.layers or 8, heads=32, kv_heads=8, intermediate=14336)
+        dtype = "bfloat16"
+    else:
+        shape = dict(hidden=256, layers=args.layers or 2, heads=4, kv_heads=2, intermediate=512)
+        dtype = "float32"
+    tokenizer = demo_tokenizer()
+    model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
+    config = EngineConfig(max_batch=batch, max_seq_len=64 + args.new_tokens, max_lora_rank=rank,
+                          max_loras_per_batch=batch if args.adapters else 0)
+    prompt = [3 + (i % 50) for i in range(32)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    engine = synthetic_engine(model_config, config, tokenizer)
+    out_dir = args.out or tempfile.mkdtemp(prefix="step-profile-")
+    with tempfile.TemporaryDirectory() as tmp:
+        names = [None] * batch
+        if args.adapters:
+            for i in range(args.adapters):
+                path = write_random_adapter(f"{tmp}/a{i}", model_config, r=rank, alpha=2 * rank, seed=i)
+                engine.lora_manager.register(f"a{i}", str(path))
+            names = [f"a{i % args.adapters}" for i in range(batch)]
+        engine.start()
+        try:
+            engine.generate_batch([prompt] * batch, params, names)  # warm: adapters resident
+            before = dict(engine.counters)
+            trace_dir = os.path.join(out_dir, "trace")
+            with jax.profiler.trace(trace_dir):
+                engine.generate_batch([prompt] * batch, params, names)
+            steps = engine.counters["decode_steps"] - before["decode_steps"]
+            step_s = (engine.counters["decode_seconds"] - before["decode_seconds"]) / steps
+        finally:
+            engine.shutdown()
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    if not files:
+        raise SystemExit(f"no trace written under {trace_dir}")
+    profile = ProfileData.from_file(files[-1])
+    events = op_events(profile)
+    if not events:
+        raise SystemExit(f"the trace {files[-1]} holds no XLA op events")
+    device_ns, kinds, ops = breakdown(events, steps)
+    sampler_ns = busy_ns(step_programs(events, "sample")) / steps
+    op_ns = sum(ns for _, ns in kinds)  # past device_ns where ops ran on several threads at once
+    rows = [(kind, f"{ns / 1e3:.1f}", f"{ns / op_ns:.3f}") for kind, ns in kinds[: args.top]]
+    rest = sum(ns for _, ns in kinds[args.top:])
+    if rest:
+        rows.append((f"({len(kinds) - args.top} more)", f"{rest / 1e3:.1f}", f"{rest / op_ns:.3f}"))
+    print(f"device={jax.devices()[0].platform} model={shape} dtype={dtype} batch={batch} adapters={args.adapters} "
+          f"decode steps={steps}; the forward's ops, per step (the sampler's program: {sampler_ns / 1e3:.1f} us)")
+    print_table(["op", "us per step", "share"], rows)
+    result = {"step_ms": 1e3 * step_s, "device_ms": device_ns / 1e6, "device_share": device_ns / 1e9 / step_s,
+              "top_op": kinds[0][0], "top_op_share": kinds[0][1] / op_ns}
+    with open(os.path.join(out_dir, "step_profile.json"), "w") as f:
+        json.dump({**result, "sampler_ms": sampler_ns / 1e6, "steps": steps, "shape": shape,
+                   "kinds_us": {k: ns / 1e3 for k, ns in kinds},
+                   "ops_us": {k: ns / 1e3 for k, ns in ops[:60]}}, f, indent=1, default=str)
+    print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    return result
+
+
+if __name__ == "__main__":
+    main()

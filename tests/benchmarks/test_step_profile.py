@@ -1,0 +1,45 @@
+"""The decode-step profile at a tiny setting, and how it reads a trace's op events."""
+
+import re
+from types import SimpleNamespace
+
+from benchmarks import step_profile
+
+
+def test_it_profiles_a_tiny_engines_decode_step(tmp_path, capsys):
+    step_profile.main(["--new-tokens", "6", "--out", str(tmp_path)])
+    out = capsys.readouterr().out.strip().splitlines()
+    values = dict(re.findall(r"(\w+)=(\S+)", out[-1]))
+    assert set(values) == {"step_ms", "device_ms", "device_share", "top_op", "top_op_share"}
+    # The forward's own op time fits in the step that waits for it; the ops it lists are leaves,
+    # so a loop's event and its body's ops are not both counted.
+    assert float(values["step_ms"]) > 0 and 0 < float(values["device_share"]) <= 1.05
+    assert 0 < float(values["top_op_share"]) <= 1
+    assert "decode steps=" in out[0] and "the sampler's program" in out[0]
+    assert (tmp_path / "step_profile.json").is_file()
+
+
+def test_op_kind_reads_tpu_and_cpu_names():
+    tpu = "%fusion.106 = bf16[8,4096]{1,0:T(8,128)(2,1)S(1)} fusion(bf16[8,4096] %x), kind=kOutput"
+    assert step_profile.op_kind(tpu) == "fusion"
+    assert step_profile.op_kind("%slice-done.15 = bf16[2,8] async-done(%slice-start.15)") == "slice-done"
+    assert step_profile.op_kind("dynamic-slice_bitcast_fusion.3") == "dynamic-slice_bitcast_fusion"
+    assert step_profile.op_kind("kv_write") == "kv_write"
+
+
+def test_enclosing_events_are_not_counted():
+    ev = lambda s, e: SimpleNamespace(start_ns=s, end_ns=e)  # noqa: E731
+    loop, a, b, after = ev(0, 100), ev(10, 40), ev(50, 90), ev(100, 120)
+    assert step_profile._leaves([after, b, loop, a]) == [a, b, after]
+
+
+def test_the_forward_is_the_decode_programs_busy_time_per_step():
+    ev = lambda program, kind, start, end: {"program": program, "kind": kind, "text": kind, "ns": float(end - start),  # noqa: E731
+                                            "start": start, "end": end}
+    # Two steps; in each the forward runs two ops at once on two threads, then one alone.
+    events = [ev("jit_decode(7)", "dot", 0, 100), ev("jit_decode(7)", "dot", 0, 100), ev("jit_decode(7)", "add", 100, 110),
+              ev("jit_decode(7)", "dot", 500, 600), ev("jit_decode(7)", "dot", 500, 600), ev("jit_decode(7)", "add", 600, 610),
+              ev("jit_sample(8)", "sort", 110, 150), ev("jit__prefill_impl(3)", "dot", 200, 400)]
+    busy, kinds, ops = step_profile.breakdown(events, steps=2)
+    assert busy == 110.0 and kinds == [("dot", 200.0), ("add", 10.0)]
+    assert step_profile.busy_ns(step_profile.step_programs(events, "sample")) == 40.0
