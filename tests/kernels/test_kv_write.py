@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from kernels.common import sublane_rows
-from kernels.paged_attention.write import CHUNK_BUDGET, MAX_CHUNK, chunk_tokens, tpu_write_pages, write_pages
+from kernels.paged_attention.write import (
+    CHUNK_BUDGET, MAX_CHUNK, chunk_tokens, tpu_write_pages, write_kv_pages, write_pages,
+)
 
 
 def _case(seed, dtype, heads=2, blocks=6, bs=16, d=128):
@@ -95,3 +97,30 @@ def test_tpu_lowering_many_heads_float32():
     args = (sds((32, 1024, 16, 128), jnp.float32), sds((100, 32, 128), jnp.float32), sds((100,), jnp.int32))
     text = jax.jit(lambda p, n, s: tpu_write_pages(p, n, s)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 1
+
+
+def test_k_and_v_in_one_kernel():
+    """The model's write: K and V at the same slots through one kernel, as two XLA scatters would."""
+    k_pages, rng = _case(4, jnp.bfloat16, blocks=8, bs=16)
+    v_pages = k_pages[::-1] * 2
+    slots = jnp.asarray([7, 8, 9, 40, 41, 200, 100], jnp.int32)  # 200 is past the cache: dropped
+    k, v = (jnp.asarray(rng.standard_normal((7, 2, 128)), jnp.bfloat16) for _ in range(2))
+    want = write_kv_pages(k_pages, v_pages, k, v, slots, platform="xla")
+    got = jax.jit(lambda *a: write_kv_pages(*a, platform="tpu", interpret=True))(k_pages, v_pages, k, v, slots)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert not np.array_equal(np.asarray(got[0], np.float32), np.asarray(got[1], np.float32))
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+def test_tpu_lowering_k_and_v(kv_heads):
+    """One kernel for K and V, each cache aliased to its output, at Llama-3-8B's per-device kv
+    heads under tensor parallelism of 1, 4 and 8."""
+    sds = jax.ShapeDtypeStruct
+    pages = sds((kv_heads, 32 * 512, 128, 128), jnp.bfloat16)
+    new = sds((64, kv_heads, 128), jnp.bfloat16)
+    lowered = jax.jit(lambda *a: write_kv_pages(*a, platform="tpu"), donate_argnums=(0, 1)).trace(
+        pages, pages, new, new, sds((64,), jnp.int32)).lower(lowering_platforms=("tpu",))
+    text = lowered.as_text()
+    assert text.count("tpu_custom_call") == 1
+    assert text.count("tf.aliasing_output") == 2  # both caches donated into the outputs
