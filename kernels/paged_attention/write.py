@@ -7,9 +7,9 @@
        chunk's tokens on one sub-block (a prefill's run of positions) form a run. A grid step
        starts the fetch of every run's sub-block into VMEM at once and waits for them, sets
        each token's row, then starts every write-back at once and waits: the DMAs overlap,
-       where one grid step per token paid each fetch and write-back in turn (about 2 us a
-       token on TPU v5e). A scatter on the TPU updates its indices one at a time, which
-       costs more still (benchmarks/kv_write.py measures both).
+       where one grid step per token paid each fetch and write-back in turn. K and V go
+       through one kernel. A scatter on the TPU updates its indices one at a time, which
+       costs more (benchmarks/kv_write.py times both on the device).
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ def _write_kernel(sub_ref, lead_ref, row_ref, *refs, chunk: int, caches: int):
     wait(True)
 
 
-# VMEM a chunk's sub-blocks may take: a bfloat16 token of 8 kv heads holds a 32 KiB sub-block,
-# so 64 tokens (a decode batch) take 2 MiB, well under the 16 MiB Mosaic allows a kernel.
+# VMEM a chunk's sub-blocks may take: a bfloat16 token of 8 kv heads holds a 32 KiB sub-block
+# of K and one of V, so 64 tokens (a decode batch) take 4 MiB, under the 16 MiB Mosaic allows a
+# kernel.
 CHUNK_BUDGET = 4 << 20
 MAX_CHUNK = 64
 
@@ -184,18 +185,21 @@ def write_pages(pages, new, slots, *, platform: str = "xla", interpret: bool = F
     """Writes each token's row of `new` at its slot of `pages` (see the module docstring). On
     "tpu" a block size that is not whole sublane tiles (the TPU default of 128 is) takes the
     XLA scatter."""
-    if platform not in WRITE_PLATFORMS:
-        raise ValueError(f"{platform=} is not one of {WRITE_PLATFORMS}")
-    if platform == "tpu" and pages.shape[2] % sublane_rows(pages.dtype) == 0:
+    if _mosaic(pages, platform):
         return tpu_write_pages(pages, new, slots, interpret=interpret)
     return xla_write_pages(pages, new, slots)
+
+
+def _mosaic(pages: jax.Array, platform: str) -> bool:
+    """Whether `platform` writes `pages` through the Mosaic kernel."""
+    if platform not in WRITE_PLATFORMS:
+        raise ValueError(f"{platform=} is not one of {WRITE_PLATFORMS}")
+    return platform == "tpu" and pages.shape[2] % sublane_rows(pages.dtype) == 0
 
 
 def write_kv_pages(k_pages, v_pages, k, v, slots, *, platform: str = "xla",
                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """write_pages of K and V at the same slots; on "tpu" one kernel writes both."""
-    if platform not in WRITE_PLATFORMS:
-        raise ValueError(f"{platform=} is not one of {WRITE_PLATFORMS}")
-    if platform == "tpu" and k_pages.shape[2] % sublane_rows(k_pages.dtype) == 0:
+    if _mosaic(k_pages, platform):
         return tpu_write_caches((k_pages, v_pages), (k, v), slots, interpret=interpret)
     return xla_write_pages(k_pages, k, slots), xla_write_pages(v_pages, v, slots)
