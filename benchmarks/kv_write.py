@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, fn in writes:
             # The same writes from the same cache give the same cache (checked on the first layer's rows).
             pair = name.startswith("mosaic K and V")
-            cache = (lambda: (jnp.tile(start, (1, LAYERS, 1)),) * 2) if pair else (lambda: jnp.tile(start, (1, LAYERS, 1)))
-            out = jax.tree.leaves(jax.jit(fn)(cache(), x, slots))
+            cache = jnp.tile(start, (1, LAYERS, 1))
+            out = jax.tree.leaves(jax.jit(fn)((cache, cache) if pair else cache, x, slots))
             out = [o[:, : slots_total // LAYERS] for o in out]
             want = out[0] if want is None else want
             same = all(bool(jnp.array_equal(o, want)) for o in out)

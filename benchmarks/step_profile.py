@@ -56,9 +56,9 @@ def _leaves(events: list) -> list:
 
 
 def op_events(profile: ProfileData) -> list[dict]:
-    """Every leaf XLA op execution in the trace: {program, kind, name, ns}. The program is the
-    device's "XLA Modules" event the op ran within (its name carries the program id) on an
-    accelerator, the op's module and program id on CPU."""
+    """Every leaf XLA op execution in the trace: {program, kind, text, ns, start, end}. The
+    program is the device's "XLA Modules" event the op ran within (its name carries the program
+    id) on an accelerator, the op's module and program id on CPU."""
     out = []
     for plane in profile.planes:
         on_device = plane.name.startswith("/device:")

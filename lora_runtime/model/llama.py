@@ -153,7 +153,8 @@ class Attention(nnx.Module):
         # The projections stay [T, out] rows: folded into the reshape to heads, XLA's TPU
         # layouts wanted each layer's q/k/v kernel transposed, and copied it (sliced out of the
         # layer stack, then relaid) on every step, about 1 ms of a 5.4 ms 8-layer Llama-3-8B
-        # decode step on TPU v5e (benchmarks/step_profile.py). Relaying [T, out] costs nothing.
+        # decode step on TPU v5e (benchmarks/step_profile.py). Laying out the small [T, out]
+        # rows anew costs next to nothing.
         q, k, v = jax.lax.optimization_barrier((q, k, v))
         q = q.reshape(t, c.num_heads, c.head_dim)
         k = k.reshape(t, c.num_kv_heads, c.head_dim)

@@ -34,11 +34,13 @@ def test_enclosing_events_are_not_counted():
 
 
 def test_the_forward_is_the_decode_programs_busy_time_per_step():
-    ev = lambda program, kind, start, end: {"program": program, "kind": kind, "text": kind, "ns": float(end - start),  # noqa: E731
-                                            "start": start, "end": end}
+    def ev(program, kind, start, end):
+        return {"program": program, "kind": kind, "text": kind, "ns": float(end - start), "start": start, "end": end}
+
     # Two steps; in each the forward runs two ops at once on two threads, then one alone.
-    events = [ev("jit_decode(7)", "dot", 0, 100), ev("jit_decode(7)", "dot", 0, 100), ev("jit_decode(7)", "add", 100, 110),
-              ev("jit_decode(7)", "dot", 500, 600), ev("jit_decode(7)", "dot", 500, 600), ev("jit_decode(7)", "add", 600, 610),
+    step = "jit_decode(7)"
+    events = [ev(step, "dot", 0, 100), ev(step, "dot", 0, 100), ev(step, "add", 100, 110),
+              ev(step, "dot", 500, 600), ev(step, "dot", 500, 600), ev(step, "add", 600, 610),
               ev("jit_sample(8)", "sort", 110, 150), ev("jit__prefill_impl(3)", "dot", 200, 400)]
     busy, kinds, ops = step_profile.breakdown(events, steps=2)
     assert busy == 110.0 and kinds == [("dot", 200.0), ("add", 10.0)]
