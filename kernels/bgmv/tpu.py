@@ -2,15 +2,16 @@
 
 Tokens are sorted by slot inside the jit and laid out in blocks of `tm` rows that share
 one slot (kernels.common tile layout; a block's unused rows are zero). The block -> slot
-map is scalar-prefetched (PrefetchScalarGridSpec) and indexes the weight BlockSpec, so
-consecutive blocks of one slot reuse the weight block already in VMEM: each distinct
-adapter's A is read once (K is kept whole, see tuned_block_sizes) and its B once per
-output column block. Blocks past the real count map onto the last
-real block, so they cost neither a DMA nor a matmul. The pool is stacked over layers;
-the layer index is scalar-prefetched too, so a layer is read in place, never sliced out.
+map is scalar-prefetched. The pool stays in HBM, stacked over layers: the kernels DMA the
+block of the scalar-prefetched layer and each tile's slot themselves (kernels.slot_stream),
+double-buffered, once for a run of tiles of one slot, so each distinct adapter's A is read
+once (K whole) and its B once per output column pass. Blocks past the real count map onto
+the last real block and do nothing.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.common import TileMetadata, mxu_dot
+from kernels.slot_stream import HBM, SlotStream, fetch_plan, scratch
 
 
 def interpret_params(interpret: bool):
@@ -52,16 +54,19 @@ def effective_tiles(meta: TileMetadata) -> jax.Array:  # i32[G]
     return jnp.minimum(g, jnp.maximum(meta.num_tiles - 1, 0))
 
 
-def _shrink_kernel(slot_ref, eff_ref, layer_ref, x_ref, a_ref, o_ref):
-    g, k = pl.program_id(0), pl.program_id(1)
+def _shrink_kernel(slot_ref, eff_ref, new_ref, idx_ref, cnt_ref, layer_ref, x_ref, a_hbm, o_ref, buf, sem,
+                   *, steps):
+    g = pl.program_id(0)
+    stream = SlotStream(a_hbm, buf, sem, layer_ref, slot_ref, new_ref, idx_ref, cnt_ref, steps)
 
-    @pl.when(eff_ref[g] == g)
+    @pl.when(stream.active(g))
     def _():
-        @pl.when(k == 0)
-        def _():
-            o_ref[...] = jnp.zeros_like(o_ref)
+        a = stream.block(0, g)
+        o_ref[...] = mxu_dot(x_ref[...], a[...], (((1,), (1,)), ((), ())))
 
-        o_ref[...] += mxu_dot(x_ref[...], a_ref[...], (((1,), (1,)), ((), ())))
+    @pl.when((cnt_ref[0] == 0) & (g == 0))
+    def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
 
 
 def shrink(
@@ -74,36 +79,45 @@ def shrink(
     bk: int,
     interpret: bool = False,
 ) -> jax.Array:  # f32[G*tm, n*R] unscaled
-    """Per-block x @ A[slot]ᵀ, K tiled by bk."""
+    """Per-block x @ A[slot]ᵀ, K whole (`bk` is not used: a block's A rows are one DMA)."""
+    del bk
     rows, in_features = x_pad.shape
     nr = a.shape[2]
-    bk = lane_block(in_features, bk)
-    grid = (meta.grid_tiles, in_features // bk)
+    steps = meta.grid_tiles
+    new, index, counts = fetch_plan(meta.tile_slot, meta.num_tiles)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=grid,
+        num_scalar_prefetch=6,
+        grid=(steps,),
         in_specs=[
-            pl.BlockSpec((tm, bk), lambda g, k, slot, eff, lyr: (eff[g], k)),
-            pl.BlockSpec((None, None, nr, bk), lambda g, k, slot, eff, lyr: (lyr[0], slot[g], 0, k)),
+            pl.BlockSpec((tm, in_features), lambda g, slot, eff, *_: (eff[g], 0)),
+            pl.BlockSpec(memory_space=HBM),
         ],
-        out_specs=pl.BlockSpec((tm, nr), lambda g, k, slot, eff, lyr: (eff[g], 0)),
+        out_specs=pl.BlockSpec((tm, nr), lambda g, slot, eff, *_: (eff[g], 0)),
+        scratch_shapes=scratch(nr, in_features, a.dtype),
     )
     return pl.pallas_call(
-        _shrink_kernel,
+        functools.partial(_shrink_kernel, steps=steps),
         grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((rows, nr), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret_params(interpret),
         name="lora_shrink_blocks",
-    )(meta.tile_slot, effective_tiles(meta), layer, x_pad, a)
+    )(meta.tile_slot, effective_tiles(meta), new, index, counts, layer, x_pad, a)
 
 
-def _expand_kernel(slot_ref, eff_ref, layer_ref, v_ref, b_ref, o_ref):
-    g = pl.program_id(1)
+def _expand_kernel(slot_ref, eff_ref, new_ref, idx_ref, cnt_ref, layer_ref, v_ref, b_hbm, o_ref, buf, sem,
+                   *, steps, passes):
+    j, g = pl.program_id(0), pl.program_id(1)
+    stream = SlotStream(b_hbm, buf, sem, layer_ref, slot_ref, new_ref, idx_ref, cnt_ref, steps, passes)
 
-    @pl.when(eff_ref[g] == g)
+    @pl.when(stream.active(g))
     def _():
-        o_ref[...] = mxu_dot(v_ref[...].astype(b_ref.dtype), b_ref[...], (((1,), (0,)), ((), ())))
+        b = stream.block(j, g)
+        o_ref[...] = mxu_dot(v_ref[...].astype(b.dtype), b[...], (((1,), (0,)), ((), ())))
+
+    @pl.when((cnt_ref[0] == 0) & (g == 0))
+    def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
 
 
 def expand(
@@ -116,27 +130,31 @@ def expand(
     bn: int,
     interpret: bool = False,
 ) -> jax.Array:  # f32[G*tm, out] delta in tile layout
-    """Per-block v @ B[slot]; grid (out tiles, blocks) so one slot's B block is read once."""
+    """Per-block v @ B[slot]; grid (out blocks, tiles), so with one out block (bn covers
+    the width) each slot's B is read once."""
     rows, rank = v_pad.shape
     out_features = b.shape[3]
     bn = lane_block(out_features, bn)
+    steps, passes = meta.grid_tiles, out_features // bn
+    new, index, counts = fetch_plan(meta.tile_slot, meta.num_tiles)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(out_features // bn, meta.grid_tiles),
+        num_scalar_prefetch=6,
+        grid=(passes, steps),
         in_specs=[
-            pl.BlockSpec((tm, rank), lambda j, g, slot, eff, lyr: (eff[g], 0)),
-            pl.BlockSpec((None, None, rank, bn), lambda j, g, slot, eff, lyr: (lyr[0], slot[g], 0, j)),
+            pl.BlockSpec((tm, rank), lambda j, g, slot, eff, *_: (eff[g], 0)),
+            pl.BlockSpec(memory_space=HBM),
         ],
-        out_specs=pl.BlockSpec((tm, bn), lambda j, g, slot, eff, lyr: (eff[g], j)),
+        out_specs=pl.BlockSpec((tm, bn), lambda j, g, slot, eff, *_: (eff[g], j)),
+        scratch_shapes=scratch(rank, bn, b.dtype),
     )
     return pl.pallas_call(
-        _expand_kernel,
+        functools.partial(_expand_kernel, steps=steps, passes=passes),
         grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((rows, out_features), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret_params(interpret),
         name="lora_expand_blocks",
-    )(meta.tile_slot, effective_tiles(meta), layer, v_pad, b)
+    )(meta.tile_slot, effective_tiles(meta), new, index, counts, layer, v_pad, b)
 
 
 def scale_rows(

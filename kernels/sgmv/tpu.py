@@ -3,7 +3,8 @@
 x is sorted by slot (one copy, rounded up to whole tiles; no per-segment padding). The
 visit -> (tile, slot, row range) tables are scalar-prefetched and index the BlockSpecs.
 A tile's first visit zeroes its output block; each visit writes only its segment's rows.
-The pool is stacked over layers; the layer index is scalar-prefetched (read in place).
+The pool stays in HBM, stacked over layers: the kernels DMA each visit's slot block of the
+scalar-prefetched layer themselves (kernels.slot_stream), once for a run of one slot's visits.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels.bgmv.tpu import interpret_params, lane_block
 from kernels.common import mxu_dot
 from kernels.sgmv.metadata import GroupMetadata
+from kernels.slot_stream import HBM, SlotStream, fetch_plan, scratch
 
 _NT = (((1,), (1,)), ((), ()))
 _NN = (((1,), (0,)), ((), ()))
@@ -44,25 +46,26 @@ def _first_visit(v, tile_ref):
     return (v == 0) | (tile_ref[jnp.maximum(v - 1, 0)] != tile_ref[v])
 
 
-def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, layer_ref, x_ref, a_ref, o_ref, acc_ref, *, tm, nk):
-    v, k = pl.program_id(0), pl.program_id(1)
+def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, new_ref, idx_ref, cnt_ref, layer_ref, x_ref, a_hbm, o_ref,
+                   buf, sem, *, tm, steps):
+    v = pl.program_id(0)
+    stream = SlotStream(a_hbm, buf, sem, layer_ref, slot_ref, new_ref, idx_ref, cnt_ref, steps)
 
-    @pl.when(k == 0)
+    @pl.when(_first_visit(v, tile_ref))
     def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        o_ref[...] = jnp.zeros_like(o_ref)
 
-    @pl.when(lo_ref[v] < hi_ref[v])
+    @pl.when(stream.active(v))
     def _():
-        acc_ref[...] += mxu_dot(x_ref[...], a_ref[...], _NT)
-
-    @pl.when(k == nk - 1)
-    def _():
-        @pl.when(_first_visit(v, tile_ref))
-        def _():
-            o_ref[...] = jnp.zeros_like(o_ref)
-
+        a = stream.block(0, v)
+        d = mxu_dot(x_ref[...], a[...], _NT)
         mask = _row_mask(v, tile_ref, lo_ref, hi_ref, tm, o_ref.shape[1])
-        o_ref[...] = jnp.where(mask, acc_ref[...], o_ref[...])
+        o_ref[...] = jnp.where(mask, d, o_ref[...])
+
+
+def _prefetch(meta: GroupMetadata, layer: jax.Array) -> tuple[jax.Array, ...]:
+    new, index, counts = fetch_plan(meta.visit_slot, meta.num_visits)
+    return meta.visit_tile, meta.visit_slot, meta.visit_lo, meta.visit_hi, new, index, counts, layer
 
 
 def shrink(
@@ -75,41 +78,45 @@ def shrink(
     bk: int,
     interpret: bool = False,
 ) -> jax.Array:  # f32[Tp, n*R] unscaled, sorted rows; no-adapter rows zero
-    """Grouped x @ A[slot]ᵀ over visits, K tiled by bk."""
+    """Grouped x @ A[slot]ᵀ over visits, K whole (`bk` is not used: a visit's A rows are one
+    DMA from the pool in HBM, kernels.slot_stream)."""
+    del bk
     rows, in_features = x_sorted.shape
     nr = a.shape[2]
-    bk = lane_block(in_features, bk)
-    nk = in_features // bk
+    steps = meta.grid_visits
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
-        grid=(meta.grid_visits, nk),
+        num_scalar_prefetch=8,
+        grid=(steps,),
         in_specs=[
-            pl.BlockSpec((tm, bk), lambda v, k, tile, slot, lo, hi, lyr: (tile[v], k)),
-            pl.BlockSpec((None, None, nr, bk), lambda v, k, tile, slot, lo, hi, lyr: (lyr[0], slot[v], 0, k)),
+            pl.BlockSpec((tm, in_features), lambda v, tile, *_: (tile[v], 0)),
+            pl.BlockSpec(memory_space=HBM),
         ],
-        out_specs=pl.BlockSpec((tm, nr), lambda v, k, tile, slot, lo, hi, lyr: (tile[v], 0)),
-        scratch_shapes=[pltpu.VMEM((tm, nr), jnp.float32)],
+        out_specs=pl.BlockSpec((tm, nr), lambda v, tile, *_: (tile[v], 0)),
+        scratch_shapes=scratch(nr, in_features, a.dtype),
     )
     return pl.pallas_call(
-        functools.partial(_shrink_kernel, tm=tm, nk=nk),
+        functools.partial(_shrink_kernel, tm=tm, steps=steps),
         grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((rows, nr), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret_params(interpret),
         name="lora_sgmv_shrink",
-    )(meta.visit_tile, meta.visit_slot, meta.visit_lo, meta.visit_hi, layer, x_sorted, a)
+    )(*_prefetch(meta, layer), x_sorted, a)
 
 
-def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, layer_ref, v_ref, b_ref, o_ref, *, tm):
-    v = pl.program_id(1)
+def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, new_ref, idx_ref, cnt_ref, layer_ref, v_ref, b_hbm, o_ref,
+                   buf, sem, *, tm, steps, passes):
+    j, v = pl.program_id(0), pl.program_id(1)
+    stream = SlotStream(b_hbm, buf, sem, layer_ref, slot_ref, new_ref, idx_ref, cnt_ref, steps, passes)
 
     @pl.when(_first_visit(v, tile_ref))
     def _():
         o_ref[...] = jnp.zeros_like(o_ref)
 
-    @pl.when(lo_ref[v] < hi_ref[v])
+    @pl.when(stream.active(v))
     def _():
-        d = mxu_dot(v_ref[...].astype(b_ref.dtype), b_ref[...], _NN)
+        b = stream.block(j, v)
+        d = mxu_dot(v_ref[...].astype(b.dtype), b[...], _NN)
         mask = _row_mask(v, tile_ref, lo_ref, hi_ref, tm, o_ref.shape[1])
         o_ref[...] = jnp.where(mask, d, o_ref[...])
 
@@ -124,24 +131,26 @@ def expand(
     bn: int,
     interpret: bool = False,
 ) -> jax.Array:  # f32[Tp, out] delta in sorted rows
-    """Grouped v @ B[slot]; grid (out tiles, visits)."""
+    """Grouped v @ B[slot]; grid (out blocks, visits)."""
     rows, rank = v_sorted.shape
     out_features = b.shape[3]
     bn = lane_block(out_features, bn)
+    steps, passes = meta.grid_visits, out_features // bn
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
-        grid=(out_features // bn, meta.grid_visits),
+        num_scalar_prefetch=8,
+        grid=(passes, steps),
         in_specs=[
-            pl.BlockSpec((tm, rank), lambda j, v, tile, slot, lo, hi, lyr: (tile[v], 0)),
-            pl.BlockSpec((None, None, rank, bn), lambda j, v, tile, slot, lo, hi, lyr: (lyr[0], slot[v], 0, j)),
+            pl.BlockSpec((tm, rank), lambda j, v, tile, *_: (tile[v], 0)),
+            pl.BlockSpec(memory_space=HBM),
         ],
-        out_specs=pl.BlockSpec((tm, bn), lambda j, v, tile, slot, lo, hi, lyr: (tile[v], j)),
+        out_specs=pl.BlockSpec((tm, bn), lambda j, v, tile, *_: (tile[v], j)),
+        scratch_shapes=scratch(rank, bn, b.dtype),
     )
     return pl.pallas_call(
-        functools.partial(_expand_kernel, tm=tm),
+        functools.partial(_expand_kernel, tm=tm, steps=steps, passes=passes),
         grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((rows, out_features), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret_params(interpret),
         name="lora_sgmv_expand",
-    )(meta.visit_tile, meta.visit_slot, meta.visit_lo, meta.visit_hi, layer, v_sorted, b)
+    )(*_prefetch(meta, layer), v_sorted, b)

@@ -171,3 +171,19 @@ def test_gpu_single_launch_matches_naive_loop(num_tokens, num_slots, rank, n, dt
     for g, w in zip(got, want):
         assert g.dtype == dtype
         assert_close(g, w, dtype)
+
+
+@pytest.mark.parametrize("slots", [
+    [1, 1, 0, 2, 1, 1, 1, 0, 0, 2, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],  # one slot over several tiles
+    [2] * 21,  # one slot: a single fetch a column pass
+])
+def test_tpu_kernel_streams_weights_over_column_passes(slots):
+    """The Mosaic kernels fetch each step's adapter block from the pool in HBM themselves:
+    a 384-wide slice in 128-column passes, runs of one slot sharing a fetch, double buffers
+    alternating across passes."""
+    d = make_inputs(len(slots), 3, 8, (384, 128), IN, F32, seed=9, slots=slots)
+    got = bgmv(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"], d["ranks"],
+               platform="tpu", interpret=True, block=BlockSizes(tm=8, bk=128, bn=128))
+    want = naive_lora(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"])
+    for g, w in zip(got, want):
+        assert_close(g, w, F32)

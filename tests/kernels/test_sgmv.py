@@ -88,3 +88,16 @@ def test_segments_bounded_by_sequences(platform):
 def test_more_distinct_slots_than_segments_is_refused():
     with pytest.raises(ValueError, match="3 distinct slots, more than num_segments=2"):
         build_batch_info(np.array([0, 1, 2]), np.ones(4, np.float32), np.full(4, 8, np.int32), max_segments=2)
+
+
+def test_tpu_kernels_stream_weights_over_column_passes():
+    """The Mosaic SGMV kernels fetch each visit's adapter block from the pool in HBM: a
+    384-wide slice in 128-column passes; a run of one slot's visits (17 tokens over three
+    8-row tiles) shares a fetch; tiles visited by two slots."""
+    slots = np.array([2] + [0] * 17 + [1] * 3 + [-1] * 4)[np.random.default_rng(3).permutation(25)]
+    d = make_inputs(25, 3, 8, (384, 128), IN, F32, seed=4, slots=slots)
+    order, starts, seg_slots = segments(d)
+    got = sgmv(d["x"], d["a"], d["b"], d["base"], d["slots"], order, starts, seg_slots, d["scalings"], d["ranks"],
+               platform="tpu", interpret=True, block=BlockSizes(tm=8, bk=128, bn=128))
+    for g, w in zip(got, naive_lora(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"])):
+        assert_close(g, w, F32)
