@@ -1,11 +1,11 @@
 """The TPU LoRA kernels' own DMAs of adapter weights out of a pool left in HBM.
 
 A pool operand given to a Mosaic kernel through a BlockSpec may be placed anywhere by XLA,
-and XLA stages a pool that fits into the chip's faster memory before every call: on TPU v5e
-an 8-layer decode step spent 880 us a step waiting on those copies, each of the whole stacked
-pool (every layer and slot) inside the layer loop. So the kernels take the pool in HBM
-(`memory_space=HBM`) and fetch only the blocks their grid steps use, double-buffered: the
-next block's DMA starts before this step's matmul.
+and XLA stages a pool that fits into the chip's faster memory before every call: on TPU v5e an 8-layer decode
+step spent 880 us a step waiting on those copies, each of the whole stacked pool (every layer
+and slot, sliced in four and concatenated) inside the layer loop. So the kernels take the pool
+constrained to HBM (`in_hbm`) and fetch only the blocks their grid steps use,
+double-buffered: the next block's DMA starts before this step's matmul.
 
 A kernel's grid walks `passes` column passes (outer) of `G` steps (inner). Step g of the
 first `n` uses the pool block of slot `step_slot[g]`; steps g >= n do nothing. Consecutive
@@ -36,6 +36,16 @@ def fetch_plan(
     index = jnp.cumsum(new.astype(jnp.int32)) - 1
     counts = jnp.stack([num_steps.astype(jnp.int32), jnp.sum(new, dtype=jnp.int32)])
     return new.astype(jnp.int32), index.astype(jnp.int32), counts
+
+
+def in_hbm(pool: jax.Array) -> jax.Array:
+    """The pool as a kernel operand that XLA must leave in HBM (the operand's memory space
+    travels in the custom call's config; a BlockSpec's memory space alone does not reach XLA).
+    Only under a trace: the constraint cannot run eagerly, and an eager kernel call is a program
+    of its own, with no layer loop to stage the pool in."""
+    if not isinstance(pool, jax.core.Tracer):
+        return pool
+    return pltpu.with_memory_space_constraint(pool, HBM)
 
 
 def scratch(rows: int, cols: int, dtype) -> list:

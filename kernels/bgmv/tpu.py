@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.common import TileMetadata, mxu_dot
-from kernels.slot_stream import HBM, SlotStream, fetch_plan, scratch
+from kernels.slot_stream import HBM, SlotStream, fetch_plan, in_hbm, scratch
 
 
 def interpret_params(interpret: bool):
@@ -102,7 +102,7 @@ def shrink(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret_params(interpret),
         name="lora_shrink_blocks",
-    )(meta.tile_slot, effective_tiles(meta), new, index, counts, layer, x_pad, a)
+    )(meta.tile_slot, effective_tiles(meta), new, index, counts, layer, x_pad, in_hbm(a))
 
 
 def _expand_kernel(slot_ref, eff_ref, new_ref, idx_ref, cnt_ref, layer_ref, v_ref, b_hbm, o_ref, buf, sem,
@@ -154,7 +154,7 @@ def expand(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret_params(interpret),
         name="lora_expand_blocks",
-    )(meta.tile_slot, effective_tiles(meta), new, index, counts, layer, v_pad, b)
+    )(meta.tile_slot, effective_tiles(meta), new, index, counts, layer, v_pad, in_hbm(b))
 
 
 def scale_rows(

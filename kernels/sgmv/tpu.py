@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels.bgmv.tpu import interpret_params, lane_block
 from kernels.common import mxu_dot
 from kernels.sgmv.metadata import GroupMetadata
-from kernels.slot_stream import HBM, SlotStream, fetch_plan, scratch
+from kernels.slot_stream import HBM, SlotStream, fetch_plan, in_hbm, scratch
 
 _NT = (((1,), (1,)), ((), ()))
 _NN = (((1,), (0,)), ((), ()))
@@ -101,7 +101,7 @@ def shrink(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret_params(interpret),
         name="lora_sgmv_shrink",
-    )(*_prefetch(meta, layer), x_sorted, a)
+    )(*_prefetch(meta, layer), x_sorted, in_hbm(a))
 
 
 def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, new_ref, idx_ref, cnt_ref, layer_ref, v_ref, b_hbm, o_ref,
@@ -153,4 +153,4 @@ def expand(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret_params(interpret),
         name="lora_sgmv_expand",
-    )(*_prefetch(meta, layer), v_sorted, b)
+    )(*_prefetch(meta, layer), v_sorted, in_hbm(b))

@@ -106,6 +106,12 @@ def test_stacked_pool_lowering_real_shapes(platform, tp):
     per_layer = re.findall(rf"-> tensor<{NUM_SLOTS}x\d+x\d+xbf16>", text)
     assert not per_layer, per_layer[:3]
     assert re.search(rf"tensor<32x{NUM_SLOTS}x\d+x\d+xbf16>", text)
+    if platform == "tpu":
+        # ... and stays in HBM: each Mosaic kernel tells XLA its last operand, the pool, may
+        # not be staged into faster memory (XLA copied whole stacked pools there every layer).
+        for t in (text, lower_sgmv("llama3_8b", tp, layers=32)):
+            colors = re.findall(r'input_memory_space_colors\\22: \[\{\\22operand_index\\22:(\d+),\\22color\\22:0\}\]', t)
+            assert len(colors) == 4 + 7, t.count("input_memory_space_colors")
 
 
 def test_gpu_single_launch_lowering_real_shapes():
