@@ -44,9 +44,9 @@ def gpu_block_sizes(num_tokens: int, in_features: int, *, prefill: bool) -> Bloc
     return BlockSizes(tm=tm, bk=bk, bn=1024, num_splits=splits, num_warps=4, num_stages=2)
 
 
-# The TPU shrink keeps K whole (a rank-16 slice of in=14336 is 458 KB of VMEM): with one
-# K step per tile, consecutive tiles of one slot keep the same A block, so Mosaic skips
-# its DMA and each distinct adapter is read once.
+# The TPU shrink keeps K whole (a rank-16 slice of in=14336 is 458 KB of VMEM): one DMA
+# of an adapter's A rows serves a run of tiles of its slot (kernels.slot_stream), so each
+# distinct adapter is read once. The TPU kernels do not read `bk`.
 TPU_WHOLE_K = 1 << 16
 
 
@@ -54,8 +54,8 @@ def tpu_block_sizes(dtype, *, prefill: bool) -> BlockSizes:
     """Mosaic sizes: one sublane tile of tokens (more for prefill), whole K, wide out blocks.
 
     The TPU v5e sweep of benchmarks/device_check.py (T=64, S=64, H=O=4096, r=16, bf16, 16
-    stacked layers; benchmarks/results/2026-12-06-tpu-v5e.md) put tm=16, whole K and
-    bn=4096 first at 136 us/layer, ahead of bn=1024 (172), a K block of 1024 (185-223) and
-    tm=32 (167-263): fewer, wider expand steps, each reading a longer B row."""
+    stacked layers; benchmarks/results/2026-12-06-tpu-v5e-lora-pool.md, the kernels fetching
+    their own blocks) put tm=16 and bn=4096 first at 136 us/layer, ahead of bn=1024 (179) and
+    tm=32 (171-214): fewer, wider expand steps, each reading a longer B row."""
     sub = 16 if jnp.dtype(dtype).itemsize < 4 else 8
     return BlockSizes(tm=sub * (8 if prefill else 1), bk=TPU_WHOLE_K, bn=4096)
