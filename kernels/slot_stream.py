@@ -38,6 +38,21 @@ def fetch_plan(
     return new.astype(jnp.int32), index.astype(jnp.int32), counts
 
 
+# Mosaic's default scoped VMEM on TPU v5e (later chips allow more): a kernel whose buffers
+# need more asks for it, so that wide adapters (rank 128 of a 14336-wide down_proj in a
+# prefill: 15 MiB of buffers) still compile.
+DEFAULT_SCOPED_VMEM = 16 << 20
+VMEM_HEADROOM = 4 << 20  # Mosaic's internal scratch and a step's temporaries
+
+
+def compiler_params(dimension_semantics: tuple[str, ...], buffer_bytes: int) -> pltpu.CompilerParams:
+    """The kernel's Mosaic parameters, with a VMEM limit when its buffers (`buffer_bytes`:
+    every double buffer, pipelined or its own) and the headroom pass the default."""
+    need = buffer_bytes + VMEM_HEADROOM
+    return pltpu.CompilerParams(dimension_semantics=dimension_semantics,
+                                vmem_limit_bytes=need if need > DEFAULT_SCOPED_VMEM else None)
+
+
 def in_hbm(pool: jax.Array) -> jax.Array:
     """The pool as a kernel operand that XLA must leave in HBM (the operand's memory space
     travels in the custom call's config; a BlockSpec's memory space alone does not reach XLA).

@@ -110,7 +110,8 @@ def test_stacked_pool_lowering_real_shapes(platform, tp):
         # ... and stays in HBM: each Mosaic kernel tells XLA its last operand, the pool, may
         # not be staged into faster memory (XLA copied whole stacked pools there every layer).
         for t in (text, lower_sgmv("llama3_8b", tp, layers=32)):
-            colors = re.findall(r'input_memory_space_colors\\22: \[\{\\22operand_index\\22:(\d+),\\22color\\22:0\}\]', t)
+            colors = re.findall(
+                r'input_memory_space_colors\\22: \[\{\\22operand_index\\22:(\d+),\\22color\\22:0\}\]', t)
             assert len(colors) == 4 + 7, t.count("input_memory_space_colors")
 
 
@@ -151,3 +152,30 @@ def test_lm_head_adapter_lowering_real_shapes(platform, model, tp):
 
     assert jax.jit(prefill).trace(x, a, b, logits, *seg).lower(lowering_platforms=("tpu",)).as_text().count(
         "tpu_custom_call") == 2
+
+
+def scoped_vmem(text: str) -> list[int]:
+    """The VMEM limits the Mosaic kernels of a lowering ask for (none: Mosaic's default)."""
+    return [int(n) for n in re.findall(r'scoped_memory_configs\\22: \[\{\\22memory_space\\22:1, \\22offset\\22: 0, '
+                                       r'\\22size\\22: (\d+)\}\]', text)]
+
+
+def test_wide_adapters_ask_for_the_vmem_their_buffers_take():
+    """A rank-128 prefill of Llama-3-8B's down_proj double-buffers a 128 x 14336 x block and
+    128 rows of A (15 MiB): past Mosaic's default scoped VMEM, so the shrink asks for its
+    buffers and headroom; a rank-16 decode stays on the default."""
+    from kernels.slot_stream import DEFAULT_SCOPED_VMEM, VMEM_HEADROOM
+
+    t, in_f, rank = 512, 14336, 128
+    x, a, b, base = sds((t, in_f), bf16), sds((2, 4, rank, in_f), bf16), (sds((2, 4, rank, 4096), bf16),), (
+        sds((t, 4096), bf16),)
+    meta = (sds((t,), i32), sds((t,), i32), sds((5,), i32), sds((4,), i32), sds((4,), f32), sds((4,), i32))
+
+    def prefill(x, a, b, base, *m):
+        return sgmv(x, a, b, base, *m, layer=1, platform="tpu")
+
+    limits = scoped_vmem(jax.jit(prefill).trace(x, a, b, base, *meta).lower(lowering_platforms=("tpu",)).as_text())
+    tm = 128
+    shrink = 2 * (rank * in_f * 2 + tm * in_f * 2 + tm * rank * 4) + VMEM_HEADROOM
+    assert limits == [shrink] and shrink > DEFAULT_SCOPED_VMEM
+    assert scoped_vmem(lower_bgmv("llama3_8b", 1, "tpu", layers=32)) == []
