@@ -12,8 +12,10 @@ out for its body's) are grouped by the program they ran in, named by the engine'
 table gives each op kind's time per step (the op's name without its number) and its share,
 and the last line its busy time per step (the union of its ops' intervals: a CPU runs ops on
 several threads at once) against the engine's own decode-step wall time (`decode_seconds`:
-dispatch, the device, the sampler, the sampled tokens' copy back). What neither covers is
-the host's.
+dispatch, the device, the sampler, the sampled tokens' copy back). A second table splits the
+engine thread's decode step by the calls the profiler's Python tracer saw: building the
+inputs, launching the forward, the host work done while it runs, launching the sampler,
+waiting for the tokens, and the rest (settling them).
 
 Last line: `step_ms=<f> device_ms=<f> device_share=<f> top_op=<name> top_op_share=<f>`.
 """
@@ -84,6 +86,52 @@ def op_events(profile: ProfileData) -> list[dict]:
                 out.append({"program": program, "kind": op_kind(text), "text": text, "ns": float(event.duration_ns),
                             "start": event.start_ns, "end": event.end_ns})
     return out
+
+
+# The engine thread's decode step as the profiler's Python tracer names its calls
+# (`$engine.py:847 _decode`): the parts a step's host time splits into, by function.
+ENGINE_THREAD = "engine-loop"
+HOST_PARTS = {
+    "_paged_inputs": "build the step's inputs",
+    "op_forward": "launch the forward",
+    "while_forward": "host work while it runs (text, masks)",
+    "op_sample": "launch the sampler",
+    "get": "wait for the tokens (device, copy back)",
+}
+OTHER_PART = "settle the tokens, the rest"
+
+
+def _function(name: str) -> str:
+    return name.rsplit(" ", 1)[-1]
+
+
+def host_parts(profile: ProfileData) -> tuple[int, dict[str, float]]:
+    """(decode steps, {part: ns per step}) of the engine thread's decode steps, from the Python
+    tracer's events: each `_decode` call split by the outermost calls of HOST_PARTS inside it,
+    the rest under OTHER_PART. (0, {}) when the trace has no such thread."""
+    events = []
+    for plane in profile.planes:
+        for line in plane.lines:
+            if line.name == ENGINE_THREAD:
+                events += [(e.start_ns, e.end_ns, _function(e.name)) for e in line.events]
+    return split_steps(events)
+
+
+def split_steps(events: list[tuple[int, int, str]]) -> tuple[int, dict[str, float]]:
+    """host_parts over (start, end, function) events of one thread."""
+    events = sorted(events, key=lambda e: (e[0], -e[1]))
+    steps = [e for e in events if e[2] == "_decode"]
+    total: collections.Counter = collections.Counter()
+    for start, end, _ in steps:
+        reach, counted = start, 0
+        for s, e, fn in events:
+            if s < reach or e > end or fn not in HOST_PARTS:
+                continue  # before this step, inside a part already counted, after it, or no part
+            total[HOST_PARTS[fn]] += e - s
+            counted += e - s
+            reach = e
+        total[OTHER_PART] += (end - start) - counted
+    return len(steps), ({k: v / len(steps) for k, v in total.items()} if steps else {})
 
 
 def step_programs(events: list[dict], part: str) -> list[dict]:
@@ -179,11 +227,19 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"device={jax.devices()[0].platform} model={shape} dtype={dtype} batch={batch} adapters={args.adapters} "
           f"decode steps={steps}; the forward's ops, per step (the sampler's program: {sampler_ns / 1e3:.1f} us)")
     print_table(["op", "us per step", "share"], rows)
+    host_steps, host = host_parts(profile)
+    if host:
+        print(f"the engine thread's side of a decode step ({host_steps} steps, from the Python tracer, which "
+              f"slows the host: read it for shares)")
+        host_ns = sum(host.values())
+        print_table(["part", "us per step", "share"],
+                    [(part, f"{ns / 1e3:.1f}", f"{ns / host_ns:.3f}") for part, ns in host.items()])
     result = {"step_ms": 1e3 * step_s, "device_ms": device_ns / 1e6, "device_share": device_ns / 1e9 / step_s,
               "top_op": kinds[0][0], "top_op_share": kinds[0][1] / op_ns}
     with open(os.path.join(out_dir, "step_profile.json"), "w") as f:
         json.dump({**result, "sampler_ms": sampler_ns / 1e6, "steps": steps, "shape": shape,
                    "kinds_us": {k: ns / 1e3 for k, ns in kinds},
+                   "host_us": {k: ns / 1e3 for k, ns in host.items()},
                    "ops_us": {k: ns / 1e3 for k, ns in ops[:60]}}, f, indent=1, default=str)
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     return result

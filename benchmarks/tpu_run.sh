@@ -75,7 +75,7 @@ for mode in "${@:-check}"; do
     profile)
       for adapters in 0 8; do
         timeout 150 python3 -m benchmarks.step_profile --large --adapters $adapters --out "$OUT/step_profile_$adapters" \
-          2>&1 | tee "$OUT/step_profile_$adapters.log" | grep -v Warn | tail -17
+          2>&1 | tee "$OUT/step_profile_$adapters.log" | grep -v Warn | tail -26
       done ;;
     load)
       timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \

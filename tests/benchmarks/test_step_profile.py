@@ -1,5 +1,6 @@
 """The decode-step profile at a tiny setting, and how it reads a trace's op events."""
 
+import json
 import re
 from types import SimpleNamespace
 
@@ -16,7 +17,22 @@ def test_it_profiles_a_tiny_engines_decode_step(tmp_path, capsys):
     assert float(values["step_ms"]) > 0 and 0 < float(values["device_share"]) <= 1.05
     assert 0 < float(values["top_op_share"]) <= 1
     assert "decode steps=" in out[0] and "the sampler's program" in out[0]
-    assert (tmp_path / "step_profile.json").is_file()
+    summary = json.loads((tmp_path / "step_profile.json").read_text())
+    # The engine thread's side of the steps, from the Python tracer: every part of a step seen.
+    assert set(summary["host_us"]) == {*step_profile.HOST_PARTS.values(), step_profile.OTHER_PART}
+    assert summary["host_us"]["wait for the tokens (device, copy back)"] > 0
+
+
+def test_a_decode_step_splits_by_its_outermost_parts():
+    events = [(0, 100, "_decode"), (0, 10, "_paged_inputs"), (12, 30, "dispatch_decode"), (12, 15, "op_forward"),
+              (13, 14, "call"), (15, 25, "while_forward"), (25, 30, "op_sample"), (30, 80, "get"), (31, 79, "get"),
+              (150, 160, "get"),  # between steps: no part of either
+              (200, 300, "_decode"), (200, 220, "_paged_inputs"), (230, 290, "get")]
+    steps, parts = step_profile.split_steps(events)
+    names = dict(zip(["inputs", "forward", "work", "sampler", "wait"], step_profile.HOST_PARTS.values()))
+    assert steps == 2
+    assert parts == {names["inputs"]: 15.0, names["forward"]: 1.5, names["work"]: 5.0, names["sampler"]: 2.5,
+                     names["wait"]: 55.0, step_profile.OTHER_PART: 21.0}
 
 
 def test_op_kind_reads_tpu_and_cpu_names():
