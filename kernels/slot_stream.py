@@ -1,9 +1,9 @@
 """The TPU LoRA kernels' own DMAs of adapter weights out of a pool left in HBM.
 
 A pool operand given to a Mosaic kernel through a BlockSpec may be placed anywhere by XLA,
-and XLA stages a pool that fits into the chip's faster memory before every call: on TPU v5e an 8-layer decode
-step spent 880 us a step waiting on those copies, each of the whole stacked pool (every layer
-and slot, sliced in four and concatenated) inside the layer loop. So the kernels take the pool
+and XLA stages a pool that fits into the chip's faster memory before every call: on TPU v5e
+an 8-layer decode step spent 880 us a step waiting on those copies, each of the whole stacked
+pool (every layer and slot, sliced in four and concatenated) inside the layer loop. So the kernels take the pool
 constrained to HBM (`in_hbm`) and fetch only the blocks their grid steps use,
 double-buffered: the next block's DMA starts before this step's matmul.
 
@@ -45,12 +45,27 @@ DEFAULT_SCOPED_VMEM = 16 << 20
 VMEM_HEADROOM = 4 << 20  # Mosaic's internal scratch and a step's temporaries
 
 
-def compiler_params(dimension_semantics: tuple[str, ...], buffer_bytes: int) -> pltpu.CompilerParams:
-    """The kernel's Mosaic parameters, with a VMEM limit when its buffers (`buffer_bytes`:
-    every double buffer, pipelined or its own) and the headroom pass the default."""
+def _params(dimension_semantics: tuple[str, ...], buffer_bytes: int) -> pltpu.CompilerParams:
+    """Mosaic parameters, with a VMEM limit when the kernel's buffers (`buffer_bytes`: every
+    double buffer, pipelined or its own) and the headroom pass the default."""
     need = buffer_bytes + VMEM_HEADROOM
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics,
                                 vmem_limit_bytes=need if need > DEFAULT_SCOPED_VMEM else None)
+
+
+def shrink_params(tm: int, x: jax.Array, pool: jax.Array) -> pltpu.CompilerParams:
+    """A shrink's parameters (grid over tiles): x blocks [tm, in], the pool's [rows, in]
+    blocks, f32 output blocks [tm, rows]."""
+    rows, in_features = pool.shape[-2:]
+    return _params(("arbitrary",), 2 * (tm * in_features * x.dtype.itemsize
+                                        + rows * in_features * pool.dtype.itemsize + tm * rows * 4))
+
+
+def expand_params(tm: int, bn: int, pool: jax.Array) -> pltpu.CompilerParams:
+    """An expand's parameters (grid over column passes, then tiles): f32 v blocks [tm, R],
+    the pool's [R, bn] blocks, f32 output blocks [tm, bn]."""
+    rank = pool.shape[-2]
+    return _params(("arbitrary", "arbitrary"), 2 * (tm * rank * 4 + rank * bn * pool.dtype.itemsize + tm * bn * 4))
 
 
 def in_hbm(pool: jax.Array) -> jax.Array:

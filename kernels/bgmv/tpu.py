@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.common import TileMetadata, mxu_dot
-from kernels.slot_stream import HBM, SlotStream, compiler_params, fetch_plan, in_hbm, scratch
+from kernels.slot_stream import HBM, SlotStream, expand_params, fetch_plan, in_hbm, scratch, shrink_params
 
 
 def interpret_params(interpret: bool):
@@ -99,8 +99,7 @@ def shrink(
         functools.partial(_shrink_kernel, steps=steps),
         grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((rows, nr), jnp.float32),
-        compiler_params=compiler_params(("arbitrary",), 2 * (nr * in_features * a.dtype.itemsize
-                                                             + tm * in_features * x_pad.dtype.itemsize + tm * nr * 4)),
+        compiler_params=shrink_params(tm, x_pad, a),
         interpret=interpret_params(interpret),
         name="lora_shrink_blocks",
     )(meta.tile_slot, effective_tiles(meta), new, index, counts, layer, x_pad, in_hbm(a))
@@ -152,8 +151,7 @@ def expand(
         functools.partial(_expand_kernel, steps=steps, passes=passes),
         grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((rows, out_features), jnp.float32),
-        compiler_params=compiler_params(("arbitrary", "arbitrary"), 2 * (rank * bn * b.dtype.itemsize
-                                                                         + tm * rank * 4 + tm * bn * 4)),
+        compiler_params=expand_params(tm, bn, b),
         interpret=interpret_params(interpret),
         name="lora_expand_blocks",
     )(meta.tile_slot, effective_tiles(meta), new, index, counts, layer, v_pad, in_hbm(b))

@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels.bgmv.tpu import interpret_params, lane_block
 from kernels.common import mxu_dot
 from kernels.sgmv.metadata import GroupMetadata
-from kernels.slot_stream import HBM, SlotStream, compiler_params, fetch_plan, in_hbm, scratch
+from kernels.slot_stream import HBM, SlotStream, expand_params, fetch_plan, in_hbm, scratch, shrink_params
 
 _NT = (((1,), (1,)), ((), ()))
 _NN = (((1,), (0,)), ((), ()))
@@ -98,8 +98,7 @@ def shrink(
         functools.partial(_shrink_kernel, tm=tm, steps=steps),
         grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((rows, nr), jnp.float32),
-        compiler_params=compiler_params(("arbitrary",), 2 * (nr * in_features * a.dtype.itemsize + tm * nr * 4
-                                                             + tm * in_features * x_sorted.dtype.itemsize)),
+        compiler_params=shrink_params(tm, x_sorted, a),
         interpret=interpret_params(interpret),
         name="lora_sgmv_shrink",
     )(*_prefetch(meta, layer), x_sorted, in_hbm(a))
@@ -151,8 +150,7 @@ def expand(
         functools.partial(_expand_kernel, tm=tm, steps=steps, passes=passes),
         grid_spec=spec,
         out_shape=jax.ShapeDtypeStruct((rows, out_features), jnp.float32),
-        compiler_params=compiler_params(("arbitrary", "arbitrary"), 2 * (rank * bn * b.dtype.itemsize
-                                                                         + tm * rank * 4 + tm * bn * 4)),
+        compiler_params=expand_params(tm, bn, b),
         interpret=interpret_params(interpret),
         name="lora_sgmv_expand",
     )(*_prefetch(meta, layer), v_sorted, in_hbm(b))
