@@ -91,23 +91,26 @@ def op_events(profile: ProfileData) -> list[dict]:
 # The engine thread's decode step as the profiler's Python tracer names its calls
 # (`$engine.py:847 _decode`): the parts a step's host time splits into, by function.
 ENGINE_THREAD = "engine-loop"
+STEP_CALL = "engine.py _decode"
 HOST_PARTS = {
-    "_paged_inputs": "build the step's inputs",
-    "op_forward": "launch the forward",
-    "while_forward": "host work while it runs (text, masks)",
-    "op_sample": "launch the sampler",
-    "get": "wait for the tokens (device, copy back)",
+    "engine.py _paged_inputs": "build the step's inputs",
+    "runner.py op_forward": "launch the forward",
+    "engine.py while_forward": "host work while it runs (text, masks)",
+    "runner.py op_sample": "launch the sampler",
+    "runner.py get": "wait for the tokens (device, copy back)",
 }
 OTHER_PART = "settle the tokens, the rest"
 
 
 def _function(name: str) -> str:
-    return name.rsplit(" ", 1)[-1]
+    """A Python tracer event's file and function: `$runner.py:77 get` -> `runner.py get`."""
+    where, _, function = name.lstrip("$").partition(" ")
+    return f"{where.split(':')[0]} {function}"
 
 
 def host_parts(profile: ProfileData) -> tuple[int, dict[str, float]]:
     """(decode steps, {part: ns per step}) of the engine thread's decode steps, from the Python
-    tracer's events: each `_decode` call split by the outermost calls of HOST_PARTS inside it,
+    tracer's events: each engine `_decode` call split by the outermost calls of HOST_PARTS inside it,
     the rest under OTHER_PART. (0, {}) when the trace has no such thread."""
     events = []
     for plane in profile.planes:
@@ -118,9 +121,9 @@ def host_parts(profile: ProfileData) -> tuple[int, dict[str, float]]:
 
 
 def split_steps(events: list[tuple[int, int, str]]) -> tuple[int, dict[str, float]]:
-    """host_parts over (start, end, function) events of one thread."""
+    """host_parts over (start, end, "file function") events of one thread."""
     events = sorted(events, key=lambda e: (e[0], -e[1]))
-    steps = [e for e in events if e[2] == "_decode"]
+    steps = [e for e in events if e[2] == STEP_CALL]
     total: collections.Counter = collections.Counter()
     for start, end, _ in steps:
         reach, counted = start, 0

@@ -24,11 +24,16 @@ def test_it_profiles_a_tiny_engines_decode_step(tmp_path, capsys):
 
 
 def test_a_decode_step_splits_by_its_outermost_parts():
-    events = [(0, 100, "_decode"), (0, 10, "_paged_inputs"), (12, 30, "dispatch_decode"), (12, 15, "op_forward"),
-              (13, 14, "call"), (15, 25, "while_forward"), (25, 30, "op_sample"), (30, 80, "get"), (31, 79, "get"),
-              (150, 160, "get"),  # between steps: no part of either
-              (200, 300, "_decode"), (200, 220, "_paged_inputs"), (230, 290, "get")]
-    steps, parts = step_profile.split_steps(events)
+    events = [(0, 100, "$engine.py:847 _decode"), (0, 10, "$engine.py:756 _paged_inputs"),
+              (12, 30, "$runner.py:380 dispatch_decode"), (12, 15, "$runner.py:186 op_forward"),
+              (13, 14, "$program_store.py:106 call"), (15, 25, "$engine.py:857 while_forward"),
+              (25, 30, "$runner.py:204 op_sample"), (30, 80, "$runner.py:77 get"), (31, 79, "$runner.py:77 get"),
+              (85, 90, "$<unknown> get"),  # another `get`: not the wait for the tokens
+              (150, 160, "$runner.py:77 get"),  # between steps: no part of either
+              (200, 300, "$engine.py:847 _decode"), (200, 220, "$engine.py:756 _paged_inputs"),
+              (230, 290, "$runner.py:77 get")]
+    assert step_profile._function("$runner.py:77 get") == "runner.py get"
+    steps, parts = step_profile.split_steps([(s, e, step_profile._function(n)) for s, e, n in events])
     names = dict(zip(["inputs", "forward", "work", "sampler", "wait"], step_profile.HOST_PARTS.values()))
     assert steps == 2
     assert parts == {names["inputs"]: 15.0, names["forward"]: 1.5, names["work"]: 5.0, names["sampler"]: 2.5,
