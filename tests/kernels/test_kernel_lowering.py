@@ -179,3 +179,25 @@ def test_wide_adapters_ask_for_the_vmem_their_buffers_take():
     shrink = 2 * (rank * in_f * 2 + tm * in_f * 2 + tm * rank * 4) + VMEM_HEADROOM
     assert limits == [shrink] and shrink > DEFAULT_SCOPED_VMEM
     assert scoped_vmem(lower_bgmv("llama3_8b", 1, "tpu", layers=32)) == []
+
+
+@pytest.mark.parametrize("parallel,prefill", [("column", False), ("row", True)])
+def test_pool_constraint_lowers_inside_tensor_parallel_shard_map(parallel, prefill):
+    """Under tensor parallelism the kernels run inside shard_map on each device's shard of the
+    pool; the HBM constraint lowers there too, once per kernel."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from lora_runtime.lora.backend.kernel import KernelLoRABackend
+
+    backend = KernelLoRABackend(Mesh(np.array(jax.devices()[:4]), ("tensor",)), platform="tpu")
+    t, s, r, h, o = 16, 4, 16, 512, 1024
+    n = 2 if parallel == "column" else 1
+    in_f, out_f = (h, o) if parallel == "column" else (4096, h)
+    x, a = jnp.zeros((t, in_f), bf16), jnp.zeros((2, s, n * r, in_f), bf16)
+    b, base = (jnp.zeros((2, s, r, out_f), bf16),) * n, (jnp.zeros((t, out_f), bf16),) * n
+    info = backend.prepare_lora_batch(np.zeros(t, np.int32), np.ones(s, np.float32), np.full(s, r, np.int32))
+    step = jax.jit(lambda *args: backend.run_lora(*args, prefill=prefill, parallel=parallel, layer=1))
+    text = step.trace(x, a, b, base, info).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1 + n
+    assert text.count("input_memory_space_colors") == 1 + n
