@@ -45,7 +45,9 @@ from kernels import xla  # noqa: E402
 from kernels.bgmv import bgmv, bgmv_expand, bgmv_shrink  # noqa: E402
 from kernels.bgmv.ops import block_sizes  # noqa: E402
 from kernels.bgmv.tuned_block_sizes import BlockSizes  # noqa: E402
-from kernels.common import default_platform, gpu_lowering_target, tiles_from_slots  # noqa: E402
+from kernels.common import (  # noqa: E402
+    default_platform, gpu_lowering_target, segments_from_slots, tiles_from_slots,
+)
 from kernels.sgmv import sgmv  # noqa: E402
 from lora_runtime.lora.batch_info import build_batch_info  # noqa: E402
 
@@ -595,6 +597,21 @@ def stack_impls(run: Run, num_slots: int, rank: int, block: BlockSizes | None, w
             return lax.scan(body, x, (w, jnp.arange(w.shape[0], dtype=jnp.int32)))[0]
         return step
 
+    def visits(x, w, a, b, idx):
+        # TPU: the decode batch through the SGMV kernels' visits (segments sorted inside the
+        # jit, m-tiles of the decode tm shared by the slots whose tokens fall in them) rather
+        # than one padded tile per slot: a token alone on its adapter fills one row, not tm.
+        bs = block or block_sizes(run.platform, 64, 4096, jnp.bfloat16)
+        scal = jnp.ones((num_slots,), jnp.float32)
+        ranks = jnp.full((num_slots,), rank, jnp.int32)
+        order, starts, seg_slots = segments_from_slots(idx, num_slots)
+
+        def body(h, wl):
+            w_, layer = wl
+            return sgmv(h, a, (b,), (h @ w_,), idx, order, starts, seg_slots, scal, ranks, layer=layer,
+                        platform="tpu", interpret=run.interpret, block=bs)[0].astype(jnp.bfloat16), None
+        return lax.scan(body, x, (w, jnp.arange(w.shape[0], dtype=jnp.int32)))[0]
+
     impls = {
         "base": jax.jit(base_step),
         "onehot": jax.jit(formulation("onehot")),
@@ -602,6 +619,8 @@ def stack_impls(run: Run, num_slots: int, rank: int, block: BlockSizes | None, w
         "sorted": jax.jit(formulation("sorted")),
         "kernel": jax.jit(kernel(hoisted=True)),
     }
+    if run.platform == "tpu":
+        impls["visits"] = jax.jit(visits)
     if with_unhoisted:  # the slot sort inside every layer: does XLA hoist it out of the scan?
         impls["kernel_unhoisted"] = jax.jit(kernel(hoisted=False))
     return impls
@@ -653,7 +672,8 @@ def section_stack(run: Run) -> dict:
 
 def stack_line(row: dict) -> str:
     cols = " ".join(f"{n}={row.get(n + '_x', float('nan')):5.2f}x"
-                    for n in ("onehot", "gather", "sorted", "kernel", "kernel_unhoisted"))
+                    for n in ("onehot", "gather", "sorted", "kernel", "kernel_unhoisted", "visits")
+                    if n != "visits" or n + "_x" in row)
     return (f"S={row['S']:4d} T={row['T']:4d} D={row['distinct']:4d} roof={row['roofline_ratio']:.2f} "
             f"base={row.get('base_us', float('nan')):8.1f}us {cols}")
 

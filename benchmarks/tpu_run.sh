@@ -3,8 +3,9 @@
 # outputs go to $OUT (default ./.device_out). One call may run several modes in order:
 #   bash benchmarks/tpu_run.sh MODE [MODE ...]
 #   check        the Mosaic kernels against float64 / dense references, their block sweep, speed
-#                against the XLA formulations and the byte roofline (benchmarks/device_check.py;
-#                about 4 minutes)
+#                against the XLA formulations and the byte roofline, and decode batches through the
+#                SGMV kernels' visits against the one-slot tiles (`visits=` in the stack rows;
+#                benchmarks/device_check.py; about 4 minutes)
 #   correctness  only the kernels' and paged attention's correctness (under a minute)
 #   kv           the KV write and page read compiled for the chip (benchmarks/kv_write.py)
 #   engine       the engine on the demo model through the kernels and through XLA

@@ -24,3 +24,13 @@ def test_device_check_cpu_smoke(tmp_path):
         "bandwidth_fraction>=0.6 at T>=64", ">=3x faster than one-hot at S=64",
         "faster than gather at every shape", "stack ratio within 1.15x of roofline",
     }
+
+
+def test_tpu_stack_compares_decode_tiles_with_visits(tmp_path):
+    """On TPU the stack also runs a decode batch through the SGMV kernels' visits (a token alone
+    on its adapter fills one row of a shared m-tile instead of a whole tile of its own), with
+    the same result as the one-slot tiles."""
+    assert device_check.main(["--cpu-smoke", "--platform", "tpu", "--sections", "env,stack", "--budget-s", "200",
+                              "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "device_check.json").read_text())["sections"]["stack"]["rows"]
+    assert rows and all("visits_us" in r and r["visits_relerr"] < 1e-2 and "kernel_us" in r for r in rows)
