@@ -43,11 +43,9 @@ from jax import lax  # noqa: E402
 from benchmarks import lora_kernels as lk  # noqa: E402
 from kernels import xla  # noqa: E402
 from kernels.bgmv import bgmv, bgmv_expand, bgmv_shrink  # noqa: E402
-from kernels.bgmv.ops import block_sizes  # noqa: E402
+from kernels.bgmv.ops import bgmv_metadata, block_sizes  # noqa: E402
 from kernels.bgmv.tuned_block_sizes import BlockSizes  # noqa: E402
-from kernels.common import (  # noqa: E402
-    default_platform, gpu_lowering_target, segments_from_slots, tiles_from_slots,
-)
+from kernels.common import default_platform, gpu_lowering_target  # noqa: E402
 from kernels.sgmv import sgmv  # noqa: E402
 from lora_runtime.lora.batch_info import build_batch_info  # noqa: E402
 
@@ -131,7 +129,7 @@ def section_env(run: Run) -> dict:
         xs = jnp.arange(1024, dtype=jnp.float32)
         kw = dict(compiler_params=plgpu.CompilerParams(num_warps=4), interpret=run.interpret)
     else:
-        from kernels.bgmv.tpu import interpret_params
+        from kernels.sgmv.tpu import interpret_params
 
         xs = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
         kw = dict(interpret=interpret_params(run.interpret))
@@ -588,29 +586,14 @@ def stack_impls(run: Run, num_slots: int, rank: int, block: BlockSizes | None, w
             # that layer in place (a scan slice feeding a custom call would be copied).
             scal = jnp.ones((num_slots,), jnp.float32)
             ranks = jnp.full((num_slots,), rank, jnp.int32)
-            tiles = tiles_from_slots(idx, num_slots, bs.tm) if hoisted else None
+            meta = bgmv_metadata(idx, num_slots, block=bs, platform=run.platform) if hoisted else None
 
             def body(h, wl):
                 w_, layer = wl
                 return bgmv(h, a, (b,), (h @ w_,), idx, scal, ranks, layer=layer, platform=run.platform,
-                            interpret=run.interpret, block=bs, tiles=tiles)[0].astype(jnp.bfloat16), None
+                            interpret=run.interpret, block=bs, meta=meta)[0].astype(jnp.bfloat16), None
             return lax.scan(body, x, (w, jnp.arange(w.shape[0], dtype=jnp.int32)))[0]
         return step
-
-    def visits(x, w, a, b, idx):
-        # TPU: the decode batch through the SGMV kernels' visits (segments sorted inside the
-        # jit, m-tiles of the decode tm shared by the slots whose tokens fall in them) rather
-        # than one padded tile per slot: a token alone on its adapter fills one row, not tm.
-        bs = block or block_sizes(run.platform, 64, 4096, jnp.bfloat16)
-        scal = jnp.ones((num_slots,), jnp.float32)
-        ranks = jnp.full((num_slots,), rank, jnp.int32)
-        order, starts, seg_slots = segments_from_slots(idx, num_slots)
-
-        def body(h, wl):
-            w_, layer = wl
-            return sgmv(h, a, (b,), (h @ w_,), idx, order, starts, seg_slots, scal, ranks, layer=layer,
-                        platform="tpu", interpret=run.interpret, block=bs)[0].astype(jnp.bfloat16), None
-        return lax.scan(body, x, (w, jnp.arange(w.shape[0], dtype=jnp.int32)))[0]
 
     impls = {
         "base": jax.jit(base_step),
@@ -619,8 +602,6 @@ def stack_impls(run: Run, num_slots: int, rank: int, block: BlockSizes | None, w
         "sorted": jax.jit(formulation("sorted")),
         "kernel": jax.jit(kernel(hoisted=True)),
     }
-    if run.platform == "tpu":
-        impls["visits"] = jax.jit(visits)
     if with_unhoisted:  # the slot sort inside every layer: does XLA hoist it out of the scan?
         impls["kernel_unhoisted"] = jax.jit(kernel(hoisted=False))
     return impls
@@ -672,8 +653,7 @@ def section_stack(run: Run) -> dict:
 
 def stack_line(row: dict) -> str:
     cols = " ".join(f"{n}={row.get(n + '_x', float('nan')):5.2f}x"
-                    for n in ("onehot", "gather", "sorted", "kernel", "kernel_unhoisted", "visits")
-                    if n != "visits" or n + "_x" in row)
+                    for n in ("onehot", "gather", "sorted", "kernel", "kernel_unhoisted"))
     return (f"S={row['S']:4d} T={row['T']:4d} D={row['distinct']:4d} roof={row['roofline_ratio']:.2f} "
             f"base={row.get('base_us', float('nan')):8.1f}us {cols}")
 

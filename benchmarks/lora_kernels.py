@@ -27,9 +27,9 @@ from jax import lax
 
 from kernels import xla
 from kernels.bgmv import bgmv
-from kernels.bgmv.ops import block_sizes
+from kernels.bgmv.ops import bgmv_metadata, block_sizes
 from kernels.bgmv.tuned_block_sizes import BlockSizes
-from kernels.common import default_platform, tiles_from_slots
+from kernels.common import default_platform
 
 HEADLINE = dict(num_tokens=64, num_slots=64, hidden=4096, rank=16)
 
@@ -69,11 +69,11 @@ def lora_fn(name: str, platform: str, interpret: bool, shape: Shape, block: Bloc
         bs = block or block_sizes(platform, shape.num_tokens, shape.hidden, jnp.bfloat16)
 
         def prepare(slots):
-            return tiles_from_slots(slots, num_slots, bs.tm)
+            return bgmv_metadata(slots, num_slots, block=bs, platform=platform)
 
-        def kernel(x, a, b, layer, base, slots, scal, ranks, tiles):
+        def kernel(x, a, b, layer, base, slots, scal, ranks, meta):
             return bgmv(x, a, (b,), (base,), slots, scal, ranks, layer=layer, platform=platform,
-                        interpret=interpret, block=bs, tiles=tiles)[0]
+                        interpret=interpret, block=bs, meta=meta)[0]
         return prepare, kernel
 
     def formulation(x, a, b, layer, base, slots, scal, ranks, prep):

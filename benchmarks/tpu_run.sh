@@ -3,9 +3,8 @@
 # outputs go to $OUT (default ./.device_out). One call may run several modes in order:
 #   bash benchmarks/tpu_run.sh MODE [MODE ...]
 #   check        the Mosaic kernels against float64 / dense references, their block sweep, speed
-#                against the XLA formulations and the byte roofline, and decode batches through the
-#                SGMV kernels' visits against the one-slot tiles (`visits=` in the stack rows;
-#                benchmarks/device_check.py; about 4 minutes)
+#                against the XLA formulations and the byte roofline (32-layer stacks of decode
+#                batches; benchmarks/device_check.py; about 4 minutes)
 #   correctness  only the kernels' and paged attention's correctness (under a minute)
 #   kv           the KV write and page read compiled for the chip (benchmarks/kv_write.py)
 #   engine       the engine on the demo model through the kernels and through XLA
@@ -65,7 +64,7 @@ for mode in "${@:-check}"; do
           | tee "$OUT/multi_lora_$backend.log" | tail -16
       done ;;
     steps-pallas)
-      timeout 130 python3 -m benchmarks.multi_lora --quick --large --backend pallas 2>&1 \
+      timeout 200 python3 -m benchmarks.multi_lora --quick --large --backend pallas 2>&1 \
         | tee "$OUT/multi_lora_pallas.log" | tail -16 ;;
     starts)
       timeout 450 python3 -m benchmarks.engine_scale --start-only --layers 8 --dtype bfloat16 --widths 8b \

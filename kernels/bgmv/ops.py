@@ -2,7 +2,8 @@
 
 `bgmv` is the public op (fused shrink + expand); `bgmv_shrink` and `bgmv_expand` are its
 two halves for callers that need v in between. Platform dispatch: "gpu" Triton kernel,
-"tpu" Mosaic kernel, "cpu" the XLA formulation measured fastest there
+"tpu" the Mosaic kernels of kernels.sgmv.tpu (visits of shared m-tiles, see
+kernels.dispatch), "cpu" the XLA formulation measured fastest there
 (kernels.xla.CPU_FORMULATION; Pallas runs on CPU only in
 interpret mode: pass platform="gpu"/"tpu" with interpret=True to test a kernel there).
 
@@ -18,9 +19,8 @@ import jax
 from kernels import dispatch, xla
 from kernels.bgmv.tuned_block_sizes import BlockSizes, gpu_block_sizes, tpu_block_sizes
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
-from kernels.common import (
-    TileMetadata, default_platform, per_layer_aval, stacked_pool, tiles_from_slots,
-)
+from kernels.common import default_platform, per_layer_aval, stacked_pool
+from kernels.dispatch import LoRAMetadata
 
 
 def block_sizes(platform: str, num_tokens: int, in_features: int, dtype) -> BlockSizes:
@@ -32,6 +32,18 @@ def block_sizes(platform: str, num_tokens: int, in_features: int, dtype) -> Bloc
 
 def _resolve(platform: str | None) -> str:
     return default_platform() if platform is None else platform
+
+
+def bgmv_metadata(
+    token_slots: jax.Array,  # i32[T], -1 = no adapter
+    num_slots: int,
+    *,
+    block: BlockSizes,
+    platform: str | None = None,
+) -> LoRAMetadata:
+    """The slot-sorted metadata bgmv cuts on `platform` with `block` (GPU tiles, TPU visits),
+    for callers that apply many projections to one batch and sort it once (`bgmv(meta=)`)."""
+    return dispatch.metadata_from_slots(_resolve(platform), token_slots, num_slots, block.tm)
 
 
 def bgmv_shrink(
@@ -56,8 +68,8 @@ def bgmv_shrink(
         return xla.shrink(x, a, token_slots, slot_scalings,
                           xla.CPU_FORMULATION, layer=lyr)
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
-    meta = tiles_from_slots(token_slots, num_slots, bs.tm)
-    return dispatch.shrink_on_tiles(
+    meta = dispatch.metadata_from_slots(platform, token_slots, num_slots, bs.tm)
+    return dispatch.shrink(
         x, a, lyr, token_slots, slot_scalings, slot_ranks, meta,
         n_slices=n_slices, platform=platform, bs=bs, interpret=interpret,
     )
@@ -84,8 +96,8 @@ def bgmv_expand(
     if platform == "cpu":
         return xla.expand(v, b, base_outputs, token_slots, xla.CPU_FORMULATION, layer=lyr)
     bs = block or block_sizes(platform, v.shape[0], b[0].shape[3], b[0].dtype)
-    meta = tiles_from_slots(token_slots, num_slots, bs.tm)
-    return dispatch.expand_on_tiles(
+    meta = dispatch.metadata_from_slots(platform, token_slots, num_slots, bs.tm)
+    return dispatch.expand(
         v, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
     )
 
@@ -103,12 +115,12 @@ def bgmv(
     platform: str | None = None,
     interpret: bool = False,
     block: BlockSizes | None = None,
-    tiles: TileMetadata | None = None,
+    meta: LoRAMetadata | None = None,
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """y_i[t] = base_i[t] + scaling[s] * (x[t] @ A_i[s]ᵀ) @ B_i[s], s = slot[t] (fused).
 
-    `tiles`: the slot-sorted tiles, `tiles_from_slots(token_slots, S, block.tm)`, for
-    callers that apply many projections to one batch and sort it once (needs `block`).
+    `meta`: `bgmv_metadata(token_slots, S, block=block, platform=platform)`, for callers that
+    apply many projections to one batch and sort it once (needs `block`).
     """
     (a, *b), lyr = stacked_pool((a, *b), layer)
     b = tuple(b)
@@ -120,10 +132,12 @@ def bgmv(
     if platform == "cpu":
         return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings,
                         xla.CPU_FORMULATION, layer=lyr)
-    if tiles is not None and block is None:
-        raise ValueError("tiles were given without the block sizes they were cut with (block=None)")
+    if meta is not None and block is None:
+        raise ValueError("meta was given without the block sizes it was cut with (block=None)")
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
-    meta = tiles if tiles is not None else tiles_from_slots(token_slots, num_slots, bs.tm)
-    return dispatch.lora_on_tiles(
-        x, a, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
+    if meta is None:
+        meta = dispatch.metadata_from_slots(platform, token_slots, num_slots, bs.tm)
+    return dispatch.lora(
+        x, a, b, lyr, base_outputs, token_slots, slot_scalings, slot_ranks, meta,
+        platform=platform, bs=bs, interpret=interpret,
     )

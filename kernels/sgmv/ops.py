@@ -4,7 +4,7 @@
 
 Takes the host-computed segments of LoRABatchInfo (sorted_order, segment_starts,
 segment_slots). "tpu": megablox-style grouped kernels (kernels.sgmv.tpu); "gpu": the
-Triton tile kernels of kernels.bgmv.gpu on tiles cut from the segments; "cpu": the XLA
+Triton tile kernels of kernels.bgmv.gpu on tiles cut from the segments (kernels.dispatch); "cpu": the XLA
 formulation measured fastest there (kernels.xla.CPU_FORMULATION).
 A and B may be stacked over layers with `layer` saying which (as for bgmv).
 """
@@ -12,16 +12,11 @@ A and B may be stacked over layers with `layer` saying which (as for bgmv).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from kernels import dispatch, xla
 from kernels.bgmv.tuned_block_sizes import BlockSizes
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
-from kernels.common import (
-    default_platform, gather_tile_rows, per_layer_aval, stacked_pool, tiles_from_segments,
-)
-from kernels.sgmv import tpu
-from kernels.sgmv.metadata import group_metadata
+from kernels.common import default_platform, per_layer_aval, stacked_pool
 from kernels.sgmv.tuned_block_sizes import block_sizes
 from kernels.sgmv.validate import static_validate_segments
 
@@ -32,21 +27,6 @@ def _setup(platform, x_shape, a_or_b_dtype, in_features, block):
         raise ValueError(f"{platform=} is not one of ('cpu', 'gpu', 'tpu')")
     bs = None if platform == "cpu" else (block or block_sizes(platform, x_shape[0], in_features, a_or_b_dtype))
     return platform, bs
-
-
-def _sorted_scale(token_slots, slot_scalings, meta, rows):  # f32[rows] scaling of each sorted row
-    sorted_slots = token_slots[meta.order[jnp.minimum(jnp.arange(rows), token_slots.shape[0] - 1)]]
-    return jnp.where(sorted_slots >= 0, slot_scalings[jnp.maximum(sorted_slots, 0)], 0.0)
-
-
-def _tpu_expand(v_sorted, b, layer, base_outputs, meta, bs, interpret):
-    rank = b[0].shape[2]
-    outs = []
-    for i, (bi, yi) in enumerate(zip(b, base_outputs)):
-        d = tpu.expand(v_sorted[:, i * rank : (i + 1) * rank], bi, layer, meta, tm=bs.tm, bn=bs.bn,
-                       interpret=interpret)
-        outs.append((yi.astype(jnp.float32) + gather_tile_rows(d, meta.token_row)).astype(yi.dtype))
-    return tuple(outs)
 
 
 def sgmv_shrink(
@@ -74,16 +54,11 @@ def sgmv_shrink(
     if platform == "cpu":
         return xla.shrink(x, a, token_slots, slot_scalings,
                           xla.CPU_FORMULATION, segment_slots, layer=lyr)  # the segments list the distinct slots
-    if platform == "gpu":
-        meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
-        return dispatch.shrink_on_tiles(
-            x, a, lyr, token_slots, slot_scalings, slot_ranks, meta,
-            n_slices=n_slices, platform=platform, bs=bs, interpret=interpret,
-        )
-    meta = group_metadata(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
-    v = tpu.shrink(tpu.sorted_rows(x, meta, bs.tm), a, lyr, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
-    v = gather_tile_rows(v, meta.token_row)
-    return v * jnp.where(token_slots >= 0, slot_scalings[jnp.maximum(token_slots, 0)], 0.0)[:, None]
+    meta = dispatch.metadata(platform, sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
+    return dispatch.shrink(
+        x, a, lyr, token_slots, slot_scalings, slot_ranks, meta,
+        n_slices=n_slices, platform=platform, bs=bs, interpret=interpret,
+    )
 
 
 def sgmv_expand(
@@ -111,14 +86,10 @@ def sgmv_expand(
     if platform == "cpu":
         return xla.expand(v, b, base_outputs, token_slots,
                           xla.CPU_FORMULATION, segment_slots, layer=lyr)  # the segments list the distinct slots
-    if platform == "gpu":
-        meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
-        return dispatch.expand_on_tiles(
-            v, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
-        )
-    meta = group_metadata(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
-    v_sorted = tpu.sorted_rows(v.astype(jnp.float32), meta, bs.tm)
-    return _tpu_expand(v_sorted, b, lyr, base_outputs, meta, bs, interpret)
+    meta = dispatch.metadata(platform, sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
+    return dispatch.expand(
+        v, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
+    )
 
 
 def sgmv(
@@ -150,12 +121,8 @@ def sgmv(
     if platform == "cpu":
         return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings,
                         xla.CPU_FORMULATION, segment_slots, layer=lyr)  # the segments list the distinct slots
-    if platform == "gpu":
-        meta = tiles_from_segments(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
-        return dispatch.lora_on_tiles(
-            x, a, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
-        )
-    meta = group_metadata(sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
-    v = tpu.shrink(tpu.sorted_rows(x, meta, bs.tm), a, lyr, meta, tm=bs.tm, bk=bs.bk, interpret=interpret)
-    v = v * _sorted_scale(token_slots, slot_scalings, meta, v.shape[0])[:, None]
-    return _tpu_expand(v, b, lyr, base_outputs, meta, bs, interpret)
+    meta = dispatch.metadata(platform, sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
+    return dispatch.lora(
+        x, a, b, lyr, base_outputs, token_slots, slot_scalings, slot_ranks, meta,
+        platform=platform, bs=bs, interpret=interpret,
+    )

@@ -1,4 +1,7 @@
-"""TPU (Mosaic) SGMV shrink and expand: megablox-style visits over slot-sorted m-tiles.
+"""TPU (Mosaic) LoRA shrink and expand: megablox-style visits over slot-sorted m-tiles.
+
+Both ops run on these kernels on TPU: sgmv (prefill, tm of 128 rows) and bgmv (decode, tm of
+one sublane tile), see kernels.dispatch.
 
 x is sorted by slot (one copy, rounded up to whole tiles; no per-segment padding). The
 visit -> (tile, slot, row range) tables are scalar-prefetched and index the BlockSpecs.
@@ -16,13 +19,26 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.bgmv.tpu import interpret_params, lane_block
 from kernels.common import mxu_dot
 from kernels.sgmv.metadata import GroupMetadata
 from kernels.slot_stream import HBM, SlotStream, expand_params, fetch_plan, in_hbm, scratch, shrink_params
 
 _NT = (((1,), (1,)), ((), ()))
 _NN = (((1,), (0,)), ((), ()))
+
+
+def interpret_params(interpret: bool):
+    """TPU semantics on CPU when interpreting (Mosaic's tiling and DMA model)."""
+    return pltpu.InterpretParams() if interpret else False
+
+
+def lane_block(dim: int, preferred: int) -> int:
+    """Largest multiple of 128 dividing `dim`, at most `preferred`; else the full dim."""
+    best = 0
+    for cand in range(128, min(dim, preferred) + 1, 128):
+        if dim % cand == 0:
+            best = cand
+    return best or dim
 
 
 def sorted_rows(

@@ -26,11 +26,10 @@ def test_device_check_cpu_smoke(tmp_path):
     }
 
 
-def test_tpu_stack_compares_decode_tiles_with_visits(tmp_path):
-    """On TPU the stack also runs a decode batch through the SGMV kernels' visits (a token alone
-    on its adapter fills one row of a shared m-tile instead of a whole tile of its own), with
-    the same result as the one-slot tiles."""
+def test_tpu_stack_runs_decode_through_the_visits(tmp_path):
+    """On TPU the stack's kernel column is the decode batch through the Mosaic kernels' visits
+    of shared m-tiles (bgmv's TPU path), with the same result as the XLA formulations."""
     assert device_check.main(["--cpu-smoke", "--platform", "tpu", "--sections", "env,stack", "--budget-s", "200",
                               "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "device_check.json").read_text())["sections"]["stack"]["rows"]
-    assert rows and all("visits_us" in r and r["visits_relerr"] < 1e-2 and "kernel_us" in r for r in rows)
+    assert rows and all(r["kernel_relerr"] < 1e-2 and r["kernel_unhoisted_relerr"] < 1e-2 for r in rows)

@@ -93,6 +93,18 @@ def test_gpu_triton_lowering_real_shapes(model, tp):
     assert text.count("__gpu$xla.gpu.triton") == 8  # one shrink and one (all-slice) expand per group
 
 
+@pytest.mark.parametrize("num_tokens", [8, 64])
+def test_tpu_decode_kernels_write_one_row_per_token(num_tokens):
+    """On TPU a decode batch runs through the visits of shared m-tiles: every kernel's f32
+    output has a row per token (rounded up to whole 16-row tiles), not a padded 16-row tile
+    per distinct slot (64 tokens over 64 slots wrote 1024 rows of every 14336-wide
+    projection before)."""
+    text = lower_bgmv("llama3_8b", 1, "tpu", num_tokens=num_tokens, layers=32)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line and "tpu_custom_call" in line]
+    rows = {int(m.group(1)) for line in calls for m in [re.search(r"\) -> tensor<(\d+)x\d+xf32>", line)]}
+    assert len(calls) == 4 + 7 and rows == {-(-num_tokens // 16) * 16}, rows
+
+
 @pytest.mark.parametrize("platform,tp", [("tpu", 1), ("tpu", 8), ("gpu", 1)])
 def test_stacked_pool_lowering_real_shapes(platform, tp):
     """The engine's pool is stacked over 32 layers; a layer is read in place (no slice copy)."""
