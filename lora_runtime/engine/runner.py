@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.device_inputs import DeviceInputs
 from lora_runtime.engine.program_store import ProgramStore
 from lora_runtime.engine.sampling import SamplingBatch, apply_penalties, apply_token_mask, sample, step_logprobs
 from lora_runtime.lora.batch_info import LoRABatchInfo
@@ -136,6 +137,8 @@ class ModelRunner:
         self.mirror = None
         # The steps' programs, kept as exports under the compilation cache (program_store.py).
         self.programs = ProgramStore(program_dir, self._program_context())
+        # The steps' small host inputs, kept on the device while they repeat (device_inputs.py).
+        self.inputs = DeviceInputs(mesh)
 
     def _program_context(self) -> str:
         """What besides their arguments shapes the traced steps (ProgramStore's key)."""
@@ -193,7 +196,7 @@ class ModelRunner:
                 return
             step = self._prefill if kind == "prefill" else self._extend
             self._logits, self.kv_cache, self._last_hidden = self.programs.call(
-                kind, step, self._prefill_args(inputs, pool))
+                kind, step, self._prefill_args(kind, inputs, pool))
         self._last_head = _head_lora(inputs, pool)
 
     def op_idle_logits(self, rows: int) -> None:
@@ -208,7 +211,7 @@ class ModelRunner:
         logits, self._logits = self._logits, None
         with jax.set_mesh(self.mesh):
             tokens, logprobs, self.token_counts = self.programs.call(
-                "sample", self._sample, (logits, self.token_counts, self.prompt_seen, sampling, seq_rows, mask))
+                "sample", self._sample, self._sample_args(logits, sampling, seq_rows, mask))
         return PendingSample(tokens, logprobs, sampling.any_logprobs)
 
     def op_init_row(self, row: int, history: np.ndarray, prompt_len: int) -> None:
@@ -305,13 +308,23 @@ class ModelRunner:
         mask = host_work() if host_work is not None else None
         return self._op("sample", inputs.sampling, inputs.seq_rows, mask).get()
 
-    def _prefill_args(self, inputs: StepInputs, pool) -> tuple:
-        return (self.state, self.kv_cache, _pool_for(inputs, pool), inputs.tokens, inputs.positions, inputs.attn,
-                inputs.last_index, inputs.lora)
+    def _host_args(self, name: str, host: tuple, compiling: bool) -> tuple:
+        """A step's host inputs as its program takes them: the device copies DeviceInputs keeps
+        (sent when changed), or their specs when compiling it ahead of time."""
+        return self.inputs.specs(host) if compiling else self.inputs.put(name, host)
 
-    def _decode_args(self, inputs: StepInputs, pool) -> tuple:
-        return (self.state, self.kv_cache, _pool_for(inputs, pool), inputs.tokens, inputs.positions, inputs.attn,
-                inputs.lora)
+    def _prefill_args(self, kind: str, inputs: StepInputs, pool, compiling: bool = False) -> tuple:
+        host = (inputs.tokens, inputs.positions, inputs.attn, inputs.last_index, inputs.lora)
+        return (self.state, self.kv_cache, _pool_for(inputs, pool), *self._host_args(kind, host, compiling))
+
+    def _decode_args(self, inputs: StepInputs, pool, compiling: bool = False) -> tuple:
+        host = (inputs.tokens, inputs.positions, inputs.attn, inputs.lora)
+        return (self.state, self.kv_cache, _pool_for(inputs, pool), *self._host_args("decode", host, compiling))
+
+    def _sample_args(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray, mask: np.ndarray | None,
+                     compiling: bool = False) -> tuple:
+        host = self._host_args("sample", (sampling, seq_rows, mask), compiling)
+        return (logits, self.token_counts, self.prompt_seen, *host)
 
     # ---- ahead-of-time compilation (warm-up) ----------------------------------------------
     # Each compiles the step the matching call above would run on inputs of this shape, and
@@ -322,8 +335,8 @@ class ModelRunner:
         """Compiles the packed prefill of `inputs`' shape and, with `prompt_logprobs`, the
         prompt log-probabilities read from its hidden states (in the layout it leaves them)."""
         with jax.set_mesh(self.mesh):
-            shardings = self.programs.compile("prefill", self._prefill, self._prefill_args(inputs, pool),
-                                              donate=(1,))
+            shardings = self.programs.compile("prefill", self._prefill,
+                                              self._prefill_args("prefill", inputs, pool, compiling=True), donate=(1,))
             if prompt_logprobs:
                 t, h = inputs.tokens.shape[0], self.model_config.hidden_size
                 aval = jax.ShapeDtypeStruct((t, h), self.model_config.dtype, sharding=shardings[-1])
@@ -332,11 +345,13 @@ class ModelRunner:
 
     def compile_extend(self, inputs: StepInputs, pool) -> None:
         with jax.set_mesh(self.mesh):
-            self.programs.compile("extend", self._extend, self._prefill_args(inputs, pool), donate=(1,))
+            self.programs.compile("extend", self._extend, self._prefill_args("extend", inputs, pool, compiling=True),
+                                  donate=(1,))
 
     def compile_decode(self, inputs: StepInputs, pool) -> None:
         with jax.set_mesh(self.mesh):
-            self.programs.compile("decode", self._decode, self._decode_args(inputs, pool), donate=(1,))
+            self.programs.compile("decode", self._decode, self._decode_args(inputs, pool, compiling=True),
+                                  donate=(1,))
 
     def compile_sample(self, rows: int, *, masked: bool = False) -> None:
         """Compiles the sampler for steps that sample `rows` rows; `masked`: the variant for
@@ -345,9 +360,9 @@ class ModelRunner:
                                       sharding=NamedSharding(self.mesh, PartitionSpec()))
         mask = np.full((rows, self.mask_words), -1, np.int32) if masked else None
         with jax.set_mesh(self.mesh):
-            self.programs.compile("sample", self._sample, (logits, self.token_counts, self.prompt_seen,
-                                                           SamplingBatch.from_rows([None] * rows),
-                                                           np.full(rows, -1, np.int32), mask), donate=(1,))
+            self.programs.compile("sample", self._sample, self._sample_args(
+                logits, SamplingBatch.from_rows([None] * rows), np.full(rows, -1, np.int32), mask, compiling=True),
+                donate=(1,))
 
     def warm_sample(self, rows: int, *, masked: bool) -> None:
         """Runs the sampler once on zero logits of `rows` idle rows (warm-up)."""

@@ -141,12 +141,12 @@ def test_the_workspace_estimate_bounds_every_compiled_step():
         decode = engine._idle_inputs(config.max_batch, prefill=False, groups=config.max_batch, lora=True)
         b = config.max_batch
         used = {
-            "prefill": _temp_bytes(runner._prefill, *runner._prefill_args(prefill, pool)),
-            "chunk": _temp_bytes(runner._extend, *runner._prefill_args(chunk, pool)),
-            "decode": _temp_bytes(runner._decode, *runner._decode_args(decode, pool)),
-            "sample": _temp_bytes(runner._sample, jax.ShapeDtypeStruct((b, MODEL.vocab_size), np.float32),
-                                  runner.token_counts, runner.prompt_seen, SamplingBatch.from_rows([None] * b),
-                                  np.full(b, -1, np.int32)),
+            "prefill": _temp_bytes(runner._prefill, *runner._prefill_args("prefill", prefill, pool, compiling=True)),
+            "chunk": _temp_bytes(runner._extend, *runner._prefill_args("extend", chunk, pool, compiling=True)),
+            "decode": _temp_bytes(runner._decode, *runner._decode_args(decode, pool, compiling=True)),
+            "sample": _temp_bytes(runner._sample, *runner._sample_args(
+                jax.ShapeDtypeStruct((b, MODEL.vocab_size), np.float32), SamplingBatch.from_rows([None] * b),
+                np.full(b, -1, np.int32), None, compiling=True)),
             "prompt_logprobs": _temp_bytes(runner._prompt_logprobs, runner.state,
                                            jax.ShapeDtypeStruct((t, MODEL.hidden_size), np.float32),
                                            np.zeros(t, np.int32)),
