@@ -1,7 +1,8 @@
 """Shared pieces of the LoRA kernels: platform choice and slot-sorted tile metadata.
 
-Both kernel families (bgmv for decode, sgmv for prefill) cut the slot-sorted tokens into
-tiles of `tm` tokens that share one slot: segment s (its tokens contiguous after sorting)
+The GPU kernels (bgmv for decode, sgmv for prefill; the TPU ones visit shared m-tiles
+instead, kernels.sgmv.metadata) cut the slot-sorted tokens into tiles of `tm` tokens that
+share one slot: segment s (its tokens contiguous after sorting)
 gives ceil(len_s / tm) tiles. A kernel program handles one tile, so it reads its slot's
 adapter once for up to `tm` tokens and feeds the matrix units a [tm, K] operand.
 The "tile layout" of a per-token array puts tile g's tokens in rows [g*tm, g*tm + tm).
