@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.device_inputs import DeviceInputs
 from lora_runtime.engine.engine import Engine
 from lora_runtime.engine.sampling import SamplingParams
 from tests.helpers.checkpoints import save_tiny_llama
@@ -103,3 +104,32 @@ def test_a_stop_string_found_a_step_late_drops_the_extra_token(engine):
     assert out.token_ids == tokens[:k] and out.completion_tokens == k
     assert out.text == full[: full.find(stop)]
     assert engine.scheduler.pool.num_free == engine.scheduler.pool.usable
+
+
+def test_a_decode_step_resends_only_what_moved(engine, monkeypatch):
+    """Within a batch that keeps its sequences, a decode step sends its tokens, positions and
+    cache slots, the sampler's step and sometimes a block table; the sampling parameters,
+    the rows and the rest come from the device copies."""
+    dispatch = engine.runner.dispatch_decode
+    per_step = []
+
+    def counted(inputs, pool, host_work=None):
+        before = (engine.runner.inputs.sent, engine.runner.inputs.reused)
+        pending = dispatch(inputs, pool, host_work)
+        per_step.append((engine.runner.inputs.sent - before[0], engine.runner.inputs.reused - before[1]))
+        return pending
+
+    monkeypatch.setattr(engine.runner, "dispatch_decode", counted)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, engine.model_config.vocab_size, size=12).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    want = engine.generate_batch(prompts, params)
+    monkeypatch.undo()
+    assert len(per_step) >= 8
+    steady = per_step[1:]
+    assert all(sent <= 5 for sent, _ in steady), per_step
+    assert all(reused >= 14 for _, reused in steady), per_step  # of 19 small leaves a step
+    # The outputs are those of a run whose every input went to the device afresh.
+    engine.runner.inputs = DeviceInputs(engine.runner.mesh)
+    again = engine.generate_batch(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in want]
