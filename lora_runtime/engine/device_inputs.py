@@ -13,8 +13,9 @@ sends a leaf only when its bytes differ from that copy's. The copies are replica
 replica's mesh, the layout the step programs are compiled for (`specs` gives the warm-up the
 same layout without sending anything). A leaf is sent through a jitted identity, whose
 launch transfers it in the runtime's own code: `jax.device_put` from Python cost about 40 us
-a leaf on CPU, the identity about 5 (it is compiled for each leaf shape by `specs`, in warm-up). Leaves past `MAX_KEPT_BYTES` (a grammar's token mask)
-go as they are: comparing them would cost what it saves. One owner: the thread that launches
+a leaf on CPU, the identity about 5 (it is compiled for each leaf shape by `specs`, in
+warm-up). Leaves past `MAX_KEPT_BYTES` (a grammar's token mask) go as they are: comparing
+them would cost what it saves. One owner: the thread that launches
 the steps (on a multi-host replica every process keeps its own copies of the same values).
 """
 
@@ -50,10 +51,11 @@ class DeviceInputs:
         shape, dtype or bytes changed since the last `put` of `name`."""
         leaves, treedef = jax.tree.flatten(tree)
         out = list(leaves)
-        sent = 0
+        sent = kept = 0
         for i, leaf in enumerate(leaves):
             if not _kept(leaf):
                 continue
+            kept += 1
             key = (leaf.shape, leaf.dtype, leaf.tobytes())
             copy = self._copies.get((name, i))
             if copy is None or copy[0] != key:
@@ -63,7 +65,7 @@ class DeviceInputs:
                 sent += 1
             out[i] = copy[1]
         self.sent += sent
-        self.reused += sum(_kept(leaf) for leaf in leaves) - sent
+        self.reused += kept - sent
         return jax.tree.unflatten(treedef, out)
 
     def specs(self, tree):
