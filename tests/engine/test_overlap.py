@@ -116,7 +116,8 @@ def test_a_decode_step_resends_only_what_moved(engine, monkeypatch):
     def counted(inputs, pool, host_work=None):
         before = (engine.runner.inputs.sent, engine.runner.inputs.reused)
         pending = dispatch(inputs, pool, host_work)
-        per_step.append((engine.runner.inputs.sent - before[0], engine.runner.inputs.reused - before[1]))
+        sent, reused = engine.runner.inputs.sent - before[0], engine.runner.inputs.reused - before[1]
+        per_step.append((tuple(inputs.rows.tolist()), sent, reused))
         return pending
 
     monkeypatch.setattr(engine.runner, "dispatch_decode", counted)
@@ -125,8 +126,10 @@ def test_a_decode_step_resends_only_what_moved(engine, monkeypatch):
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     want = engine.generate_batch(prompts, params)
     monkeypatch.undo()
-    assert len(per_step) >= 8
-    steady = per_step[1:]
+    # The requests may join the batch over its first steps; count the steps whose batch holds
+    # the same sequences in the same rows as the step before.
+    steady = [(sent, reused) for (rows, sent, reused), (before, *_) in zip(per_step[1:], per_step) if rows == before]
+    assert len(steady) >= 6, per_step
     assert all(sent <= 5 for sent, _ in steady), per_step
     assert all(reused >= 14 for _, reused in steady), per_step  # of 19 small leaves a step
     # The outputs are those of a run whose every input went to the device afresh.
