@@ -12,10 +12,12 @@ out for its body's) are grouped by the program they ran in, named by the engine'
 table gives each op kind's time per step (the op's name without its number) and its share,
 and the last line its busy time per step (the union of its ops' intervals: a CPU runs ops on
 several threads at once) against the engine's own decode-step wall time (`decode_seconds`:
-dispatch, the device, the sampler, the sampled tokens' copy back). A second table splits the
-engine thread's decode step by the calls the profiler's Python tracer saw: building the
-inputs, launching the forward, the host work done while it runs, launching the sampler,
-waiting for the tokens, and the rest (settling them).
+with async_decode, the default, the time between two steps' tokens reaching the host; without
+it, a step's dispatch to its tokens on the host). A second table splits the engine thread's
+decode step by the calls the profiler's Python tracer saw: building the inputs, launching the
+forward, the host work done while it runs, launching the sampler, waiting for the tokens (with
+async_decode, the step before's, read while this one computes), their text and stream items,
+and the rest (settling them).
 
 Last line: `step_ms=<f> device_ms=<f> device_share=<f> top_op=<name> top_op_share=<f>`.
 """
@@ -98,6 +100,7 @@ HOST_PARTS = {
     "engine.py while_forward": "host work while it runs (text, masks)",
     "runner.py op_sample": "launch the sampler",
     "runner.py get": "wait for the tokens (device, copy back)",
+    "engine.py _catch_up_text": "their text, stream items",
 }
 OTHER_PART = "settle the tokens, the rest"
 

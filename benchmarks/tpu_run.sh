@@ -11,6 +11,8 @@
 #                (benchmarks/engine_device_check.py; about 2 minutes)
 #   steps        the LoRA decode step at Llama-3-8B layer widths (8 layers, bfloat16) through the
 #                kernels and through XLA (benchmarks/multi_lora.py; about 3 minutes)
+#   async        decode steps with async_decode on and off, LoRA off and 8 adapters, at Llama-3-8B
+#                layer widths (benchmarks/async_decode.py; about 4 minutes)
 #   starts       engine starts (benchmarks/engine_scale.py --start-only): 4- and 32-layer warm-ups,
 #                then 8 layers of Llama-3-8B widths in bfloat16 over an empty compilation cache,
 #                then over that cache (16 layers ran out of a 16 GB chip while their random
@@ -66,6 +68,9 @@ for mode in "${@:-check}"; do
     steps-pallas)
       timeout 200 python3 -m benchmarks.multi_lora --quick --large --backend pallas 2>&1 \
         | tee "$OUT/multi_lora_pallas.log" | tail -16 ;;
+    async)
+      timeout 280 python3 -m benchmarks.async_decode --large --backend pallas 2>&1 \
+        | tee "$OUT/async_decode.log" | grep -v Warn | tail -6 ;;
     starts)
       timeout 450 python3 -m benchmarks.engine_scale --start-only --layers 8 --dtype bfloat16 --widths 8b \
         --depth-widths 1024 2>&1 | tee "$OUT/engine_starts.log" | tail -12 ;;
@@ -81,7 +86,7 @@ for mode in "${@:-check}"; do
       timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \
         --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
-      echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, starts, restarts, profile," \
+      echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, async, starts, restarts, profile," \
         "load, smoke)" >&2
       exit 2 ;;
   esac

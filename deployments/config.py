@@ -109,6 +109,9 @@ class AppArgs(BaseModel):
     stream_interval: int = Field(
         1, ge=1, description="Least new tokens in a streamed chunk after the first (see "
         "EngineConfig.stream_interval).")
+    async_decode: bool = Field(
+        True, description="Dispatch each decode step before the host reads the step before's tokens, so the "
+        "host's work of a step runs while the device computes (see EngineConfig.async_decode).")
     generation_config: Literal["auto", "vllm"] = Field(
         "auto", description="Where a request's unset temperature, top_p, top_k, min_p, repetition_penalty and "
         "max_tokens come from: 'auto', the checkpoint's generation_config.json (its creator's recommendation, "
@@ -411,6 +414,7 @@ class AppArgs(BaseModel):
             compilation_cache_dir=self.compilation_cache_dir,
             scan_layers=self.scan_layers,
             stream_interval=self.stream_interval,
+            async_decode=self.async_decode,
             scheduling_policy=self.scheduling_policy,
         )
 

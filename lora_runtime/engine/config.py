@@ -111,6 +111,12 @@ class EngineConfig(BaseModel):
         1, ge=1, description="Least new tokens in a stream item after the first (the first token goes "
         "at once, and an item that finishes the request goes at once): a larger interval sends fewer, "
         "larger items, which costs the serving path less per token at the cost of a burstier stream.")
+    async_decode: bool = Field(
+        True, description="Dispatch each decode step before the tokens of the step before reach the host "
+        "(each row reads its last token on the device), so the host's work of a step (settling tokens, "
+        "text, stream items, the next step's inputs) runs while the device computes the next one. A "
+        "sequence that ends on a token computes one more step, which is dropped. Rows with a grammar or "
+        "bad_words wait for their tokens. False: each step's tokens are read before the next is built.")
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="fcfs: requests are admitted in arrival order (warm adapters first) and a "
         "request's priority must be 0. priority: the most urgent (lowest) priority first, and a waiting "

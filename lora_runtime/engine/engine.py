@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -35,7 +36,7 @@ from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.bad_words import bad_words_ids, banned_tokens
 from lora_runtime.engine.grammar import GrammarCompiler, GrammarMatcher, mask_words, token_set_mask
-from lora_runtime.engine.runner import ModelRunner, Sampled, StepInputs, history_bucket
+from lora_runtime.engine.runner import ModelRunner, PendingSample, Sampled, StepInputs, history_bucket
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
 from lora_runtime.engine.scheduler import Admission, Scheduler
 from lora_runtime.engine.sequence import RequestOutput, Sequence, TokenLogprob
@@ -106,6 +107,8 @@ class Engine:
         # Sequences with a token whose text (detokenizing, stop strings, the stream item) waits
         # for the next decode step to be dispatched, so that host work overlaps the device's.
         self._text_pending: list[Sequence] = []
+        self._in_flight: _DecodeStep | None = None  # the decode step dispatched but not settled (async_decode)
+        self._settled_at = 0.0  # when the last decode step was settled
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
 
@@ -540,6 +543,7 @@ class Engine:
             except Exception:  # never let one bad request stop the loop thread
                 logger.exception("engine inbox handling failed")
             if not self.scheduler.has_work():
+                self._settle_in_flight()  # its sequences all finished: tokens nobody needs
                 self._catch_up_text()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -609,6 +613,7 @@ class Engine:
         if decoding:
             self._decode(decoding)
         else:
+            self._settle_in_flight()
             self._catch_up_text()  # no device step to hide it behind
         if alone is not None and (admission.packed or extended or decoding):
             alone.suspect_steps -= 1  # a step it passed alone
@@ -637,6 +642,9 @@ class Engine:
         self.counters["failed_steps"] += 1
         involved = [s for s in self._phase if not s.finished] or list(self.scheduler.running.values())
         self._phase = []
+        self._in_flight = None  # its tokens are lost with the step: the sequences redo them
+        for seq in self.scheduler.running.values():
+            seq.ahead = 0
         self._catch_up_text()
         suspects = [s for s in involved if s.suspect_steps > 0]
         if len(involved) == 1 or suspects:
@@ -767,7 +775,8 @@ class Engine:
         tables = np.zeros((groups, self.scheduler.pages_per_seq), np.int32)
         for g, seq, start, n in members:
             at = slice(g * c, g * c + n)
-            tokens[at] = seq.token_ids(start, start + n)
+            ids = seq.token_ids(start, start + n)
+            tokens[at] = ids + [-1] * (n - len(ids))  # -1: in flight, on the device (a decode step's)
             positions[g * c:(g + 1) * c] = np.arange(start, start + c)  # the kernels count from the first
             rows[at] = seq.row
             slots[at] = seq.slot
@@ -845,31 +854,69 @@ class Engine:
             offset += n
 
     def _decode(self, active: list[Sequence]) -> None:
-        self._phase = list(active)
+        """One decode step of `active`. With async_decode it is dispatched before the tokens of
+        the step before it reach the host: a row whose last token is still on the device (its
+        `ahead`) reads it there. Then that step's tokens are settled while this one computes,
+        and this one stays in flight for the next call (or _settle_in_flight). Rows whose
+        masks depend on their last token (a grammar, bad words) wait for it on the host."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and any(s.ahead and (s.grammar is not None or s.bad_words_ids) for s in active):
+            self._settle_step(prev)  # their masks need the tokens on the host
+            prev = None
+            active = [s for s in active if not s.finished]  # ended by those tokens
+            if not active:
+                return
+        self._phase = list(active) + ([m[0] for m in prev.members] if prev is not None else [])
         b = self.config.max_batch
         sampling_rows: list = [None] * b
         members = []
         for seq in active:
-            sampling_rows[seq.row] = (seq.params, seq.seed, len(seq.output_ids))
-            members.append((seq.row, seq, seq.num_tokens - 1, 1))
+            sampling_rows[seq.row] = (seq.params, seq.seed, len(seq.output_ids) + seq.ahead)
+            members.append((seq.row, seq, seq.num_tokens - 1 + seq.ahead, 1))
         inputs = self._paged_inputs(b, 1, members, sampling_rows)
-        start = time.perf_counter()
+
         def while_forward() -> np.ndarray | None:
             # While the device runs this step's forward: the text of the step before (a sequence
             # that a stop string finishes there is in this step too; its token from it is
-            # dropped below), then the grammars' masks for this step's sampling.
+            # dropped when settled), then the grammars' masks for this step's sampling.
             self._catch_up_text()
             return self._masks([(seq.row, seq) for seq in active], b)
 
-        pending = self.runner.dispatch_decode(inputs, self._pool(), while_forward)
-        sampled = pending.get()
-        self.counters["decode_seconds"] += time.perf_counter() - start
-        self.counters["decode_steps"] += 1
+        step = _DecodeStep(self.runner.dispatch_decode(inputs, self._pool(), while_forward),
+                           [(seq, seq.preemptions) for seq in active], time.perf_counter())
+        for seq in active:
+            seq.ahead += 1
         self.counters["decode_row_steps"] += len(active)
         distinct = len({s.adapter for s in active if s.adapter is not None})
         self.counters["max_batch_adapters"] = max(self.counters["max_batch_adapters"], distinct)
-        for seq in active:
-            if seq.finished:  # by a stop string in the text of its token before
+        if prev is not None:
+            self._settle_step(prev)
+            self._catch_up_text()  # its text, while this step computes
+        if self.config.async_decode and not any(s.grammar is not None or s.bad_words_ids for s in active):
+            self._in_flight = step
+        else:
+            self._settle_step(step)
+
+    def _settle_in_flight(self) -> None:
+        """Waits for the decode step in flight, if any, and settles its tokens."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._settle_step(step)
+
+    def _settle_step(self, step: "_DecodeStep") -> None:
+        """Brings a dispatched decode step's tokens to the host and adds each to its sequence;
+        a sequence finished or preempted since the dispatch gives its token up."""
+        sampled = step.pending.get()
+        now = time.perf_counter()
+        # A step's time: from its dispatch, or from the step before it was settled (pipelined).
+        self.counters["decode_seconds"] += now - max(step.dispatched, self._settled_at)
+        self._settled_at = now
+        self.counters["decode_steps"] += 1
+        for seq, preemptions in step.members:
+            if seq.preemptions != preemptions:
+                continue  # preempted after the dispatch: it recomputes from its tokens on the host
+            seq.ahead -= 1
+            if seq.finished:  # by its token before (an end token, a stop string) or aborted
                 continue
             self.scheduler.computed(seq, 1)
             self._settle(seq, self._append, seq, sampled, seq.row)
@@ -952,6 +999,16 @@ class Engine:
                               self._lora_info(none, lora), np.full(p, -1, np.int32))
         return self._paged_inputs(groups, n // groups, [], [None] * groups, np.zeros(groups, np.int32),
                                   np.full(groups, -1, np.int32), lora)
+
+
+@dataclasses.dataclass
+class _DecodeStep:
+    """A dispatched decode step: its sampled tokens (on the device), each sequence in it with
+    its preemption count then, and when it was dispatched."""
+
+    pending: PendingSample
+    members: list[tuple[Sequence, int]]
+    dispatched: float
 
 
 def _largest_of_each_kind(steps: list[tuple[str, StepInputs, object]]) -> list[tuple[str, StepInputs, object]]:

@@ -35,7 +35,7 @@ HostWork = Callable[[], "np.ndarray | None"]
 class StepInputs:
     """Host arrays of one step; every shape is one of the runner's compiled shapes."""
 
-    tokens: np.ndarray  # i32[T]
+    tokens: np.ndarray  # i32[T]; in a decode step, -1: the row's token the last decode step sampled (on the device)
     positions: np.ndarray  # i32[T]
     rows: np.ndarray  # i32[T]: each token's batch row, -1 = padding / idle row
     attn: AttentionMetadata  # where the tokens' K/V go and what they read
@@ -131,6 +131,7 @@ class ModelRunner:
         # on first use (only requests that ask pay for the [T, vocab] logits).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, out_shardings=replicated)
         self._logits = None  # the last forward's logits, which the next sample op reads
+        self._decode_logits = False  # whether they are a decode step's (its sampled tokens are kept)
         self._last_hidden = None
         self._last_head = (None, None)  # the last prefill's pool and adapter batch, if its head has adapters
         # A multi-host replica's leader (engine/spmd.py): every device op goes to the followers first.
@@ -158,6 +159,9 @@ class ModelRunner:
         self.token_counts = zeros_on(rows_by_vocab, jnp.int32, replicated)
         # Which tokens each row's prompt holds (the repetition penalty covers them too).
         self.prompt_seen = zeros_on(rows_by_vocab, bool, replicated)
+        # The last decode step's sampled token per batch row, still on the device: the next decode
+        # step's token of a row whose input token is -1 (the engine dispatches it before reading them).
+        self.decode_tokens = zeros_on((config.max_batch,), jnp.int32, replicated)
 
     def reset_if_lost(self) -> bool:
         """After a failed step: recreates the cache and row state if the step had consumed
@@ -181,7 +185,7 @@ class ModelRunner:
 
     def op_reset_state(self) -> None:
         """Frees whatever survived of the cache and row state and makes them afresh."""
-        for a in (*self.kv_cache.arrays, self.token_counts, self.prompt_seen):
+        for a in (*self.kv_cache.arrays, self.token_counts, self.prompt_seen, self.decode_tokens):
             if not a.is_deleted():
                 a.delete()  # free the survivors before allocating afresh
         self._create_state()
@@ -189,6 +193,7 @@ class ModelRunner:
     def op_forward(self, kind: str, inputs: StepInputs, pool) -> None:
         """Launches a step's model forward ("prefill", "extend" or "decode"); its logits wait
         for the sample op."""
+        self._decode_logits = kind == "decode"
         with jax.set_mesh(self.mesh):
             if kind == "decode":
                 self._logits, self.kv_cache = self.programs.call("decode", self._decode,
@@ -201,6 +206,7 @@ class ModelRunner:
 
     def op_idle_logits(self, rows: int) -> None:
         """Zero logits of `rows` rows for the next sample op (warm-up)."""
+        self._decode_logits = False
         self._logits = zeros_on((rows, self.model_config.vocab_size), jnp.float32,
                                 NamedSharding(self.mesh, PartitionSpec()))
 
@@ -212,6 +218,12 @@ class ModelRunner:
         with jax.set_mesh(self.mesh):
             tokens, logprobs, self.token_counts = self.programs.call(
                 "sample", self._sample, self._sample_args(logits, sampling, seq_rows, mask))
+        if self._decode_logits:
+            self.decode_tokens = tokens
+        # Their copy to the host starts when they are computed, not when get() asks: by then the
+        # next step may be queued behind them (async_decode) and the copy would wait for it.
+        for x in (tokens, *(jax.tree_util.tree_leaves(logprobs) if sampling.any_logprobs else ())):
+            x.copy_to_host_async()
         return PendingSample(tokens, logprobs, sampling.any_logprobs)
 
     def op_init_row(self, row: int, history: np.ndarray, prompt_len: int) -> None:
@@ -281,7 +293,8 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         return step_logprobs(model.logits(hidden, self._hook(pool, lora_info, True)), next_tokens)
 
-    def _decode_impl(self, state, kv_cache, pool, tokens, positions, attn, lora_info):
+    def _decode_impl(self, state, kv_cache, pool, sampled, tokens, positions, attn, lora_info):
+        tokens = jnp.where(tokens < 0, sampled, tokens)  # token b is batch row b's
         model, hook, hidden, kv_cache = self._forward(state, kv_cache, pool, tokens, positions, attn, lora_info,
                                                       False)
         return self._whole(model.logits(hidden, hook)), kv_cache  # token b of the batch is batch row b
@@ -319,7 +332,8 @@ class ModelRunner:
 
     def _decode_args(self, inputs: StepInputs, pool, compiling: bool = False) -> tuple:
         host = (inputs.tokens, inputs.positions, inputs.attn, inputs.lora)
-        return (self.state, self.kv_cache, _pool_for(inputs, pool), *self._host_args("decode", host, compiling))
+        return (self.state, self.kv_cache, _pool_for(inputs, pool), self.decode_tokens,
+                *self._host_args("decode", host, compiling))
 
     def _sample_args(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray, mask: np.ndarray | None,
                      compiling: bool = False) -> tuple:

@@ -349,7 +349,7 @@ class Scheduler:
         for seq in sorted(self.decoding(), key=lambda s: s.order):
             if seq.row is None:
                 continue  # preempted for an older one in this loop
-            index = (seq.num_tokens - 1) // bs
+            index = (seq.num_tokens - 1 + seq.ahead) // bs  # its next input token is its last in flight
             if index < len(seq.blocks):
                 continue
             while self.pool.num_free == 0:
@@ -367,13 +367,17 @@ class Scheduler:
         return preempted
 
     def decoding(self) -> list[Sequence]:
-        """Running sequences whose next step is a decode step."""
-        return [s for s in self.running.values() if not s.prefilling and not s.finished]
+        """Running sequences whose next step is a decode step: past their prompt, and not ended by
+        max_tokens or max_seq_len with the tokens in flight (Sequence.ahead)."""
+        return [s for s in self.running.values() if not s.prefilling and not s.finished
+                and (s.ahead == 0 or (len(s.output_ids) + s.ahead < s.params.max_tokens
+                                      and s.num_tokens + s.ahead < self.config.max_seq_len))]
 
     def preempt(self, seq: Sequence) -> None:
         """Takes a running sequence's row, blocks and slot back; it waits at the front of the
         queue to recompute its prompt and output so far, then continues."""
         self._vacate(seq, forget=False)
+        seq.ahead = 0  # a token in flight is dropped when its step settles (engine.py)
         seq.computed = seq.registered = 0
         seq.prefill_len = seq.num_tokens
         seq.preemptions += 1

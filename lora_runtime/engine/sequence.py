@@ -72,6 +72,7 @@ class Sequence:
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # hash chain of its full blocks
     preemptions: int = 0  # times its blocks were taken back to be recomputed later
     suspect_steps: int = 0  # steps it must still pass alone after a failed step it was in (engine.py)
+    ahead: int = 0  # its tokens sampled by dispatched decode steps, not yet on the host (engine.py)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set at prefill when asked; [0] is None

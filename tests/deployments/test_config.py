@@ -201,3 +201,10 @@ def test_adapter_roots_let_replicas_and_the_validator_read_merged_adapters():
     assert args.source_roots == want
     assert args.engine_config().adapter_roots == want and args.adapter_validator().adapter_roots == want
     assert AppArgs().source_roots is None and AppArgs().engine_config().adapter_roots is None
+
+
+def test_async_decode_reaches_the_engine_config_and_a_bad_one_is_named():
+    assert AppArgs().engine_config().async_decode is True
+    assert AppArgs(async_decode=False).engine_config().async_decode is False
+    with pytest.raises(ValidationError, match="async_decode"):
+        AppArgs(async_decode="sometimes")

@@ -33,10 +33,9 @@ def _greedy(**kw) -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, **kw)
 
 
-def test_text_is_made_while_the_next_step_runs(engine, monkeypatch):
-    """Each decode step after the first has text work of the step before between its
-    dispatch and the wait for its tokens; only a sequence's last token (finished by
-    max_tokens, nothing to overlap with) has its text made outside a step."""
+def _spied_decode(engine, monkeypatch) -> list[str]:
+    """Records "dispatch" (a decode step's forward launched), "get" (a step's tokens read on
+    the host) and "text" (detokenizing) in order."""
     events: list[str] = []
     dispatch = engine.runner.dispatch_decode
 
@@ -63,6 +62,40 @@ def test_text_is_made_while_the_next_step_runs(engine, monkeypatch):
 
     monkeypatch.setattr(engine.runner, "dispatch_decode", spy)
     monkeypatch.setattr(engine.tokenizer, "decode", text)
+    return events
+
+
+def test_each_decode_step_is_dispatched_before_the_one_before_is_read(engine, monkeypatch):
+    """async_decode: a decode step goes to the device before the host reads the tokens of the
+    step before it (the device reads them there), and the text of those tokens is made while
+    it computes; only the last tokens' text is made with no step in flight."""
+    events = _spied_decode(engine, monkeypatch)
+    outs = engine.generate_batch(_prompts(engine), _greedy())
+    monkeypatch.undo()
+    assert all(len(o.token_ids) == NEW_TOKENS for o in outs)
+    in_flight, behind, text_in_flight, text_idle = 0, 0, 0, 0
+    for e in events:
+        if e == "dispatch":
+            in_flight += 1
+        elif e == "get":
+            behind += in_flight >= 2  # the next step was already on the device
+            in_flight -= 1
+        elif in_flight:
+            text_in_flight += 1
+        else:
+            text_idle += 1
+    assert in_flight == 0, events
+    # NEW_TOKENS - 1 decode steps follow the prefill (more if the requests were admitted in
+    # two steps); all but the last were read with the next one dispatched.
+    assert behind >= NEW_TOKENS - 2, events
+    assert text_in_flight >= NEW_TOKENS - 2 and text_idle > 0, events
+
+
+def test_without_async_decode_text_is_made_while_the_next_step_runs(engine, monkeypatch):
+    """async_decode off: each step's tokens are read before the next step is built, and the
+    text of the step before is made between its dispatch and that read."""
+    monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"async_decode": False}))
+    events = _spied_decode(engine, monkeypatch)
     outs = engine.generate_batch(_prompts(engine), _greedy())
     monkeypatch.undo()
     assert all(len(o.token_ids) == NEW_TOKENS for o in outs)
@@ -79,8 +112,6 @@ def test_text_is_made_while_the_next_step_runs(engine, monkeypatch):
             seen = True
         else:
             outside += 1
-    # At least NEW_TOKENS - 1 decode steps follow the prefill (more if the requests were
-    # admitted in two steps); each has the text of the tokens before it.
     assert windows >= NEW_TOKENS - 1 and inside == windows, events
     assert outside > 0  # the last tokens' text, made when their sequences finish
 
