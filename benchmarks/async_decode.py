@@ -7,9 +7,9 @@ The engine `benchmarks.multi_lora` measures (8 layers; hidden 1024 in float32, o
 Llama-3-8B widths in bfloat16 with `--large`; `--tiny`, 2 layers of hidden 128, checks that
 it runs), a batch of 8 sequences, greedy: an engine
 with LoRA off and a LoRA engine decoding 8 distinct rank-16 adapters, each with
-`async_decode` on and off over the same weights. A step's time is wall clock, host work
-included: a batch of `--new-tokens` tokens less one of 4 tokens, over the steps between
-them (best of `--repeats` each).
+`async_decode` on and off over the same weights. A step's time is the engine's own count
+(`decode_seconds`: wall clock from one decode step's tokens on the host to the next's, host
+work included), best mean of `--repeats` batches.
 Without an accelerator the host and the "device" share the cores, so what overlap saves
 there is bounded by them; on an accelerator the host's part of a step (settling tokens,
 text, the next step's inputs and launches) hides behind the device's.
@@ -22,32 +22,14 @@ from __future__ import annotations
 import argparse
 import gc
 import tempfile
-import time
 
 import jax
 
 from benchmarks.common import (
-    demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter,
+    decode_step_s, demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter,
 )
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.sampling import SamplingParams
-
-
-SHORT = 4  # tokens of the batch whose time (prefill, first steps) is taken off
-
-
-def _wall_step_s(engine, adapters, prompt, new_tokens: int, repeats: int) -> float:
-    """Wall seconds a decode step adds to a batch: best batch of `new_tokens` less best of SHORT."""
-    best = {}
-    for n in (SHORT, new_tokens):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            engine.generate_batch([prompt] * len(adapters), params, adapters)
-            times.append(time.perf_counter() - start)
-        best[n] = min(times)
-    return (best[new_tokens] - best[SHORT]) / (new_tokens - SHORT)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -68,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = demo_tokenizer()
     model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
     prompt = [3 + (i % 50) for i in range(32)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     base = EngineConfig(max_batch=batch, max_seq_len=64 + args.new_tokens, max_lora_rank=rank,
                         lora_backend=args.backend)
     rows, step_ms, compiles = [], {}, 0
@@ -83,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                 engine.start()
                 try:
                     engine.generate_batch([prompt] * batch, SamplingParams(max_tokens=2, ignore_eos=True), adapters)
-                    step_s = _wall_step_s(engine, adapters, prompt, args.new_tokens, args.repeats)
+                    step_s = decode_step_s(engine, adapters, prompt, params, args.repeats)
                     compiles += engine.compiles_after_warmup
                 finally:
                     engine.shutdown()

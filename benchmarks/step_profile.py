@@ -12,8 +12,7 @@ out for its body's) are grouped by the program they ran in, named by the engine'
 table gives each op kind's time per step (the op's name without its number) and its share,
 and the last line its busy time per step (the union of its ops' intervals: a CPU runs ops on
 several threads at once) against the engine's own decode-step wall time (`decode_seconds`:
-with async_decode, the default, the time between two steps' tokens reaching the host; without
-it, a step's dispatch to its tokens on the host). A second table splits the engine thread's
+wall clock from one decode step's tokens on the host to the next's, host work included). A second table splits the engine thread's
 decode step by the calls the profiler's Python tracer saw: building the inputs, launching the
 forward, the host work done while it runs, launching the sampler, waiting for the tokens (with
 async_decode, the step before's, read while this one computes), their text and stream items,

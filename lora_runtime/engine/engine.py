@@ -108,7 +108,9 @@ class Engine:
         # for the next decode step to be dispatched, so that host work overlaps the device's.
         self._text_pending: list[Sequence] = []
         self._in_flight: _DecodeStep | None = None  # the decode step dispatched but not settled (async_decode)
-        self._settled_at = 0.0  # when the last decode step was settled
+        # Where the next settled decode step's time starts: the last decode step's settling or
+        # the end of a prefill step since (None: idle since); see _settle_step.
+        self._decode_clock: float | None = None
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
 
@@ -545,6 +547,7 @@ class Engine:
             if not self.scheduler.has_work():
                 self._settle_in_flight()  # its sequences all finished: tokens nobody needs
                 self._catch_up_text()
+                self._decode_clock = None
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -709,6 +712,7 @@ class Engine:
         if any(seq.wants_prompt_logprobs for seq in seqs):
             self._read_prompt_logprobs(seqs, tokens)
         self.counters["prefill_seconds"] += time.perf_counter() - start
+        self._decode_clock = time.perf_counter()
         self.counters["prefill_steps"] += 1
         self.counters["prompt_tokens"] += total
         for i, seq in enumerate(seqs):
@@ -806,6 +810,7 @@ class Engine:
         t0 = time.perf_counter()
         sampled = self.runner.extend(inputs, self._pool(), lambda: self._masks(list(enumerate(seqs)), e))
         self.counters["prefill_seconds"] += time.perf_counter() - t0
+        self._decode_clock = time.perf_counter()
         self.counters["extend_steps"] += 1
         for i, (seq, n) in enumerate(zip(seqs, rest)):
             self.counters["prompt_tokens"] += n
@@ -835,6 +840,7 @@ class Engine:
             if final:
                 seq.prompt_logprobs = seq.prompt_logprob_parts
         self.counters["prefill_seconds"] += time.perf_counter() - t0
+        self._decode_clock = time.perf_counter()
         self.counters["extend_steps"] += 1
         self.counters["prompt_tokens"] += n
         self.scheduler.computed(seq, n)
@@ -908,9 +914,11 @@ class Engine:
         a sequence finished or preempted since the dispatch gives its token up."""
         sampled = step.pending.get()
         now = time.perf_counter()
-        # A step's time: from its dispatch, or from the step before it was settled (pipelined).
-        self.counters["decode_seconds"] += now - max(step.dispatched, self._settled_at)
-        self._settled_at = now
+        # A step's time is wall clock, its host work included: from the step (or prefill) before
+        # it, or from its dispatch after an idle spell.
+        since = step.dispatched if self._decode_clock is None else self._decode_clock
+        self.counters["decode_seconds"] += now - since
+        self._decode_clock = now
         self.counters["decode_steps"] += 1
         for seq, preemptions in step.members:
             if seq.preemptions != preemptions:

