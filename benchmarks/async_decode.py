@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> dict:
     model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
     prompt = [3 + (i % 50) for i in range(32)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    # The batch's prompts in one prefill step, so every decode step counted is a steady one (a
+    # prefill between decode steps would take the device time of the step in flight as its own).
     base = EngineConfig(max_batch=batch, max_seq_len=64 + args.new_tokens, max_lora_rank=rank,
-                        lora_backend=args.backend)
+                        lora_backend=args.backend, max_prefill_tokens=batch * len(prompt))
     rows, step_ms, compiles = [], {}, 0
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"a{i}" for i in range(batch)]

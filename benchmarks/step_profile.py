@@ -191,9 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
         dtype = "float32"
     tokenizer = demo_tokenizer()
     model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
-    config = EngineConfig(max_batch=batch, max_seq_len=64 + args.new_tokens, max_lora_rank=rank,
-                          max_loras_per_batch=batch if args.adapters else 0)
     prompt = [3 + (i % 50) for i in range(32)]
+    # The batch's prompts in one prefill step, so every decode step profiled is a steady one (a
+    # prefill between decode steps would take the device time of the step in flight as its own).
+    config = EngineConfig(max_batch=batch, max_seq_len=64 + args.new_tokens, max_lora_rank=rank,
+                          max_loras_per_batch=batch if args.adapters else 0, max_prefill_tokens=batch * len(prompt))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     engine = synthetic_engine(model_config, config, tokenizer)
     out_dir = args.out or tempfile.mkdtemp(prefix="step-profile-")
