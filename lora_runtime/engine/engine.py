@@ -866,7 +866,7 @@ class Engine:
         and this one stays in flight for the next call (or _settle_in_flight). Rows whose
         masks depend on their last token (a grammar, bad words) wait for it on the host."""
         prev, self._in_flight = self._in_flight, None
-        if prev is not None and any(s.ahead and (s.grammar is not None or s.bad_words_ids) for s in active):
+        if prev is not None and any(s.ahead and s.mask_follows_tokens for s in active):
             self._settle_step(prev)  # their masks need the tokens on the host
             prev = None
             active = [s for s in active if not s.finished]  # ended by those tokens
@@ -898,7 +898,7 @@ class Engine:
         if prev is not None:
             self._settle_step(prev)
             self._catch_up_text()  # its text, while this step computes
-        if self.config.async_decode and not any(s.grammar is not None or s.bad_words_ids for s in active):
+        if self.config.async_decode and not any(s.mask_follows_tokens for s in active):
             self._in_flight = step
         else:
             self._settle_step(step)

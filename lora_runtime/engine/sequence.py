@@ -137,6 +137,12 @@ class Sequence:
             self.finish_reason = FinishReason.LENGTH
 
     @property
+    def mask_follows_tokens(self) -> bool:
+        """Whether the tokens it may take next depend on its last one (a grammar, bad words):
+        its mask needs that token on the host."""
+        return self.grammar is not None or bool(self.bad_words_ids)
+
+    @property
     def text_pending(self) -> bool:
         """Whether tokens were added whose text catch_up_text has not produced yet."""
         return self.text_tokens < len(self.output_ids)
