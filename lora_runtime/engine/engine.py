@@ -712,13 +712,18 @@ class Engine:
         sampled = self.runner.prefill(inputs, self._pool(), lambda: self._masks(list(enumerate(seqs)), b))
         if any(seq.wants_prompt_logprobs for seq in seqs):
             self._read_prompt_logprobs(seqs, tokens)
-        self.counters["prefill_seconds"] += time.perf_counter() - start
-        self._decode_clock = time.perf_counter()
+        self._count_prefill(start)
         self.counters["prefill_steps"] += 1
         self.counters["prompt_tokens"] += total
         for i, seq in enumerate(seqs):
             self.scheduler.computed(seq, seq.prefill_len)
             self._settle(seq, self._first_token, seq, sampled, i)
+
+    def _count_prefill(self, start: float) -> None:
+        """Adds a prompt step's wall time since `start`; the next decode step's time starts after it."""
+        now = time.perf_counter()
+        self.counters["prefill_seconds"] += now - start
+        self._decode_clock = now
 
     def _first_token(self, seq: Sequence, sampled: Sampled, i: int) -> None:
         if seq.params.max_tokens == 0:
@@ -811,8 +816,7 @@ class Engine:
         inputs = self._paged_inputs(e, c, members, sampling_rows, last_index, seq_rows)
         t0 = time.perf_counter()
         sampled = self.runner.extend(inputs, self._pool(), lambda: self._masks(list(enumerate(seqs)), e))
-        self.counters["prefill_seconds"] += time.perf_counter() - t0
-        self._decode_clock = time.perf_counter()
+        self._count_prefill(t0)
         self.counters["extend_steps"] += 1
         for i, (seq, n) in enumerate(zip(seqs, rest)):
             self.counters["prompt_tokens"] += n
@@ -842,8 +846,7 @@ class Engine:
             seq.prompt_logprob_parts.extend(parts)
             if final:
                 seq.prompt_logprobs = seq.prompt_logprob_parts
-        self.counters["prefill_seconds"] += time.perf_counter() - t0
-        self._decode_clock = time.perf_counter()
+        self._count_prefill(t0)
         self.counters["extend_steps"] += 1
         self.counters["prompt_tokens"] += n
         self.scheduler.computed(seq, n)
