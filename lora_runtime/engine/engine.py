@@ -102,6 +102,7 @@ class Engine:
         # What warm-up built (JAX's compile events: executables, of which cache hits, seconds).
         self.warm_counts: compile_events.CompileCounts | None = None
         self.warm_seconds: float | None = None  # the warm-up's wall time
+        self.warm_ran: bool | None = None  # whether warm-up ran the largest steps (see warmup)
         self._loop_builds = 0
         self._phase: list[Sequence] = []  # the sequences of the part of a step now running
         # Sequences with a token whose text (detokenizing, stop strings, the stream item) waits
@@ -165,21 +166,28 @@ class Engine:
         largest prefill): a program that compiles but cannot run (device memory at the
         largest bucket) fails at start rather than at a request. The smaller shapes need no
         run: the ahead-of-time compile left them in jit's cache, and running them would cost
-        time that grows with depth. Then what is built on a first run: the sampler's idle
-        logits per row count, the row-state reset per history bucket and the adapter slot
-        write (with DoRA's scales, compiled)."""
+        time that grows with depth. A restart whose every step program came from the program
+        store, the same set an earlier start ran this way, skips those runs (`warm_ran` is
+        then False): that start proved them on this device, and at Llama-3-8B widths on a CPU
+        they were most of a cached start. Then what is built on a first run: the sampler's
+        idle logits per row count, the row-state reset per history bucket and the adapter
+        slot write (with DoRA's scales, compiled)."""
         runner = self.runner
         start = time.perf_counter()
         self.grammars  # noqa: B018  (its tokenizer index builds on its own thread meanwhile)
         built = self.compile_steps()
         before = compile_events.counts()
+        largest = _largest_of_each_kind(self._warm_steps())
+        check = "largest steps ran: " + repr([(kind, inputs.tokens.shape, inputs.lora is None)
+                                              for kind, inputs, _ in largest])
+        self.warm_ran = not runner.programs.proven(check)
         run_step = {"prefill": runner.prefill, "extend": runner.extend, "decode": runner.decode}
-        for kind, inputs, pool in _largest_of_each_kind(self._warm_steps()):
+        for kind, inputs, pool in largest if self.warm_ran else ():
             run_step[kind](inputs, pool)
             if kind == "prefill" and _reads_head(inputs, pool):
                 runner.prompt_logprobs(np.zeros(inputs.tokens.shape[0], np.int32))
-        for rows in self._sample_rows():
-            runner.warm_sample(rows, masked=True)  # the unmasked one ran in the steps above
+        for rows in self._sample_rows():  # the idle logits it builds (the sampler compiled ahead)
+            runner.warm_sample(rows, masked=True)
         size = history_bucket(1)
         while True:
             runner.init_row(0, [0] * size, size)
@@ -188,6 +196,8 @@ class Engine:
             size *= 2
         if self.lora_manager is not None:
             self.lora_manager.warm_up()
+        if self.warm_ran:
+            runner.programs.prove(check)
         self.warm_counts = built + (compile_events.counts() - before)
         self.warm_seconds = time.perf_counter() - start
 

@@ -19,6 +19,11 @@ store compiled runs that executable; any other runs the jitted function, as with
 store. A program that cannot be exported (a host callback inside it: Pallas kernels
 interpreted on CPU) is traced and compiled the usual way.
 
+A start whose every program came from the store, and which then ran its warm-up's checks,
+leaves a mark of that set of programs (`proven/`); the next start with the same programs
+finds it (`proven`) and need not run them again to know they run on this device
+(Engine.warmup).
+
 Like the compilation cache, the directory is trusted code: it must be writable by the
 serving user only (the output structures are pickled).
 """
@@ -95,8 +100,10 @@ class ProgramStore:
         self._programs: dict[tuple, tuple[object, object]] = {}
         self._first: dict[str, tuple] = {}  # name -> (last first argument, its leaves, signature): _flatten
         self._lock = threading.Lock()
+        self._keys: set[str] = set()  # keys of the programs compiled from the store
         self.loaded = 0  # programs compiled from a stored export
         self.saved = 0  # programs exported and stored by this process
+        self.traced = 0  # programs traced because they cannot be exported
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -145,6 +152,8 @@ class ProgramStore:
         if stored is None:
             stored = self._export(fn, tree, specs)
             if stored is None:  # not exportable
+                with self._lock:
+                    self.traced += 1
                 return _traced(fn, args)
             self._write(key, stored)
         exported, out_tree = stored
@@ -153,7 +162,51 @@ class ProgramStore:
         executable = jax.jit(_named(exported.call, name), donate_argnums=donated).trace(*specs).lower().compile()
         with self._lock:
             self._programs[(name, self._flatten(name, args)[1])] = (executable, out_tree)
+            self._keys.add(key)
         return jax.tree.unflatten(out_tree, executable.output_shardings)
+
+    # ---- proven sets of programs --------------------------------------------------------
+
+    def proven(self, check: str) -> bool:
+        """Whether an earlier start compiled exactly this start's programs, every one from the
+        store, and passed `check` with them (marked by `prove`)."""
+        path = self._proof_path(check)
+        if path is None:
+            return False
+        try:
+            if "://" in path:
+                import fsspec
+
+                return fsspec.filesystem(path.split("://", 1)[0]).exists(path)
+            return os.path.exists(path)
+        except OSError:
+            return False
+
+    def prove(self, check: str) -> None:
+        """Marks that this start's programs passed `check` (what the warm-up ran to prove them)."""
+        path = self._proof_path(check)
+        if path is None:
+            return
+        try:
+            if "://" in path:
+                import fsspec
+
+                with fsspec.open(path, "wb") as f:
+                    f.write(b"")
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                pathlib.Path(path).touch()
+        except OSError as exc:
+            logger.warning("could not mark the step programs as proven (%s)", exc)
+
+    def _proof_path(self, check: str) -> str | None:
+        """Where the mark of this start's programs and `check` lives; None where there is none
+        to make: no store, or a program that is not in it (traced at every start)."""
+        with self._lock:
+            if self.directory is None or self.traced or not self._keys:
+                return None
+            digest = _digest("\n".join((self._context, check, *sorted(self._keys))))
+        return f"{self.directory.rstrip('/')}/proven/{digest}"
 
     def _export(self, fn, tree, specs):
         """(export, output structure) of `fn` over flat arguments; None if it cannot be exported."""

@@ -82,7 +82,7 @@ _RUN = textwrap.dedent("""
     print(json.dumps({"compiled": c.compiled, "hits": c.cache_hits, "ready_s": ready,
                       "warm_builds": engine.warm_counts.builds, "tokens": out[0].token_ids,
                       "after": engine.compiles_after_warmup, "programs": len(engine.runner.programs),
-                      "programs_read": engine.runner.programs.loaded}))
+                      "programs_read": engine.runner.programs.loaded, "warm_ran": engine.warm_ran}))
     engine.shutdown()
 """)
 
@@ -123,6 +123,8 @@ def test_engines_started_together_share_their_compiles_and_a_restart_reads_them(
     # Every step shape (prefill, extend, decode, sampler, prompt log-probabilities) came back
     # as a stored export.
     assert first["programs"] == warm["programs"] == warm["programs_read"] > 0, (first, warm)
+    # The first starts ran the largest steps once; the restart, over the same programs, did not.
+    assert first["warm_ran"] and second["warm_ran"] and not warm["warm_ran"]
 
 
 _MIN_TIME = textwrap.dedent("""

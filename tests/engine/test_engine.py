@@ -78,10 +78,8 @@ def test_concurrent_requests_equal_their_single_runs(engine):
         assert out.text == alone[i % len(PROMPTS)].text
 
 
-def test_nothing_compiles_after_warmup(engine):
-    """Counted from JAX's own compile events on the engine's thread: every sampling option,
-    prompt log-probabilities and prefix-cache hits (extend steps) run on warmed programs."""
-    options = [SamplingParams(max_tokens=n, temperature=0.7, seed=n) for n in (1, 3, 5, 7, 9, 11)] + [
+def _every_option() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=0.7, seed=n) for n in (1, 3, 5, 7, 9, 11)] + [
         SamplingParams(max_tokens=4, top_p=0.5, top_k=3, seed=1),
         SamplingParams(max_tokens=4, min_p=0.2, seed=2),
         SamplingParams(max_tokens=4, logprobs=3, prompt_logprobs=2),
@@ -91,16 +89,54 @@ def test_nothing_compiles_after_warmup(engine):
         SamplingParams(max_tokens=4, temperature=0.9, seed=3, allowed_token_ids=(5, 9, 40)),
         SamplingParams(max_tokens=4, temperature=0.0, bad_words=("the", "fox jumps")),
     ]
-    prompts = (PROMPTS * 2)[:len(options)]  # one prompt per option: each option runs
+
+
+def _run_every_option(engine) -> list[list[list[int]]]:
+    """Every option in a batch, twice (the second time, prompts start from cached blocks);
+    the token ids of each time."""
+    options = _every_option()
+    prompts = (PROMPTS * 3)[:len(options)]  # one prompt per option: each option runs
     extends = engine.stats()["extend_steps"]
-    for _ in range(2):  # the second time, prompts start from cached blocks
-        engine.generate_batch(prompts, options)
+    outs = [[o.token_ids for o in engine.generate_batch(prompts, options)] for _ in range(2)]
     assert engine.stats()["extend_steps"] > extends
+    return outs
+
+
+def test_nothing_compiles_after_warmup(engine):
+    """Counted from JAX's own compile events on the engine's thread: every sampling option,
+    prompt log-probabilities and prefix-cache hits (extend steps) run on warmed programs."""
+    _run_every_option(engine)
     assert engine.compiles_after_warmup == 0
     buckets = engine.config.prefill_buckets()
     # at least: prefill, prompt log-probabilities and extend per bucket, several-row extend per
     # bucket up to 64, decode
     assert engine.warm_compiles >= 3 * len(buckets) + len([b for b in buckets if b <= 64]) + 1
+
+
+def test_a_restart_over_proven_programs_skips_the_warm_up_runs_and_compiles_nothing(engine, checkpoint):
+    """The module's engine ran the largest steps once (or an engine alike did before it), with
+    every program from the program store: an engine started alike over the same compilation
+    cache then skips those runs, and still compiles nothing after warm-up, on any option,
+    with the same outputs."""
+    assert engine.runner.programs.traced == 0 and len(engine.runner.programs) > 0
+    restarted = Engine.from_pretrained(str(checkpoint), EngineConfig(**ENGINE_SHAPE)).start()
+    try:
+        assert restarted.warm_ran is False
+        # Seeded and greedy rows give the same tokens (unseeded ones draw from each engine's
+        # own generator).
+        fixed = [i for i, o in enumerate(_every_option()) if o.seed is not None or o.temperature == 0]
+        assert len(fixed) >= 9
+        for ours, theirs in zip(_run_every_option(restarted), _run_every_option(engine)):
+            assert [ours[i] for i in fixed] == [theirs[i] for i in fixed]
+        assert restarted.compiles_after_warmup == 0
+    finally:
+        restarted.shutdown()
+    # Another shape is another set of programs: its first start runs them.
+    other = Engine.from_pretrained(str(checkpoint), EngineConfig(**dict(ENGINE_SHAPE, max_batch=3))).start()
+    try:
+        assert other.warm_ran is True
+    finally:
+        other.shutdown()
 
 
 def test_only_the_allowed_token_ids_are_generated(engine):
@@ -315,8 +351,10 @@ def test_abort_by_id_while_waiting_and_running(engine):
 def test_warmup_runs_only_the_largest_shape_of_each_kind_of_step(checkpoint):
     """Every shape is compiled ahead of time; running the smaller ones too would cost time
     that grows with depth and check nothing more (test_nothing_compiles_after_warmup: they
-    then run without a compile)."""
+    then run without a compile). This engine's programs are taken as never proven (an
+    engine alike may have started over the session's cache before)."""
     eng = Engine.from_pretrained(str(checkpoint), EngineConfig(**ENGINE_SHAPE))
+    eng.runner.programs.proven = lambda check: False
     steps = eng._warm_steps()
     largest: dict[tuple, int] = {}
     for kind, inputs, _ in steps:

@@ -108,6 +108,44 @@ def test_a_program_compiled_for_avals_runs_on_arrays_without_tracing(tmp_path):
     assert calls == []
 
 
+def test_a_set_of_programs_is_proven_only_with_the_same_programs_and_check(tmp_path):
+    def store(*shapes, context="model A"):
+        s = ProgramStore(str(tmp_path), context)
+        for n in shapes:
+            s.compile("step", step, _args(n), donate=(1,))
+        return s
+
+    first = store(4, 6)
+    assert not first.proven("ran")
+    first.prove("ran")
+    assert store(6, 4).proven("ran")  # compiled in another order
+    assert not store(6, 4).proven("ran twice")  # another check
+    assert not store(4).proven("ran") and not store(4, 6, 5).proven("ran")  # fewer, more programs
+    assert not store(4, 6, context="model B").proven("ran")
+    assert not ProgramStore(str(tmp_path), "model A").proven("ran")  # none compiled
+    unstored = ProgramStore(None, "model A")
+    unstored.compile("step", step, _args(4), donate=(1,))
+    unstored.prove("ran")
+    assert not unstored.proven("ran")
+
+
+def test_a_start_with_a_program_traced_is_never_proven(tmp_path):
+    from jax.experimental import io_callback
+
+    fn = jax.jit(lambda x: io_callback(np.asarray, jax.ShapeDtypeStruct((3,), jnp.float32), x) + 1)
+
+    def store():
+        s = ProgramStore(str(tmp_path), "callbacks")
+        s.compile("step", step, _args(4), donate=(1,))
+        s.compile("cb", fn, (np.ones(3, np.float32),))
+        return s
+
+    first = store()
+    assert first.traced == 1
+    first.prove("ran")
+    assert not store().proven("ran")
+
+
 def test_a_torn_file_is_traced_again_and_replaced(tmp_path, caplog):
     ProgramStore(str(tmp_path), "model A").compile("step", step, _args(), donate=(1,))
     [path] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
@@ -147,6 +185,11 @@ def test_a_url_directory_goes_through_fsspec():
         restarted.compile("step", step, _args(), donate=(1,))
         assert restarted.loaded == 1
         _same(restarted.call("step", step, _args()), _reference())
+        assert not restarted.proven("ran")
+        restarted.prove("ran")
+        again = ProgramStore(url, "model A")
+        again.compile("step", step, _args(), donate=(1,))
+        assert again.proven("ran")
     finally:
         fsspec.filesystem("memory").rm(url, recursive=True)
 
