@@ -88,6 +88,30 @@ def test_tpu_kernel_steps_over_blocks_of_kv_heads(monkeypatch):
         assert_close(paged_attention(*case, window=13, platform="tpu", interpret=True), want, jnp.float32)
 
 
+@pytest.mark.parametrize("kv_heads,heads,bs,pages,window", [
+    (8, 32, 8, 1, None),  # one page: one page a step
+    (8, 32, 128, 5, None),  # Llama-3-8B's heads: all 8 a step, an odd page count
+    (16, 64, 128, 4, 300),  # 8 of 16 heads a step, a window across pages
+    (4, 28, 8, 6, 20),  # 7 query heads per kv head (Qwen2.5-7B)
+])
+def test_tpu_decode_computes_every_head_of_a_step_at_once(kv_heads, heads, bs, pages, window):
+    """The decode kernel's block-diagonal product over a step's heads and pages equals the
+    naive loop, for the head blocks decode_heads_per_step picks."""
+    case = random_case(12, c=1, groups=3, pages=pages, kv_heads=kv_heads, heads=heads, bs=bs, d=16)
+    assert_close(paged_attention(*case, window=window, platform="tpu", interpret=True),
+                 naive_paged_attention(*case, window=window), jnp.float32)
+
+
+def test_tpu_decode_heads_per_step():
+    from kernels.paged_attention import tpu
+
+    assert tpu.decode_heads_per_step(8, 4, 128) == 8  # Llama-3-8B: 1024 keys of a page a step
+    assert tpu.decode_heads_per_step(16, 4, 128) == 8
+    assert tpu.decode_heads_per_step(32, 1, 128) == 32  # no block of whole sublane tiles: every head
+    assert tpu.decode_heads_per_step(32, 4, 16) == 32
+    assert tpu.decode_heads_per_step(1, 7, 128) == 1
+
+
 def test_null_page_rows_stay_finite():
     """Idle groups (position 0, every page the null page) give finite output on every platform."""
     q, k, v, tables, _ = random_case(8, groups=2, pages=3)
