@@ -5,9 +5,9 @@ Grid (Q, Hkv / hb, P). A group's queries for hb kv heads, [hb, C * G, D] with th
 heads that share each, stay in VMEM across the page axis; each step's K and V blocks are
 one page [hb, bs, D] of those heads, picked by the block table through scalar prefetch (the
 page index map), so the DMA engine fetches exactly the group's own pages, tile-aligned
-(bs, D). hb is as many heads as fit VMEM (all of them for decode): a step has a fixed
-cost, and one head's page alone is too little work to hide it (TPU v5e, Llama-3-8B decode:
-one head per step read 124 GB/s, under the XLA formulation's 300).
+(bs, D). hb is as many heads as fit VMEM: a step has a fixed cost, and one head's page
+alone is too little work to hide it (TPU v5e, Llama-3-8B decode, when it ran through this
+kernel: one head per step read 124 GB/s, under the XLA formulation's 300).
 Steps past the group's last query position, or wholly before its window, repeat the
 previous block index (no copy) and skip the compute. An online softmax over pages keeps
 running max and sum as [C * G, 128] lane-replicated scratch, as Mosaic prefers.

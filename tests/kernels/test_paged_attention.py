@@ -72,11 +72,11 @@ def test_bf16_and_long_tables(platform):
 
 
 def test_tpu_kernel_steps_over_blocks_of_kv_heads(monkeypatch):
-    """A TPU grid step takes as many kv heads as fit its VMEM budget: all of them for decode,
-    fewer for long chunks, one when even two would not fit; every split gives the same result."""
+    """A TPU grid step of the chunk kernel takes as many kv heads as fit its VMEM budget: all
+    of them for short chunks, fewer for long ones, one when even two would not fit; every split gives the same result."""
     from kernels.paged_attention import tpu
 
-    assert tpu.heads_per_step(8, 4, 128, 128, 2) == 8  # Llama-3-8B decode: every head at once
+    assert tpu.heads_per_step(8, 4, 128, 128, 2) == 8  # one query of Llama-3-8B: every head at once
     assert tpu.heads_per_step(8, 512, 128, 128, 2) == 4  # a 128-token chunk, 4 query heads each
     assert tpu.heads_per_step(4, 8192, 128, 128, 2) == 1
     assert tpu.heads_per_step(6, 1024, 128, 128, 4) in (1, 2, 3)  # a divisor of the kv heads
