@@ -13,6 +13,9 @@
 #                kernels and through XLA (benchmarks/multi_lora.py; about 3 minutes)
 #   async        decode steps with async_decode on and off, LoRA off and 8 adapters, at Llama-3-8B
 #                layer widths (benchmarks/async_decode.py; about 4 minutes)
+#   long         decode at long contexts (64 sequences of 2048 tokens, 8 layers of Llama-3-8B widths,
+#                bfloat16), the Pallas kernels against XLA's attention (benchmarks/long_decode.py;
+#                about 4 minutes)
 #   starts       engine starts (benchmarks/engine_scale.py --start-only): 4- and 32-layer warm-ups,
 #                then 8 layers of Llama-3-8B widths in bfloat16 over an empty compilation cache,
 #                then over that cache (16 layers ran out of a 16 GB chip while their random
@@ -71,6 +74,8 @@ for mode in "${@:-check}"; do
     async)
       timeout 280 python3 -m benchmarks.async_decode --large --backend pallas 2>&1 \
         | tee "$OUT/async_decode.log" | grep -v Warn | tail -6 ;;
+    long)
+      timeout 300 python3 -m benchmarks.long_decode 2>&1 | tee "$OUT/long_decode.log" | grep -v Warn | tail -8 ;;
     starts)
       timeout 450 python3 -m benchmarks.engine_scale --start-only --layers 8 --dtype bfloat16 --widths 8b \
         --depth-widths 1024 2>&1 | tee "$OUT/engine_starts.log" | tail -12 ;;

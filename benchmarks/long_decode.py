@@ -1,0 +1,85 @@
+"""Decode at long contexts: the step's time against the bytes it must read (weights and KV),
+per attention backend.
+
+    python -m benchmarks.long_decode [--tiny] [--batch 64] [--context 2048] [--new-tokens 32]
+
+A batch of `--batch` sequences with prompts of `--context` tokens decodes `--new-tokens`
+tokens each, greedy, LoRA off, on 8 layers of Llama-3-8B widths in bfloat16 (`--tiny`: 2
+layers of hidden 128 in float32, to check that it runs). At such contexts a decode step reads
+more KV than weights: its time is mostly attention's. Each attention backend the platform
+has (the Pallas kernels and XLA's formulation on an accelerator, XLA alone on CPU) runs in an
+engine of its own over the same weights. A step's time is the engine's own count
+(`decode_seconds`, wall clock, host work included), best mean of `--repeats` batches; the
+byte roofline is the weights' bytes plus the K and V of the batch's tokens (the mean context
+over the decode), over the chip's bandwidth (`--gbps`, TPU v5e's 819 by default).
+
+Last line: `step_ms_<backend>=<f> ... bytes_roofline_ms=<f> kv_gbps_<backend>=<f> ...
+compiles_after_warmup=<n>`, where kv_gbps is the KV bytes over the step's time less the
+weights' time at the roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import jax
+
+from benchmarks.common import decode_step_s, demo_tokenizer, print_table, synthetic_config, synthetic_engine
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.sampling import SamplingParams
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="2 layers of hidden 128 (a test's size)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens per sequence")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--gbps", type=float, default=819.0, help="the device's memory bandwidth, GB/s")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        shape, dtype = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256), "float32"
+    else:
+        shape, dtype = dict(hidden=4096, layers=8, heads=32, kv_heads=8, intermediate=14336), "bfloat16"
+    tokenizer = demo_tokenizer()
+    model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
+    prompt = [3 + (i % 50) for i in range(args.context)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    backends = ("xla",) if jax.default_backend() == "cpu" else ("pallas", "xla")
+    head_dim = shape["hidden"] // shape["heads"]
+    itemsize = jax.numpy.dtype(dtype).itemsize
+    mean_context = args.context + args.new_tokens / 2
+    kv_bytes = 2 * args.batch * shape["layers"] * shape["kv_heads"] * head_dim * itemsize * mean_context
+    step_ms, compiles, weight_bytes = {}, 0, 0
+    for backend in backends:
+        config = EngineConfig(max_batch=args.batch, max_seq_len=args.context + args.new_tokens + 1,
+                              max_loras_per_batch=0, attention_backend=backend)
+        engine = synthetic_engine(model_config, config, tokenizer)
+        weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
+        engine.start()
+        try:
+            step_ms[backend] = 1e3 * decode_step_s(engine, [None] * args.batch, prompt, params, args.repeats)
+            compiles += engine.compiles_after_warmup
+        finally:
+            engine.shutdown()
+        del engine  # its KV cache goes before the next engine plans its own
+        gc.collect()
+    weights_ms = 1e3 * weight_bytes / (args.gbps * 1e9)
+    roofline_ms = weights_ms + 1e3 * kv_bytes / (args.gbps * 1e9)
+    kv_gbps = {b: kv_bytes / max((step_ms[b] - weights_ms) * 1e-3, 1e-9) / 1e9 for b in backends}
+    print(f"device={jax.devices()[0].platform} model={shape} dtype={dtype} batch={args.batch} "
+          f"context={args.context} new_tokens={args.new_tokens} weights={weight_bytes / 2**30:.2f}GiB "
+          f"kv_per_step={kv_bytes / 2**30:.2f}GiB")
+    print_table(["attention", "step_ms", "over roofline", "KV GB/s (weights at the roofline)", "tokens/s"],
+                [(b, step_ms[b], step_ms[b] / roofline_ms, kv_gbps[b], args.batch * 1e3 / step_ms[b])
+                 for b in backends])
+    result = {**{f"step_ms_{b}": step_ms[b] for b in backends}, "bytes_roofline_ms": roofline_ms,
+              **{f"kv_gbps_{b}": kv_gbps[b] for b in backends}, "compiles_after_warmup": compiles}
+    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    return result
+
+
+if __name__ == "__main__":
+    main()
