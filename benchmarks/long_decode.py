@@ -1,7 +1,7 @@
 """Decode at long contexts: the step's time against the bytes it must read (weights and KV),
 per attention backend.
 
-    python -m benchmarks.long_decode [--tiny] [--batch 64] [--context 2048] [--new-tokens 32]
+    python -m benchmarks.long_decode [--tiny] [--batch 64] [--context 2048] [--new-tokens 32] [--attention pallas,xla]
 
 A batch of `--batch` sequences with prompts of `--context` tokens decodes `--new-tokens`
 tokens each, greedy, LoRA off, on 8 layers of Llama-3-8B widths in bfloat16 (`--tiny`: 2
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--gbps", type=float, default=819.0, help="the device's memory bandwidth, GB/s")
+    parser.add_argument("--attention", default=None,
+                        help="comma-separated attention backends (default: pallas,xla on an accelerator, xla on CPU)")
     args = parser.parse_args(argv)
     if args.tiny:
         shape, dtype = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256), "float32"
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
     prompt = [3 + (i % 50) for i in range(args.context)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    backends = ("xla",) if jax.default_backend() == "cpu" else ("pallas", "xla")
+    backends = (tuple(args.attention.split(",")) if args.attention
+                else ("xla",) if jax.default_backend() == "cpu" else ("pallas", "xla"))
     head_dim = shape["hidden"] // shape["heads"]
     itemsize = jax.numpy.dtype(dtype).itemsize
     mean_context = args.context + args.new_tokens / 2

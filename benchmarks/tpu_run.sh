@@ -91,7 +91,7 @@ for mode in "${@:-check}"; do
       timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \
         --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
-      echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, async, starts, restarts, profile," \
+      echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, async, long, starts, restarts, profile," \
         "load, smoke)" >&2
       exit 2 ;;
   esac

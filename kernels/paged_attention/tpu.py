@@ -1,16 +1,17 @@
 """Paged attention on TPU (Mosaic).
 
-Chunks of queries (prefill, extend): one grid step per (group, block of kv heads, page).
-Grid (Q, Hkv / hb, P). A group's queries for hb kv heads, [hb, C * G, D] with the G query
-heads that share each, stay in VMEM across the page axis; each step's K and V blocks are
-one page [hb, bs, D] of those heads, picked by the block table through scalar prefetch (the
+Chunks of queries (prefill, extend): one grid step per (group, block of kv heads, block of
+queries, page). Grid (Q, Hkv / hb, C / cq, P). A block of cq of a group's queries for hb kv
+heads, [hb, cq * G, D] with the G query heads that share each, stays in VMEM across the page
+axis (cq = C unless that overflows VMEM: a long chunk is cut into blocks); each step's K and
+V blocks are one page [hb, bs, D] of those heads, picked by the block table through scalar prefetch (the
 page index map), so the DMA engine fetches exactly the group's own pages, tile-aligned
 (bs, D). hb is as many heads as fit VMEM: a step has a fixed cost, and one head's page
 alone is too little work to hide it (TPU v5e, Llama-3-8B decode, when it ran through this
 kernel: one head per step read 124 GB/s, under the XLA formulation's 300).
 Steps past the group's last query position, or wholly before its window, repeat the
 previous block index (no copy) and skip the compute. An online softmax over pages keeps
-running max and sum as [C * G, 128] lane-replicated scratch, as Mosaic prefers.
+running max and sum as [cq * G, 128] lane-replicated scratch, as Mosaic prefers.
 
 Decode (one query per group): a step takes DECODE_PAGES pages of hb kv heads and computes
 every head at once, in one product of the step's [hb * G, D] queries against its
@@ -51,8 +52,9 @@ def _page_range(start, c: int, bs: int, window: int | None):
 
 def _kernel(tables_ref, starts_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
             sm_scale: float, window: int | None, c: int, g: int, bs: int, pages: int, hb: int):
-    group, page = pl.program_id(0), pl.program_id(2)
-    start = starts_ref[group]
+    """One step: a page of hb kv heads against a block of c queries (c * G rows a head)."""
+    group, page = pl.program_id(0), pl.program_id(3)
+    start = starts_ref[group] + pl.program_id(2) * c  # the block's first query position
     first, last = _page_range(start, c, bs, window)
 
     @pl.when(page == 0)
@@ -89,22 +91,35 @@ def _kernel(tables_ref, starts_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, ac
             o_ref[h] = (acc_ref[h] / jnp.maximum(l, 1e-30)).astype(o_ref.dtype)
 
 
-# VMEM a grid step may take (its double-buffered blocks and the softmax scratch): well under
-# the 16 MiB Mosaic allows a kernel by default.
+# VMEM a grid step may take (its double-buffered blocks, the softmax scratch and a head's
+# scores): well under the 16 MiB Mosaic allows a kernel by default.
 VMEM_BUDGET = 8 << 20
+SCORE_COPIES = 5  # [rows, bs] f32 arrays a head's step keeps live: scores, positions, mask, p
+
+
+def _step_bytes(hb: int, rows: int, bs: int, d: int, itemsize: int) -> int:
+    blocks = 2 * hb * (2 * bs * d + 2 * rows * d) * itemsize  # K, V, q, out; double-buffered
+    return blocks + hb * rows * (2 * LANES + d) * 4 + SCORE_COPIES * rows * bs * 4  # m, l, acc; scores
 
 
 def heads_per_step(kv_heads: int, rows: int, bs: int, d: int, itemsize: int) -> int:
     """The most kv heads (a divisor of kv_heads) one grid step takes within VMEM_BUDGET.
 
     A step costs a fixed overhead beside its DMA, and one page of one head is small ([bs, D],
-    32 KiB at 128 x 128 bf16): a decode step of one head per page is mostly overhead, so a step
-    takes every head it can. `rows` = C * G query rows per head."""
-    def step_bytes(hb: int) -> int:
-        blocks = 2 * hb * (2 * bs * d + 2 * rows * d) * itemsize  # K, V, q, out; double-buffered
-        return blocks + hb * rows * (2 * LANES + d) * 4  # m, l, acc
-    fits = [hb for hb in range(1, kv_heads + 1) if kv_heads % hb == 0 and step_bytes(hb) <= VMEM_BUDGET]
+    32 KiB at 128 x 128 bf16): a step of one head per page is mostly overhead for a short
+    chunk, so a step takes every head it can. `rows` = C * G query rows per head."""
+    fits = [hb for hb in range(1, kv_heads + 1)
+            if kv_heads % hb == 0 and _step_bytes(hb, rows, bs, d, itemsize) <= VMEM_BUDGET]
     return max(fits, default=1)
+
+
+def queries_per_step(c: int, g: int, bs: int, d: int, itemsize: int) -> int:
+    """The queries of a chunk one grid step takes: all c where one head's step fits
+    VMEM_BUDGET, else the most (a divisor of c, its rows whole sublane tiles) that do; a
+    2048-token chunk of Llama-3-8B's 4 query heads a kv head asked for 30 MiB as one block."""
+    fits = [cq for cq in range(1, c + 1) if c % cq == 0 and (cq == c or cq * g % 16 == 0)]
+    within = [cq for cq in fits if _step_bytes(1, cq * g, bs, d, itemsize) <= VMEM_BUDGET]
+    return max(within, default=min(fits))
 
 
 def _decode_kernel(tables_ref, starts_ref, q_ref, *refs, sm_scale: float, window: int | None, g: int, bs: int,
@@ -236,33 +251,36 @@ def tpu_paged_attention(
     # [Q, Hkv, C*G, D]: a kv head's query heads, for every query of the group, as one block.
     qh = q.reshape(groups, c, kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(groups, kv_heads, c * g, d)
 
-    hb = heads_per_step(kv_heads, c * g, bs, d, jnp.dtype(k_pages.dtype).itemsize)
+    itemsize = jnp.dtype(k_pages.dtype).itemsize
+    cq = queries_per_step(c, g, bs, d, itemsize)
+    hb = heads_per_step(kv_heads, cq * g, bs, d, itemsize)
 
-    def page_index(group, head, page, tables, starts):
-        first, last = _page_range(starts[group], c, bs, window)
+    def page_index(group, head, block, page, tables, starts):
+        first, last = _page_range(starts[group] + block * cq, cq, bs, window)
         return head, tables[group * pages + jnp.clip(page, first, last)], 0, 0
 
-    def q_index(group, head, page, tables, starts):
-        return group, head, 0, 0
+    def q_index(group, head, block, page, tables, starts):
+        return group, head, block, 0
 
     out = pl.pallas_call(
-        functools.partial(_kernel, sm_scale=scale, window=window, c=c, g=g, bs=bs, pages=pages, hb=hb),
+        functools.partial(_kernel, sm_scale=scale, window=window, c=cq, g=g, bs=bs, pages=pages, hb=hb),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(groups, kv_heads // hb, pages),
+            grid=(groups, kv_heads // hb, c // cq, pages),
             in_specs=[
-                pl.BlockSpec((None, hb, c * g, d), q_index),
+                pl.BlockSpec((None, hb, cq * g, d), q_index),
                 pl.BlockSpec((hb, None, bs, d), page_index),
                 pl.BlockSpec((hb, None, bs, d), page_index),
             ],
-            out_specs=pl.BlockSpec((None, hb, c * g, d), q_index),
+            out_specs=pl.BlockSpec((None, hb, cq * g, d), q_index),
             scratch_shapes=[
-                pltpu.VMEM((hb, c * g, LANES), jnp.float32),
-                pltpu.VMEM((hb, c * g, LANES), jnp.float32),
-                pltpu.VMEM((hb, c * g, d), jnp.float32),
+                pltpu.VMEM((hb, cq * g, LANES), jnp.float32),
+                pltpu.VMEM((hb, cq * g, LANES), jnp.float32),
+                pltpu.VMEM((hb, cq * g, d), jnp.float32),
             ],
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paged_attention",

@@ -88,6 +88,26 @@ def test_tpu_kernel_steps_over_blocks_of_kv_heads(monkeypatch):
         assert_close(paged_attention(*case, window=13, platform="tpu", interpret=True), want, jnp.float32)
 
 
+def test_tpu_chunk_kernel_cuts_a_long_chunk_into_query_blocks(monkeypatch):
+    """A chunk whose one-head step would overflow VMEM goes through blocks of its queries
+    (a 2048-token chunk of Llama-3-8B's heads asked for 30 MiB of the 16 Mosaic allows);
+    every cut gives the same result, windows and shared pages included."""
+    from kernels.paged_attention import tpu
+
+    assert tpu.queries_per_step(64, 4, 128, 128, 2) == 64
+    assert tpu.queries_per_step(2048, 4, 128, 128, 2) == 256
+    assert tpu.queries_per_step(512, 4, 128, 128, 2) == 256
+    assert tpu.queries_per_step(2048, 7, 128, 128, 2) in (64, 128)  # its rows whole tiles of 16
+    case = random_case(13, c=16, groups=2, pages=6, kv_heads=2, heads=8, bs=8, shared_prefix=2)
+    default = tpu.VMEM_BUDGET
+    for window in (None, 11):
+        want = naive_paged_attention(*case, window=window)
+        for budget, blocks in ((default, 1), (40 << 10, 4)):
+            monkeypatch.setattr(tpu, "VMEM_BUDGET", budget)
+            assert 16 // tpu.queries_per_step(16, 4, 8, 32, 4) == blocks
+            assert_close(paged_attention(*case, window=window, platform="tpu", interpret=True), want, jnp.float32)
+
+
 @pytest.mark.parametrize("kv_heads,heads,bs,pages,window", [
     (8, 32, 8, 1, None),  # one page: one page a step
     (8, 32, 128, 5, None),  # Llama-3-8B's heads: all 8 a step, an odd page count
@@ -147,10 +167,10 @@ def _abstract(model, tp, groups, c, bs, max_seq_len=8192, num_pages=4096):
 
 
 @pytest.mark.parametrize("model,tp", [(m, tp) for m in MODELS for tp in TP[m]])
-@pytest.mark.parametrize("groups,c", [(64, 1), (8, 64), (1, 512)])
+@pytest.mark.parametrize("groups,c", [(64, 1), (8, 64), (1, 512), (1, 2048)])
 def test_tpu_lowering_real_shapes(model, tp, groups, c):
-    """Decode (64 sequences), the several-sequence extend (8 x 64) and a 512-token chunk, per
-    device under TP, 128-token pages (the TPU default), with and without a window."""
+    """Decode (64 sequences), the several-sequence extend (8 x 64), a 512- and a 2048-token
+    chunk, per device under TP, 128-token pages (the TPU default), with and without a window."""
     args = _abstract(model, tp, groups, c, bs=128)
     for window in (None, 4096):
         text = jax.jit(lambda *a: paged_attention(*a, window=window, platform="tpu")).trace(*args).lower(
