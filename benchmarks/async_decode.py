@@ -26,7 +26,8 @@ import tempfile
 import jax
 
 from benchmarks.common import (
-    decode_step_s, demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter,
+    LARGE_SHAPE, TINY_SHAPE, decode_step_s, demo_tokenizer, print_table, synthetic_config, synthetic_engine,
+    write_random_adapter,
 )
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.sampling import SamplingParams
@@ -42,9 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     batch, rank = 8, 16
     if args.large:
-        shape, dtype = dict(hidden=4096, layers=8, heads=32, kv_heads=8, intermediate=14336), "bfloat16"
+        shape, dtype = LARGE_SHAPE, "bfloat16"
     elif args.tiny:
-        shape, dtype = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256), "float32"
+        shape, dtype = TINY_SHAPE, "float32"
     else:
         shape, dtype = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816), "float32"
     tokenizer = demo_tokenizer()

@@ -41,6 +41,12 @@ def synthetic_hf_config(
     }
 
 
+# The engine benchmarks' model shapes: 8 of Llama-3-8B's layers (they fit one 16 GB
+# accelerator with their KV), and a test's size.
+LARGE_SHAPE = dict(hidden=4096, layers=8, heads=32, kv_heads=8, intermediate=14336)
+TINY_SHAPE = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256)
+
+
 def synthetic_config(**shape) -> ModelConfig:
     """A Llama config of the given shape (random weights; the sizes set the work)."""
     return ModelConfig.from_hf_dict(synthetic_hf_config(**shape))

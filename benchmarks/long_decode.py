@@ -25,7 +25,9 @@ import gc
 
 import jax
 
-from benchmarks.common import decode_step_s, demo_tokenizer, print_table, synthetic_config, synthetic_engine
+from benchmarks.common import (
+    LARGE_SHAPE, TINY_SHAPE, decode_step_s, demo_tokenizer, print_table, synthetic_config, synthetic_engine,
+)
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.sampling import SamplingParams
 
@@ -41,10 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--attention", default=None,
                         help="comma-separated attention backends (default: pallas,xla on an accelerator, xla on CPU)")
     args = parser.parse_args(argv)
-    if args.tiny:
-        shape, dtype = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256), "float32"
-    else:
-        shape, dtype = dict(hidden=4096, layers=8, heads=32, kv_heads=8, intermediate=14336), "bfloat16"
+    shape, dtype = (TINY_SHAPE, "float32") if args.tiny else (LARGE_SHAPE, "bfloat16")
     tokenizer = demo_tokenizer()
     model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
     prompt = [3 + (i % 50) for i in range(args.context)]

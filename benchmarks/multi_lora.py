@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks import rank_pool
 from benchmarks.common import (
-    best_time, decode_step_s, demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter,
+    LARGE_SHAPE, best_time, decode_step_s, demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter,
 )
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.sampling import SamplingParams
@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rank, distinct = 16, 8
     if args.large:
-        shape = dict(hidden=4096, layers=8, heads=32, kv_heads=8, intermediate=14336)
-        dtype = "bfloat16"
+        shape, dtype = LARGE_SHAPE, "bfloat16"
     else:
         shape = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816)
         dtype = "float32"
