@@ -131,8 +131,9 @@ def test_a_restart_over_proven_programs_skips_the_warm_up_runs_and_compiles_noth
         assert restarted.compiles_after_warmup == 0
     finally:
         restarted.shutdown()
-    # Another shape is another set of programs: its first start runs them.
-    other = Engine.from_pretrained(str(checkpoint), EngineConfig(**dict(ENGINE_SHAPE, max_batch=3))).start()
+    # Another shape (one no other test builds) is another set of programs: its first start runs them.
+    other = Engine.from_pretrained(str(checkpoint), EngineConfig(**dict(ENGINE_SHAPE, max_batch=3, max_seq_len=80)))
+    other.start()
     try:
         assert other.warm_ran is True
     finally:
