@@ -15,7 +15,7 @@
 #                layer widths (benchmarks/async_decode.py; about 4 minutes)
 #   long         decode at long contexts (64 sequences of 2048 tokens, 8 layers of Llama-3-8B widths,
 #                bfloat16), the Pallas kernels against XLA's attention (benchmarks/long_decode.py;
-#                about 4 minutes)
+#                two engines started cold; about 6 minutes)
 #   starts       engine starts (benchmarks/engine_scale.py --start-only): 4- and 32-layer warm-ups,
 #                then 8 layers of Llama-3-8B widths in bfloat16 over an empty compilation cache,
 #                then over that cache (16 layers ran out of a 16 GB chip while their random
@@ -75,7 +75,7 @@ for mode in "${@:-check}"; do
       timeout 280 python3 -m benchmarks.async_decode --large --backend pallas 2>&1 \
         | tee "$OUT/async_decode.log" | grep -v Warn | tail -6 ;;
     long)
-      timeout 300 python3 -m benchmarks.long_decode 2>&1 | tee "$OUT/long_decode.log" | grep -v Warn | tail -8 ;;
+      timeout 420 python3 -m benchmarks.long_decode 2>&1 | tee "$OUT/long_decode.log" | grep -v Warn | tail -8 ;;
     starts)
       timeout 450 python3 -m benchmarks.engine_scale --start-only --layers 8 --dtype bfloat16 --widths 8b \
         --depth-widths 1024 2>&1 | tee "$OUT/engine_starts.log" | tail -12 ;;
