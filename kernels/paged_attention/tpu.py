@@ -176,12 +176,13 @@ DECODE_COLUMNS = 1024  # keys of a decode step's page across its heads (hb * bs)
 
 
 def decode_heads_per_step(kv_heads: int, g: int, bs: int) -> int:
-    """The kv heads one decode step computes at once: the most (a divisor of kv_heads) whose
-    keys of a page stay within DECODE_COLUMNS (the block-diagonal product costs hb times
-    its useful work) and whose query rows fill whole sublane tiles; every head if none does."""
-    fits = [hb for hb in range(1, kv_heads + 1)
-            if kv_heads % hb == 0 and hb * bs <= DECODE_COLUMNS and (hb == kv_heads or hb * g % 16 == 0)]
-    return max(fits, default=kv_heads)
+    """The kv heads one decode step computes at once: the most (a divisor of kv_heads, its
+    query rows whole sublane tiles, or every head) whose keys of a page stay within
+    DECODE_COLUMNS (the block-diagonal product costs hb times its useful work); where none
+    does (one query head a kv head: 16 heads make a tile), the fewest."""
+    tiled = [hb for hb in range(1, kv_heads + 1) if kv_heads % hb == 0 and (hb == kv_heads or hb * g % 16 == 0)]
+    fits = [hb for hb in tiled if hb * bs <= DECODE_COLUMNS]
+    return max(fits) if fits else min(tiled)
 
 
 def _tpu_decode_attention(q, k_pages, v_pages, block_tables, q_start, *, scale: float, window: int | None,

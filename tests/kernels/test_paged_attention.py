@@ -113,6 +113,7 @@ def test_tpu_chunk_kernel_cuts_a_long_chunk_into_query_blocks(monkeypatch):
     (8, 32, 128, 5, None),  # Llama-3-8B's heads: all 8 a step, an odd page count
     (16, 64, 128, 4, 300),  # 8 of 16 heads a step, a window across pages
     (4, 28, 8, 6, 20),  # 7 query heads per kv head (Qwen2.5-7B)
+    (32, 32, 128, 3, None),  # one query head each (multi-head attention): 16 of 32 heads a step
 ])
 def test_tpu_decode_computes_every_head_of_a_step_at_once(kv_heads, heads, bs, pages, window):
     """The decode kernel's block-diagonal product over a step's heads and pages equals the
@@ -127,7 +128,7 @@ def test_tpu_decode_heads_per_step():
 
     assert tpu.decode_heads_per_step(8, 4, 128) == 8  # Llama-3-8B: 1024 keys of a page a step
     assert tpu.decode_heads_per_step(16, 4, 128) == 8
-    assert tpu.decode_heads_per_step(32, 1, 128) == 32  # no block of whole sublane tiles: every head
+    assert tpu.decode_heads_per_step(32, 1, 128) == 16  # one query head each: 16 rows make a tile
     assert tpu.decode_heads_per_step(32, 4, 16) == 32
     assert tpu.decode_heads_per_step(1, 7, 128) == 1
 
@@ -154,8 +155,9 @@ def test_validation_names_the_argument():
         paged_attention(q, k, v, tables, q_start, platform="cuda")
 
 
-MODELS = {"llama3_8b": (32, 8, 128), "qwen2_5_7b": (28, 4, 128)}  # heads, kv heads, head_dim
-TP = {"llama3_8b": (1, 2, 4, 8), "qwen2_5_7b": (1, 2, 4)}  # Qwen2.5-7B's 28 heads do not split 8 ways
+# heads, kv heads, head_dim; Llama-2-7B: multi-head attention (a kv head per query head)
+MODELS = {"llama3_8b": (32, 8, 128), "qwen2_5_7b": (28, 4, 128), "llama2_7b": (32, 32, 128)}
+TP = {"llama3_8b": (1, 2, 4, 8), "qwen2_5_7b": (1, 2, 4), "llama2_7b": (1, 8)}  # Qwen2.5-7B's 28 heads do not split 8 ways
 
 
 def _abstract(model, tp, groups, c, bs, max_seq_len=8192, num_pages=4096):
