@@ -73,7 +73,8 @@ def test_bf16_and_long_tables(platform):
 
 def test_tpu_kernel_steps_over_blocks_of_kv_heads(monkeypatch):
     """A TPU grid step of the chunk kernel takes as many kv heads as fit its VMEM budget: all
-    of them for short chunks, fewer for long ones, one when even two would not fit; every split gives the same result."""
+    of them for short chunks, fewer for long ones, one when even two would not fit; every
+    split gives the same result."""
     from kernels.paged_attention import tpu
 
     assert tpu.heads_per_step(8, 4, 128, 128, 2) == 8  # one query of Llama-3-8B: every head at once
@@ -157,7 +158,8 @@ def test_validation_names_the_argument():
 
 # heads, kv heads, head_dim; Llama-2-7B: multi-head attention (a kv head per query head)
 MODELS = {"llama3_8b": (32, 8, 128), "qwen2_5_7b": (28, 4, 128), "llama2_7b": (32, 32, 128)}
-TP = {"llama3_8b": (1, 2, 4, 8), "qwen2_5_7b": (1, 2, 4), "llama2_7b": (1, 8)}  # Qwen2.5-7B's 28 heads do not split 8 ways
+# Qwen2.5-7B's 28 heads do not split 8 ways.
+TP = {"llama3_8b": (1, 2, 4, 8), "qwen2_5_7b": (1, 2, 4), "llama2_7b": (1, 8)}
 
 
 def _abstract(model, tp, groups, c, bs, max_seq_len=8192, num_pages=4096):
