@@ -688,7 +688,7 @@ class Engine:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Computes fresh sequences packed back to back (each attends to itself only)."""
-        self._settle_in_flight()  # the prefill would wait for it, and count its device time as its own
+        self._settle_in_flight()
         self._phase = list(seqs)
         total = sum(s.prefill_len for s in seqs)
         bucket = next(b for b in self.config.prefill_buckets() if b >= total)
@@ -810,7 +810,7 @@ class Engine:
     def _extend_rows(self, seqs: list[Sequence]) -> None:
         """Computes the whole rest of several prompts in one step, C tokens per sequence, and
         samples their next tokens."""
-        self._settle_in_flight()  # the prefill would wait for it, and count its device time as its own
+        self._settle_in_flight()
         self._phase = list(seqs)
         rest = [seq.prefill_len - seq.computed for seq in seqs]
         c = next(b for b in self._rows_buckets() if b >= max(rest))
@@ -836,7 +836,7 @@ class Engine:
     def _extend(self, seq: Sequence, n: int) -> None:
         """Computes tokens [computed, computed + n) of one sequence over its blocks; the last
         chunk samples its next token."""
-        self._settle_in_flight()  # the prefill would wait for it, and count its device time as its own
+        self._settle_in_flight()
         self._phase = [seq]
         start = seq.computed
         final = start + n == seq.prefill_len
@@ -920,7 +920,9 @@ class Engine:
             self._settle_step(step)
 
     def _settle_in_flight(self) -> None:
-        """Waits for the decode step in flight, if any, and settles its tokens."""
+        """Waits for the decode step in flight, if any, and settles its tokens. A prompt step
+        (prefill, extend) calls it first: on the device it would wait for that step anyway,
+        and its wall time would count that step's device time as its own."""
         step, self._in_flight = self._in_flight, None
         if step is not None:
             self._settle_step(step)
