@@ -188,14 +188,7 @@ class ProgramStore:
         if path is None:
             return
         try:
-            if "://" in path:
-                import fsspec
-
-                with fsspec.open(path, "wb") as f:
-                    f.write(b"")
-            else:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                pathlib.Path(path).touch()
+            _put(path, b"")
         except OSError as exc:
             logger.warning("could not mark the step programs as proven (%s)", exc)
 
@@ -258,22 +251,28 @@ class ProgramStore:
         data = pickle.dumps((bytes(exported.serialize()), out_tree))
         path = self._path(key)
         try:
-            if "://" in path:
-                import fsspec
-
-                with fsspec.open(path, "wb") as f:  # an object store's write lands whole or not at all
-                    f.write(data)
-            else:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                partial = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"  # the umask's mode, as JAX's cache files
-                with open(partial, "wb") as f:
-                    f.write(data)
-                os.replace(partial, path)  # readers never see half a file
+            _put(path, data)
         except OSError as exc:
             logger.warning("could not store step program %s (%s)", path, exc)
             return
         with self._lock:
             self.saved += 1
+
+
+def _put(path: str, data: bytes) -> None:
+    """Writes `data` at `path` (a local path or an fsspec URL) whole: readers never see half a
+    file. Raises OSError."""
+    if "://" in path:
+        import fsspec
+
+        with fsspec.open(path, "wb") as f:  # an object store's write lands whole or not at all
+            f.write(data)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"  # the umask's mode, as JAX's cache files
+    with open(partial, "wb") as f:
+        f.write(data)
+    os.replace(partial, path)
 
 
 def _named(fn, name: str):
