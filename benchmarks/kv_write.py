@@ -1,7 +1,7 @@
 """The KV cache's write and page read as XLA compiles them for this machine: do they touch the
 cache in place, or copy it?
 
-    python -m benchmarks.kv_write [--cache-gib G] [--dtype bfloat16]
+    python -m benchmarks.kv_write [--cache-gib G] [--dtype bfloat16] [--tokens 8,64,512] [--rounds 16]
 
 A decode step writes each token's K/V at its slot of the cache ([Hkv, L * N * bs, D] per K
 or V, donated, layer l's pages from l * N) and, through the XLA formulation, gathers each
@@ -17,7 +17,7 @@ the default backend:
 For each: XLA's memory analysis of the compiled function (temporary bytes, against the
 cache's bytes: a copy of the cache shows as about 1.0 per copy), the transposes and copies
 left in the optimized HLO, and the device's time per layer, taken as the slope between a call
-of one round of the layers and one of 16 rounds (writes of 8, 64 and 512 tokens; reads of 64
+of one round of the layers and one of `--rounds` (16) rounds (writes of 8, 64 and 512 tokens; reads of 64
 sequences of 4 pages). Last line:
 `write_temp_over_cache=<f> read_temp_over_cache=<f> write_us_per_layer=<f> read_us_per_layer=<f>`
 for the formulations lora_runtime uses, 64 tokens (else the first of --tokens).
@@ -92,11 +92,12 @@ def reading_layers(read):
 ROUNDS = 16  # the longer call's rounds of LAYERS writes
 
 
-def measure(fn, donate: bool, *args) -> dict:
+def measure(fn, donate: bool, *args, rounds_long: int = ROUNDS) -> dict:
     """Temporary bytes, transposes and copies of the compiled fn, and its time for LAYERS
-    calls on the device: the difference between ROUNDS rounds and one, over ROUNDS - 1."""
+    calls on the device: the difference between `rounds_long` rounds and one, over
+    `rounds_long` - 1."""
     times = []
-    for rounds in (1, ROUNDS):
+    for rounds in (1, rounds_long):
         jitted = jax.jit(functools.partial(fn, rounds=rounds), donate_argnums=(0,) if donate else ())
         compiled = jitted.lower(*args).compile()
         if rounds == 1:
@@ -114,7 +115,7 @@ def measure(fn, donate: bool, *args) -> dict:
         args = tuple(state["args"])
     return {"temp_bytes": getattr(memory, "temp_size_in_bytes", float("nan")),
             "transposes": text.count(" transpose("), "copies": text.count(" copy("),
-            "us": 1e6 * max(times[1] - times[0], 0.0) / (ROUNDS - 1), "call_us": 1e6 * times[0]}
+            "us": 1e6 * max(times[1] - times[0], 0.0) / (rounds_long - 1), "call_us": 1e6 * times[0]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,7 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--tokens", type=lambda v: [int(t) for t in v.split(",")], default=[8, TOKENS, 512],
                         help="tokens a write step writes (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="rounds of every layer in the longer timed call (at least 2)")
     args = parser.parse_args(argv)
+    if args.rounds < 2:
+        parser.error(f"--rounds={args.rounds} must be at least 2")
     dtype = jnp.dtype(args.dtype)
     slots_total = int(args.cache_gib * 2**30) // (HEADS * HEAD_DIM * dtype.itemsize) // (BLOCK * LAYERS) * BLOCK * LAYERS
     num_pages = slots_total // BLOCK
@@ -153,14 +158,15 @@ def main(argv: list[str] | None = None) -> None:
             same = all(bool(jnp.array_equal(o, want)) for o in out)
             del out
             zeros = jnp.zeros((HEADS, slots_total, HEAD_DIM), dtype)
-            got = measure(fn, True, (zeros, jnp.zeros_like(zeros)) if pair else zeros, x, slots)
+            got = measure(fn, True, (zeros, jnp.zeros_like(zeros)) if pair else zeros, x, slots,
+                          rounds_long=args.rounds)
             del zeros
             rows.append(("write", name, tokens, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"],
                          got["us"] / LAYERS, got["call_us"], same))
             if tokens == summary_tokens:
                 result.setdefault("write", got)  # the first formulation is lora_runtime's
     for name, fn in reads:
-        got = measure(fn, False, jnp.zeros((HEADS, num_pages, BLOCK, HEAD_DIM), dtype), table)
+        got = measure(fn, False, jnp.zeros((HEADS, num_pages, BLOCK, HEAD_DIM), dtype), table, rounds_long=args.rounds)
         rows.append(("read", name, TOKENS, got["temp_bytes"] / cache_bytes, got["transposes"], got["copies"],
                      got["us"] / LAYERS, got["call_us"], ""))
         result.setdefault("read", got)

@@ -7,7 +7,7 @@ from benchmarks import engine_device_check, kv_write
 
 
 def test_kv_write_compares_the_formulations(capsys):
-    kv_write.main(["--cache-gib", "0.01", "--dtype", "float32", "--tokens", "8"])
+    kv_write.main(["--cache-gib", "0.01", "--dtype", "float32", "--tokens", "8", "--rounds", "2"])
     lines = capsys.readouterr().out.strip().splitlines()
     rows = [line.split() for line in lines if line.split()[0] in ("write", "read")]
     assert len(rows) == 4  # two writes of 8 tokens, two reads (the Mosaic write only on a TPU)
