@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from cluster.access import AccessControl, Caller
@@ -247,9 +247,20 @@ def _replica_failed(e: RayActorError) -> OpenAIError:
                        status_code=503, error_type="server_error", code="replica_failed")
 
 
+def _cancelled() -> OpenAIError:
+    """A request whose replica call was cancelled. Serve cancels the calls of a request whose
+    client closed its connection, so this is a client leaving, not a fault: status 499 (as
+    Serve's proxy reports a disconnect), logged without a traceback."""
+    return OpenAIError("the request was cancelled before it ended (its client closed the connection)",
+                       status_code=499, error_type="server_error", code="cancelled")
+
+
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
     cause = unwrap_error(e)
+    if isinstance(cause, TaskCancelledError):  # Serve's RequestCancelledError too
+        logger.info("%s %s cancelled: its client left", request.method, request.url.path)
+        return _openai_response(_cancelled())
     if isinstance(cause, ServingError):
         return _error_response(_from_serving(cause).body(), cause.status_code)
     if isinstance(cause, _REFUSED_BY_SERVE):
@@ -752,9 +763,14 @@ class OpenAIIngress:
                         item = await anext(stream, None)
                     except Exception as e:  # the replica died mid-stream: say so, never end as if done
                         cause = unwrap_error(e)
-                        failed = _replica_failed(cause) if isinstance(cause, RayActorError) else OpenAIError(
-                            f"internal error: {cause!r}", status_code=500, error_type="server_error")
-                        if failed.status_code == 500:
+                        if isinstance(cause, TaskCancelledError):
+                            logger.info("stream %s cancelled: its client left", rid)
+                            failed = _cancelled()
+                        elif isinstance(cause, RayActorError):
+                            failed = _replica_failed(cause)
+                        else:
+                            failed = OpenAIError(f"internal error: {cause!r}", status_code=500,
+                                                 error_type="server_error")
                             logger.error("stream %s failed: %r", rid, cause, exc_info=cause)
                         item = {"error": failed.body()["error"]}
                     if item is None:  # the replica's stream ended before its last item

@@ -293,3 +293,44 @@ def test_the_openapi_schema_documents_every_status_and_content_type():
     assert set(ops["GET", "/metrics"]["responses"]["200"]["content"]) == {"text/plain"}
     assert set(ops["POST", "/v1/load_lora_adapter"]["responses"]["200"]["content"]) == {"text/plain"}
     assert set(ops["POST", "/v1/load_lora_adapter"]["responses"]["400"]["content"]) == {"application/json"}
+
+
+@pytest.mark.parametrize("cancelled", ["task", "request"])
+def test_a_replica_call_cancelled_because_its_client_left_is_a_499_not_an_internal_error(cancelled, caplog):
+    """Serve cancels the replica calls of a request whose client closed the connection: the
+    ingress answers 499 in the OpenAI format and logs it without an error; any other exception
+    is still a 500 logged with its traceback."""
+    import logging
+
+    from fastapi.testclient import TestClient
+    from ray.exceptions import TaskCancelledError
+    from ray.serve.exceptions import RequestCancelledError
+
+    app = _edge_app()
+    error = TaskCancelledError() if cancelled == "task" else RequestCancelledError("r-1")
+
+    @app.get("/cancelled")
+    async def cancelled_call():
+        raise error
+
+    @app.get("/broken")
+    async def broken_call():
+        raise TypeError("a bug of ours")
+
+    client = TestClient(app, raise_server_exceptions=False)
+    serve_logger = logging.getLogger("ray.serve")  # Ray's: it does not propagate to the root logger
+    serve_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="ray.serve"):
+            left = client.get("/cancelled")
+            left_logs = list(caplog.records)
+            caplog.clear()
+            broken = client.get("/broken")
+    finally:
+        serve_logger.removeHandler(caplog.handler)
+    assert left.status_code == 499
+    assert left.json()["error"]["code"] == "cancelled" and "client closed" in left.json()["error"]["message"]
+    assert not [rec for rec in left_logs if rec.levelno >= logging.WARNING]
+    assert any("cancelled: its client left" in rec.getMessage() for rec in left_logs)
+    assert broken.status_code == 500 and "a bug of ours" in broken.json()["error"]["message"]
+    assert any(rec.levelno == logging.ERROR and rec.exc_info for rec in caplog.records)
