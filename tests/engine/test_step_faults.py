@@ -14,6 +14,7 @@ import pytest
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import ISOLATION_STEPS, Engine
 from lora_runtime.engine.sampling import SamplingParams
+from lora_runtime.engine.scheduler import Admission
 from tests.helpers.checkpoints import save_tiny_llama
 
 POISON_SEED = 777  # the request whose steps fail
@@ -64,6 +65,24 @@ def _poisoned(engine, method: str, *, lose_cache: bool, after_steps: int):
     return real, step
 
 
+def _admitted_together(engine, count: int):
+    """The scheduler's admit, holding the first admission until `count` requests wait (the
+    requests of one generate_batch then share their prefill, as on a busy engine); returns the
+    real one. Later admissions (a failed step's requests, retried) are not held."""
+    scheduler = engine.scheduler
+    admit = scheduler.admit
+    held = [True]
+
+    def together(*args, **kw):
+        if held[0] and 0 < len(scheduler.waiting) < count:
+            return Admission()
+        held[0] = held[0] and not scheduler.waiting
+        return admit(*args, **kw)
+
+    scheduler.admit = together
+    return admit
+
+
 @pytest.mark.parametrize(("method", "after_steps"), [("prefill", 0), ("dispatch_decode", 2)])
 @pytest.mark.parametrize("lose_cache", [False, True], ids=["cache-kept", "cache-lost"])
 def test_a_step_failing_for_one_request_fails_that_request_alone(engine, method, after_steps, lose_cache):
@@ -72,11 +91,14 @@ def test_a_step_failing_for_one_request_fails_that_request_alone(engine, method,
     before = engine.stats()
     real, step = _poisoned(engine, method, lose_cache=lose_cache, after_steps=after_steps)
     setattr(engine.runner, method, step)
+    # All four in one batch from their prefill on, so the first failing step holds the others.
+    admit = _admitted_together(engine, len(prompts))
     try:
         params = [_params(i) for i in range(3)] + [_params(POISON_SEED)]
         outs = engine.generate_batch(prompts, params, return_errors=True)
     finally:
         setattr(engine.runner, method, real)
+        engine.scheduler.admit = admit
     assert [o.token_ids for o in outs[:3]] == healthy[:3]
     assert all(o.error is None and o.finish_reason == "length" for o in outs[:3])
     assert outs[3].error is not None and "poisoned step" in str(outs[3].error)
