@@ -761,7 +761,7 @@ class OpenAIIngress:
                         break
                     try:
                         item = await anext(stream, None)
-                    except Exception as e:  # the replica died mid-stream: say so, never end as if done
+                    except Exception as e:  # the replica died, or the call was cancelled: say so, never end as if done
                         cause = unwrap_error(e)
                         if isinstance(cause, TaskCancelledError):
                             logger.info("stream %s cancelled: its client left", rid)
