@@ -255,12 +255,31 @@ def _cancelled() -> OpenAIError:
                        status_code=499, error_type="server_error", code="cancelled")
 
 
+class _EventStream(StreamingResponse):
+    """A server-sent event stream that ends quietly when its client leaves. Serve's receive
+    raises RequestCancelledError then, which Starlette would raise on past the response's
+    start, for Serve to log as a failed request."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except TaskCancelledError:
+            logger.info("%s %s cancelled mid-stream: its client left", scope.get("method"), scope.get("path"))
+
+
+@app.exception_handler(TaskCancelledError)  # Serve's RequestCancelledError too
+async def _cancelled_call(request: Request, e: Exception) -> JSONResponse:
+    """A handler of its own class: Starlette re-raises what the handler of Exception answers,
+    for the server to log (Serve logs it as a failed request, with its traceback)."""
+    logger.info("%s %s cancelled: its client left", request.method, request.url.path)
+    return _openai_response(_cancelled())
+
+
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
     cause = unwrap_error(e)
-    if isinstance(cause, TaskCancelledError):  # Serve's RequestCancelledError too
-        logger.info("%s %s cancelled: its client left", request.method, request.url.path)
-        return _openai_response(_cancelled())
+    if isinstance(cause, TaskCancelledError):  # wrapped in an error not of its class
+        return await _cancelled_call(request, cause)
     if isinstance(cause, ServingError):
         return _error_response(_from_serving(cause).body(), cause.status_code)
     if isinstance(cause, _REFUSED_BY_SERVE):
@@ -683,7 +702,7 @@ class OpenAIIngress:
         answer = await self._respond(chat, caller, builder.id, payloads, [0], chat=True)
         if not chat.stream:
             return builder.from_chat(answer)
-        return StreamingResponse(builder.events(answer.body_iterator), media_type="text/event-stream")
+        return _EventStream(builder.events(answer.body_iterator), media_type="text/event-stream")
 
     def _charge(self, caller: Caller, last_items: list[dict], prompt_of: list[int]) -> None:
         """The tokens a response computed, against its key's token rate."""
@@ -715,7 +734,7 @@ class OpenAIIngress:
             if isinstance(body, CompletionRequest) and body.ranks_candidates():
                 results = _best_of(results, body.best_of, body.n, keep_logprobs=body.logprobs is not None)
             return self._full_response(rid, body.model, results, use, chat=chat, tools=_tools_of(body))
-        return StreamingResponse(
+        return _EventStream(
             self._sse_stream(rid, body.model, streams, prompt_of, chat=chat, include_usage=body.include_usage,
                              caller=caller, tools=_tools_of(body)),
             media_type="text/event-stream",

@@ -298,8 +298,8 @@ def test_the_openapi_schema_documents_every_status_and_content_type():
 @pytest.mark.parametrize("cancelled", ["task", "request"])
 def test_a_replica_call_cancelled_because_its_client_left_is_a_499_not_an_internal_error(cancelled, caplog):
     """Serve cancels the replica calls of a request whose client closed the connection: the
-    ingress answers 499 in the OpenAI format and logs it without an error; any other exception
-    is still a 500 logged with its traceback."""
+    ingress answers 499 in the OpenAI format, logs it without an error and does not raise it on
+    to the server; any other exception is still a 500 logged with its traceback."""
     import logging
 
     from fastapi.testclient import TestClient
@@ -317,15 +317,15 @@ def test_a_replica_call_cancelled_because_its_client_left_is_a_499_not_an_intern
     async def broken_call():
         raise TypeError("a bug of ours")
 
-    client = TestClient(app, raise_server_exceptions=False)
     serve_logger = logging.getLogger("ray.serve")  # Ray's: it does not propagate to the root logger
     serve_logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO, logger="ray.serve"):
-            left = client.get("/cancelled")
+            # Not raised on to the server either (which would log it as a failed request).
+            left = TestClient(app, raise_server_exceptions=True).get("/cancelled")
             left_logs = list(caplog.records)
             caplog.clear()
-            broken = client.get("/broken")
+            broken = TestClient(app, raise_server_exceptions=False).get("/broken")
     finally:
         serve_logger.removeHandler(caplog.handler)
     assert left.status_code == 499
@@ -334,3 +334,25 @@ def test_a_replica_call_cancelled_because_its_client_left_is_a_499_not_an_intern
     assert any("cancelled: its client left" in rec.getMessage() for rec in left_logs)
     assert broken.status_code == 500 and "a bug of ours" in broken.json()["error"]["message"]
     assert any(rec.levelno == logging.ERROR and rec.exc_info for rec in caplog.records)
+
+
+def test_an_event_stream_cancelled_after_its_start_ends_quietly():
+    """When the client of a stream leaves, Serve's receive raises RequestCancelledError past the
+    response's start: the stream ends there, and nothing is raised on to the server."""
+    from fastapi.testclient import TestClient
+    from ray.serve.exceptions import RequestCancelledError
+
+    from deployments.ingress import _EventStream
+
+    app = _edge_app()
+
+    async def events():
+        yield "data: 1\n\n"
+        raise RequestCancelledError("r-2")
+
+    @app.get("/events")
+    async def streamed():
+        return _EventStream(events(), media_type="text/event-stream")
+
+    r = TestClient(app, raise_server_exceptions=True).get("/events")
+    assert r.status_code == 200 and r.text == "data: 1\n\n"
