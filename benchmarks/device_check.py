@@ -333,6 +333,11 @@ def attention_cases(smoke: bool):
         ("prefill_chunk_128", dict(llama, groups=2, c=128, pages=4, dtype=bf), None),
         ("qwen_gqa7_window", dict(heads=28, kv_heads=4, d=128, bs=128, groups=3, c=4, pages=5, dtype=bf), 200),
         ("small_head_dim_64", dict(heads=8, kv_heads=8, d=64, bs=128, groups=4, c=1, pages=3, dtype=bf), None),
+        # Llama-2-7B's multi-head attention: one query head a kv head, 16 heads a decode step.
+        ("decode_mha_bf16", dict(heads=32, kv_heads=32, d=128, bs=128, groups=4, c=1, pages=4, dtype=bf), None),
+        ("decode_mha_f32_window", dict(heads=32, kv_heads=32, d=128, bs=128, groups=3, c=1, pages=3, dtype=f32), 200),
+        # A 2048-token chunk: the kernel cuts it into blocks of queries that fit its VMEM.
+        ("prefill_chunk_2048", dict(llama, groups=1, c=2048, pages=17, dtype=bf), None),
     ]
 
 
@@ -342,7 +347,8 @@ def attention_timings(smoke: bool):
     if smoke:
         return [("decode_small", dict(llama, heads=4, kv_heads=2, bs=16, groups=2, pages=2))]
     return [(f"decode_B{b}_ctx{p * 128}", dict(llama, groups=b, pages=p)) for b, p in ((8, 8), (32, 8), (32, 32),
-                                                                                        (64, 16))]
+                                                                                        (64, 16))] + [
+        ("decode_mha_B16_ctx1024", dict(llama, kv_heads=32, groups=16, pages=8))]
 
 
 # Calls chained in one program to time one: the wall time of a single call also counts its

@@ -5,7 +5,7 @@
 #   check        the Mosaic kernels against float64 / dense references, their block sweep, speed
 #                against the XLA formulations and the byte roofline (32-layer stacks of decode
 #                batches; benchmarks/device_check.py; about 4 minutes)
-#   correctness  only the kernels' and paged attention's correctness (under a minute)
+#   correctness  only the kernels' and paged attention's correctness (about two minutes)
 #   kv           the KV write and page read compiled for the chip (benchmarks/kv_write.py)
 #   engine       the engine on the demo model through the kernels and through XLA
 #                (benchmarks/engine_device_check.py; about 2 minutes)
@@ -14,8 +14,8 @@
 #   async        decode steps with async_decode on and off, LoRA off and 8 adapters, at Llama-3-8B
 #                layer widths (benchmarks/async_decode.py; about 4 minutes)
 #   long         decode at long contexts (64 sequences of 2048 tokens, 8 layers of Llama-3-8B widths,
-#                bfloat16), the Pallas kernels against XLA's attention (benchmarks/long_decode.py;
-#                two engines started cold; about 6 minutes)
+#                bfloat16), the Pallas kernels against XLA's attention, and the Pallas engine with 8
+#                rank-16 adapters (benchmarks/long_decode.py; three engines started cold; about 3 minutes)
 #   starts       engine starts (benchmarks/engine_scale.py --start-only): 4- and 32-layer warm-ups,
 #                then 8 layers of Llama-3-8B widths in bfloat16 over an empty compilation cache,
 #                then over that cache (16 layers ran out of a 16 GB chip while their random
@@ -56,7 +56,7 @@ for mode in "${@:-check}"; do
       timeout 250 python3 benchmarks/device_check.py --budget-s 215 --out "$OUT" 2>&1 | tee "$OUT/device_check.log" \
         | grep -v "^  BlockSizes" ;;
     correctness)
-      timeout 90 python3 benchmarks/device_check.py --sections env,correctness,attention --budget-s 80 \
+      timeout 130 python3 benchmarks/device_check.py --sections env,correctness,attention --budget-s 115 \
         --out "$OUT/correctness" 2>&1 | tee "$OUT/device_check_correctness.log" | tail -14 ;;
     kv)
       timeout 120 python3 -m benchmarks.kv_write --cache-gib 2 2>&1 | tee "$OUT/kv_write.log" | tail -8 ;;
@@ -75,7 +75,7 @@ for mode in "${@:-check}"; do
       timeout 280 python3 -m benchmarks.async_decode --large --backend pallas 2>&1 \
         | tee "$OUT/async_decode.log" | grep -v Warn | tail -6 ;;
     long)
-      timeout 420 python3 -m benchmarks.long_decode 2>&1 | tee "$OUT/long_decode.log" | grep -v Warn | tail -8 ;;
+      timeout 500 python3 -m benchmarks.long_decode --adapters 8 2>&1 | tee "$OUT/long_decode.log" | grep -v Warn | tail -8 ;;
     starts)
       timeout 450 python3 -m benchmarks.engine_scale --start-only --layers 8 --dtype bfloat16 --widths 8b \
         --depth-widths 1024 2>&1 | tee "$OUT/engine_starts.log" | tail -12 ;;
