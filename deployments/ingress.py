@@ -275,17 +275,40 @@ async def _cancelled_call(request: Request, e: Exception) -> JSONResponse:
     return _openai_response(_cancelled())
 
 
+@app.exception_handler(ServingError)  # also Ray's wrapper of one raised in a replica (a subclass of it)
+async def _serving_error(request: Request, e: Exception) -> JSONResponse:
+    """A request's or an adapter's error that no route turned into an OpenAI error itself. A
+    handler of its own class, so Starlette answers it and does not raise it on for Serve to log
+    as a failed request: it is the client's mistake, or a 503 to retry (logged as a warning)."""
+    cause = unwrap_error(e)
+    if cause.status_code >= 500:
+        logger.warning("%s %s: %s (%s); answered %d", request.method, request.url.path, cause,
+                       type(cause).__name__, cause.status_code)
+    return _error_response(_from_serving(cause).body(), cause.status_code)
+
+
+@app.exception_handler(RayActorError)
+async def _replica_died(request: Request, e: RayActorError) -> JSONResponse:
+    """A model-server replica that died under a request (Serve replaces it): a 503 to retry,
+    logged once here as a warning, not raised on to Serve as a failed request of ours."""
+    logger.warning("%s %s: the model-server replica failed (%s); answered 503", request.method,
+                   request.url.path, type(e).__name__)
+    return _openai_response(_replica_failed(e))
+
+
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, e: Exception) -> JSONResponse:
+    """Anything else. Starlette raises on what this handler answers, for the server to log; the
+    known errors wrapped in one of another class come out of it here."""
     cause = unwrap_error(e)
-    if isinstance(cause, TaskCancelledError):  # wrapped in an error not of its class
+    if isinstance(cause, TaskCancelledError):
         return await _cancelled_call(request, cause)
     if isinstance(cause, ServingError):
-        return _error_response(_from_serving(cause).body(), cause.status_code)
+        return await _serving_error(request, cause)
     if isinstance(cause, _REFUSED_BY_SERVE):
         return _openai_response(_unavailable(cause))
     if isinstance(cause, RayActorError):
-        return _openai_response(_replica_failed(cause))
+        return await _replica_died(request, cause)
     logger.error("internal error on %s %s: %r", request.method, request.url.path, cause, exc_info=cause)
     return JSONResponse(error_body(f"internal error: {cause!r}", "server_error"), status_code=500)
 

@@ -336,6 +336,50 @@ def test_a_replica_call_cancelled_because_its_client_left_is_a_499_not_an_intern
     assert any(rec.levelno == logging.ERROR and rec.exc_info for rec in caplog.records)
 
 
+def test_known_errors_no_route_converted_are_answered_and_not_raised_on_to_the_server(caplog):
+    """A ServingError (raised here, or in a replica and wrapped by Ray) and a replica that died
+    reach the app's handlers unconverted: each gets its own status in the OpenAI format, and none
+    is raised on to the server, which would log it as a failed request with a traceback."""
+    import logging
+
+    from fastapi.testclient import TestClient
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from lora_runtime.errors import AdapterNotFoundError, AdapterUnavailableError, InvalidRequestError
+
+    app = _edge_app()
+    raised = {
+        "/bad": InvalidRequestError("temperature must be >= 0", param="temperature"),
+        "/wrapped": RayTaskError("generate", "traceback", AdapterNotFoundError("no adapter 'x'")).as_instanceof_cause(),
+        "/storage": AdapterUnavailableError("adapter 'y' storage unreachable"),
+        "/died": ActorDiedError(),
+    }
+    for path, error in raised.items():
+        app.add_api_route(path, lambda error=error: (_ for _ in ()).throw(error))
+
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="ray.serve"):
+            client = TestClient(app, raise_server_exceptions=True)  # raised on: the call itself raises
+            got = {path: client.get(path) for path in raised}
+    finally:
+        serve_logger.removeHandler(caplog.handler)
+    assert {path: r.status_code for path, r in got.items()} == {"/bad": 400, "/wrapped": 404, "/storage": 503,
+                                                                "/died": 503}
+    assert got["/bad"].json()["error"]["param"] == "temperature"
+    assert got["/wrapped"].json()["error"] == {"message": "no adapter 'x'", "type": "not_found_error", "param": None,
+                                               "code": None}
+    assert got["/storage"].json()["error"]["code"] == "adapter_unavailable" and got["/storage"].headers["Retry-After"]
+    assert got["/died"].json()["error"]["code"] == "replica_failed"
+    # The server's side of it, a 503, is a warning without a traceback; a client's mistake is not logged.
+    warnings = [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
+    assert sorted(rec.levelno for rec in warnings) == [logging.WARNING, logging.WARNING]
+    assert not any(rec.exc_info for rec in warnings)
+    assert any("/storage" in rec.getMessage() for rec in warnings) and any("/died" in rec.getMessage()
+                                                                        for rec in warnings)
+
+
 def test_an_event_stream_cancelled_after_its_start_ends_quietly():
     """When the client of a stream leaves, Serve's receive raises RequestCancelledError past the
     response's start: the stream ends there, and nothing is raised on to the server."""
