@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
                 step_ms[label] = 1e3 * decode_step_s(engine, rows, prompt, params, args.repeats)
                 compiles += engine.compiles_after_warmup
                 if adapters:
-                    # What a step reads of the pool: each adapter's A and B of every module, in
-                    # the engine's dtype (the pool's slots hold them at max_lora_rank).
-                    adapter_bytes = adapters * sum(
+                    # What a step reads of the pool: A and B of every module of each adapter the
+                    # batch uses, in the engine's dtype (the pool's slots hold them at max_lora_rank).
+                    adapter_bytes = len(set(rows)) * sum(
                         args.rank * (fan_in + fan_out) for fan_in, fan_out in module_shapes(model_config).values()
                     ) * model_config.num_layers * itemsize
             finally:
