@@ -50,12 +50,22 @@ def gpu_block_sizes(num_tokens: int, in_features: int, *, prefill: bool) -> Bloc
 TPU_WHOLE_K = 1 << 16
 
 
+# The TPU decode expand's widest column block: a whole gate/up projection of Llama-3-8B
+# (14336) in one pass. Its buffers at rank 128 (B [128, 14336] bf16 and the f32 output
+# block [16, 14336], each double-buffered) take 9.2 MiB of VMEM.
+TPU_DECODE_BN = 16384
+
+
 def tpu_block_sizes(dtype, *, prefill: bool) -> BlockSizes:
     """Mosaic sizes: one sublane tile of tokens (more for prefill), whole K, wide out blocks.
 
     The TPU v5e sweep of benchmarks/device_check.py (T=64, S=64, H=O=4096, r=16, bf16, 16
     stacked layers; benchmarks/results/2026-12-06-tpu-v5e-lora-pool.md, the kernels fetching
     their own blocks) put tm=16 and bn=4096 first at 136 us/layer, ahead of bn=1024 (179) and
-    tm=32 (171-214): fewer, wider expand steps, each reading a longer B row."""
+    tm=32 (171-214): fewer, wider expand steps, each reading a longer B row. Decode takes the
+    whole width up to TPU_DECODE_BN: at out=14336, 8 tokens on 8 rank-16 slots, an expand call
+    took 17.4 us in 4 column passes of 3584 and 8.9 us in one (rank 64: 29.1 against 25.9; 64
+    tokens: 16.0 against 8.2; benchmarks/results/2026-12-07-tpu-v5e-long-decode.md). Prefill
+    keeps 4096: its 128-row f32 output block of a 14336-wide pass would take 14 MiB."""
     sub = 16 if jnp.dtype(dtype).itemsize < 4 else 8
-    return BlockSizes(tm=sub * (8 if prefill else 1), bk=TPU_WHOLE_K, bn=4096)
+    return BlockSizes(tm=sub * (8 if prefill else 1), bk=TPU_WHOLE_K, bn=4096 if prefill else TPU_DECODE_BN)
