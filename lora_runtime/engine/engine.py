@@ -40,7 +40,7 @@ from lora_runtime.engine.runner import ModelRunner, PendingSample, Sampled, Step
 from lora_runtime.engine.sampling import SamplingBatch, SamplingParams
 from lora_runtime.engine.scheduler import Admission, Scheduler
 from lora_runtime.engine.sequence import RequestOutput, Sequence, TokenLogprob
-from lora_runtime.errors import AdapterNotFoundError, CapacityError, InvalidRequestError, ServingError
+from lora_runtime.errors import AdapterNotFoundError, CapacityError, HostLostError, InvalidRequestError, ServingError
 from lora_runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from lora_runtime.native_thread import name_native_thread
 
@@ -653,6 +653,7 @@ class Engine:
         the step's sequences suspects, and recomputes every running sequence if the KV
         cache went with the step."""
         self.counters["failed_steps"] += 1
+        err = self.runner.failure_cause(err)
         involved = [s for s in self._phase if not s.finished] or list(self.scheduler.running.values())
         self._phase = []
         self._in_flight = None  # its tokens are lost with the step: the sequences redo them
@@ -660,7 +661,10 @@ class Engine:
             seq.ahead = 0
         self._catch_up_text()
         suspects = [s for s in involved if s.suspect_steps > 0]
-        if len(involved) == 1 or suspects:
+        if isinstance(err, HostLostError):  # no request caused it, and no step can run any more
+            for seq in involved:
+                self._fail(seq, err)
+        elif len(involved) == 1 or suspects:
             for seq in suspects or involved:
                 self._fail(seq, err)
         else:

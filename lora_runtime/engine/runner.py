@@ -16,6 +16,7 @@ from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.device_inputs import DeviceInputs
 from lora_runtime.engine.program_store import ProgramStore
 from lora_runtime.engine.sampling import SamplingBatch, apply_penalties, apply_token_mask, sample, step_logprobs
+from lora_runtime.errors import HostLostError
 from lora_runtime.lora.batch_info import LoRABatchInfo
 from lora_runtime.lora.backend.base import BaseLoRABackend
 from lora_runtime.model.config import ModelConfig
@@ -25,6 +26,9 @@ from lora_runtime.model.sharding import zeros_on
 
 # Row histories (init_rows) are padded to a power of two from this many tokens.
 MIN_HISTORY = 64
+# How long a failed step of a multi-host replica waits to learn whether a host died under it
+# (the watcher of a dead host's connection sees it close within milliseconds).
+HOST_LOSS_GRACE_S = 2.0
 
 # Host work a step runs while its model forward computes on the device; it returns the
 # step's allowed-token bitmask (i32[rows, ceil(vocab / 32)]), or None when no row has a grammar.
@@ -171,6 +175,21 @@ class ModelRunner:
             return False
         self._op("reset_state")
         return True
+
+    def failure_cause(self, err: Exception) -> Exception:
+        """What a failed step's error means: on a multi-host replica that lost a host (now or
+        within HOST_LOSS_GRACE_S), HostLostError, whatever the step raised (a collective whose
+        peer died fails as an internal error of the runtime); else the error itself."""
+        if self.mirror is None or isinstance(err, HostLostError):
+            return err
+        if not self.mirror.lost_within(HOST_LOSS_GRACE_S):
+            return err
+        try:
+            self.mirror.check()
+        except HostLostError as lost:
+            lost.__cause__ = err
+            return lost
+        return err
 
     # ---- device ops ---------------------------------------------------------------------
     # Every device program a step launches goes through _op: on a multi-host replica's leader

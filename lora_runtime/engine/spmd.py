@@ -114,6 +114,7 @@ class Mirror:
         self._send_lock = threading.Lock()  # ops (engine thread) and hints (fetch threads) share a socket
         self._issuer = threading.Lock()  # never waited on: tells ops launched from two threads at once
         self._ready = threading.Event()
+        self._lost = threading.Event()
         self._ready_count = 0
         self._ready_timeout_s = ready_timeout_s
         self._state_lock = threading.Lock()
@@ -135,6 +136,12 @@ class Mirror:
         """Raises HostLostError once a follower failed or went away."""
         if self.lost is not None:
             raise HostLostError(f"this replica lost one of its hosts ({self.lost}); it is being replaced, retry")
+
+    def lost_within(self, timeout_s: float) -> bool:
+        """Whether the replica is lost, or becomes lost within `timeout_s`: a step that failed
+        because a host died (its collective's peer gone) may fail before the watcher of that
+        host's connection has seen it close."""
+        return self._lost.wait(timeout_s)
 
     @contextlib.contextmanager
     def issuing(self, target: str, name: str, args: Sequence) -> Iterator[None]:
@@ -206,6 +213,7 @@ class Mirror:
                 return
             self.lost = why
         logger.error("multi-host replica lost a host: %s", why)
+        self._lost.set()
         self._ready.set()  # an op waiting for readiness fails now
         if self._on_lost is not None:
             self._on_lost(why)

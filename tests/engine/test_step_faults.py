@@ -8,13 +8,17 @@ requests of the batch give exactly the tokens they give on a healthy engine.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
+from lora_runtime.engine import spmd
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import ISOLATION_STEPS, Engine
 from lora_runtime.engine.sampling import SamplingParams
 from lora_runtime.engine.scheduler import Admission
+from lora_runtime.errors import HostLostError
 from tests.helpers.checkpoints import save_tiny_llama
 
 POISON_SEED = 777  # the request whose steps fail
@@ -126,6 +130,43 @@ def test_a_step_failing_for_everyone_fails_each_request_and_the_engine_serves_on
     finally:
         engine.runner.dispatch_decode = real
     assert all("device fault" in str(o.error) for o in outs)
+    assert _healthy(engine) == healthy
+
+
+@pytest.mark.parametrize("noticed_after_s", [0.0, 0.3], ids=["noticed-first", "noticed-later"])
+def test_a_step_failing_because_a_host_died_fails_its_requests_as_the_host_loss(engine, noticed_after_s):
+    """On a multi-host replica, a step whose collective's peer died raises the runtime's own
+    error (Gloo's "Connection reset by peer" on CPU), possibly before the watcher of that
+    host's connection has seen it close. Its requests fail with HostLostError (a 503 to
+    retry), all at once: no request caused it, so none is run alone as a suspect."""
+    healthy = _healthy(engine)
+    prompts = _prompts(engine)
+    mirror = spmd.Mirror({})  # the leader's side of the op link, with no follower to send to
+    real = engine.runner.dispatch_decode
+    why = "host 1 closed its connection (EOFError)"
+
+    def dying(inputs, pool, host_work=None):
+        if noticed_after_s:
+            threading.Timer(noticed_after_s, mirror.lose, (why,)).start()
+        else:
+            mirror.lose(why)
+        raise RuntimeError("INTERNAL: Error dispatching computation: Gloo all-reduce failed: Connection reset by peer")
+
+    before = engine.stats()
+    engine.runner.mirror, engine.runner.dispatch_decode = mirror, dying
+    admit = _admitted_together(engine, len(prompts))
+    try:
+        outs = engine.generate_batch(prompts, [_params(i) for i in range(4)], return_errors=True)
+    finally:
+        engine.runner.mirror, engine.runner.dispatch_decode = None, real
+        engine.scheduler.admit = admit
+    assert all(isinstance(o.error, HostLostError) and o.error.status_code == 503 for o in outs), outs
+    assert all(why in str(o.error) and "Gloo" in str(o.error.__cause__) for o in outs)
+    after = engine.stats()
+    assert after["failed"] - before["failed"] == 4
+    assert after["failed_steps"] - before["failed_steps"] == 1
+    assert after["isolated_steps"] == before["isolated_steps"]
+    assert engine.scheduler.pool.num_free == engine.scheduler.pool.usable
     assert _healthy(engine) == healthy
 
 
