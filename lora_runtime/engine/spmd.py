@@ -19,8 +19,9 @@ write): they run on the follower's fetch threads, in no particular order with th
 The wire is multiprocessing.connection over TCP (pickled messages, HMAC-authenticated with
 a key of the replica's own), one ordered connection per follower. A follower that fails an
 op (other than a request's own error, which the leader's launch raised too) or goes away
-makes the replica lost: the leader's next op raises HostLostError, and the replica's
-health check fails so that Serve replaces it whole.
+makes the replica lost: the leader's next op raises HostLostError, a step that failed
+meanwhile (its collective's peer gone) fails its requests with it too (ModelRunner.failure_cause),
+and the replica's health check fails so that Serve replaces it whole.
 """
 
 from __future__ import annotations
