@@ -116,21 +116,29 @@ def ingress_admitted(url: str) -> dict[str, float]:
 
 
 class ReplicaKiller:
-    """Kills one replica of `deployment` (the model server by default) of Serve application
-    `app` (ray.kill, no restart: Serve replaces it) the moment `kill()` is called: a driver
-    process connected ahead of time, so the kill lands when the test says, not seconds later."""
+    """Kills the replicas of `deployment` (the model server by default) of Serve application
+    `app` (ray.kill, no restart: Serve replaces them) the moment `kill()` is called: a driver
+    process connected ahead of time, so the kill lands when the test says, not seconds later.
+    Every replica alive then goes, the one serving and any an earlier redeploy left draining
+    (killing only the first by name could hit an idle one)."""
 
     def __init__(self, cluster: Cluster, app: str, deployment: str = "LoRAModelServer"):
         code = (
             "import ray, sys\n"
             f"ray.init(address={cluster.gcs_address!r}, log_to_driver=False)\n"
-            "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)\n"
-            f"               if a['namespace'] == 'serve' and '::{app}#{deployment}#' in a['name'])\n"
-            "replica = ray.get_actor(names[0], namespace='serve')\n"
+            "def replicas():\n"
+            "    return sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)\n"
+            f"                  if a['namespace'] == 'serve' and '::{app}#{deployment}#' in a['name'])\n"
+            "assert replicas(), 'no replica to kill'\n"
             "print('ready', flush=True)\n"
             "sys.stdin.readline()\n"
-            "ray.kill(replica, no_restart=True)\n"
-            "print(names[0], flush=True)\n"
+            "names = replicas()\n"
+            "for name in names:\n"
+            "    try:\n"
+            "        ray.kill(ray.get_actor(name, namespace='serve'), no_restart=True)\n"
+            "    except ValueError:  # it stopped meanwhile\n"
+            "        pass\n"
+            "print(','.join(names), flush=True)\n"
         )
         self._proc = subprocess.Popen([sys.executable, "-c", code], env=cluster.env, cwd=REPO, text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -140,7 +148,7 @@ class ReplicaKiller:
             raise AssertionError(f"the replica killer did not start: {line!r} {self._proc.stderr.read()}")
 
     def kill(self) -> str:
-        """Kills the replica now; returns its actor name."""
+        """Kills the replicas now; returns their actor names, comma-separated."""
         out, err = self._proc.communicate("kill\n", timeout=120)
         if self._proc.returncode != 0:
             raise AssertionError(f"the replica killer failed: {err}")
