@@ -651,7 +651,8 @@ class Engine:
     def _recover(self, err: Exception) -> None:
         """After a step raised: fails the sequence(s) it can be pinned on, makes the rest of
         the step's sequences suspects, and recomputes every running sequence if the KV
-        cache went with the step."""
+        cache went with the step. On a multi-host replica that lost a host, the step's
+        sequences all fail with HostLostError."""
         self.counters["failed_steps"] += 1
         err = self.runner.failure_cause(err)
         involved = [s for s in self._phase if not s.finished] or list(self.scheduler.running.values())
@@ -660,11 +661,14 @@ class Engine:
         for seq in self.scheduler.running.values():
             seq.ahead = 0
         self._catch_up_text()
-        suspects = [s for s in involved if s.suspect_steps > 0]
-        if isinstance(err, HostLostError):  # no request caused it, and no step can run any more
+        if isinstance(err, HostLostError):
+            # No request caused it, and no device op can run any more (not even a reset of the
+            # cache): the step's requests fail now, the others at their next step.
             for seq in involved:
                 self._fail(seq, err)
-        elif len(involved) == 1 or suspects:
+            return
+        suspects = [s for s in involved if s.suspect_steps > 0]
+        if len(involved) == 1 or suspects:
             for seq in suspects or involved:
                 self._fail(seq, err)
         else:

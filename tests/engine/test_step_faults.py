@@ -133,12 +133,15 @@ def test_a_step_failing_for_everyone_fails_each_request_and_the_engine_serves_on
     assert _healthy(engine) == healthy
 
 
-@pytest.mark.parametrize("noticed_after_s", [0.0, 0.3], ids=["noticed-first", "noticed-later"])
-def test_a_step_failing_because_a_host_died_fails_its_requests_as_the_host_loss(engine, noticed_after_s):
+@pytest.mark.parametrize(("noticed_after_s", "consumed"), [(0.0, False), (0.3, False), (0.0, True)],
+                         ids=["noticed-first", "noticed-later", "cache-consumed"])
+def test_a_step_failing_because_a_host_died_fails_its_requests_as_the_host_loss(engine, noticed_after_s, consumed):
     """On a multi-host replica, a step whose collective's peer died raises the runtime's own
     error (Gloo's "Connection reset by peer" on CPU), possibly before the watcher of that
     host's connection has seen it close. Its requests fail with HostLostError (a 503 to
-    retry), all at once: no request caused it, so none is run alone as a suspect."""
+    retry), all at once: no request caused it, so none is run alone as a suspect. No device op
+    is tried after it, not even a reset of a cache the step consumed (the lost link refuses
+    every op, and the engine's loop would end on it)."""
     healthy = _healthy(engine)
     prompts = _prompts(engine)
     mirror = spmd.Mirror({})  # the leader's side of the op link, with no follower to send to
@@ -150,6 +153,9 @@ def test_a_step_failing_because_a_host_died_fails_its_requests_as_the_host_loss(
             threading.Timer(noticed_after_s, mirror.lose, (why,)).start()
         else:
             mirror.lose(why)
+        if consumed:
+            for a in engine.runner.kv_cache.arrays:
+                a.delete()
         raise RuntimeError("INTERNAL: Error dispatching computation: Gloo all-reduce failed: Connection reset by peer")
 
     before = engine.stats()
@@ -160,6 +166,7 @@ def test_a_step_failing_because_a_host_died_fails_its_requests_as_the_host_loss(
     finally:
         engine.runner.mirror, engine.runner.dispatch_decode = None, real
         engine.scheduler.admit = admit
+    assert engine.runner.reset_if_lost() == consumed  # what the next healthy run needs
     assert all(isinstance(o.error, HostLostError) and o.error.status_code == 503 for o in outs), outs
     assert all(why in str(o.error) and "Gloo" in str(o.error.__cause__) for o in outs)
     after = engine.stats()
