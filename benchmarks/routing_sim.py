@@ -2,8 +2,9 @@
 
 N replicas, each with a pool of S device slots (evicting as the engine does, the least used
 lately: lora_runtime/lora/eviction.py; or LRU) and an LRU host cache of H adapters,
-serve a Zipf-distributed adapter workload. A slot miss that also misses the host cache is
-a fetch from storage, the expensive case that rendezvous homes exist to avoid: with each
+serve a Zipf-distributed adapter workload. As in the engine (lora_runtime/lora/manager.py),
+the host cache is consulted only on a slot miss, so its order is that of slot loads, not of
+requests. A slot miss that also misses the host cache is a fetch from storage, the expensive case that rendezvous homes exist to avoid: with each
 adapter homed on one replica, the host caches hold disjoint sets and add up. Requests arrive one per tick and each lasts ``service_ticks`` ticks, so load is
 the number of requests in flight on a replica. Policies:
 
@@ -11,8 +12,8 @@ the number of requests in flight on a replica. Policies:
 - least_loaded: the replica with the fewest requests in flight.
 - multiplex: Serve's multiplexed routing as the app configures it (Ray 2.60's
   power-of-two-choices router): each replica's model ids are the last ``host_slots``
-  adapters it served (``max_num_models_per_replica`` is ``max_cpu_loras``), so they are its
-  host cache; the less loaded of two random replicas holding the adapter under their max
+  adapters it served (``max_num_models_per_replica`` is ``max_cpu_loras``; Serve's own LRU
+  of them, kept apart from the host cache); the less loaded of two random replicas holding the adapter under their max
   ongoing requests, else of two random replicas under it. It sees live state. Nothing
   bounds a replica's load below ``max_ongoing`` (64 a replica in the app).
 - multiplex_bounded: the same within affinity's load bound (cluster/routing.py load_cap)
@@ -147,6 +148,7 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
     ids = [f"replica-{i}" for i in range(replicas)]
     pools = {r: POOLS[eviction](slots) for r in ids}
     hosts = {r: LRUPool(host_slots) for r in ids}
+    model_ids = {r: LRUPool(host_slots) for r in ids}  # Serve's multiplexed model ids: every request
     loads = dict.fromkeys(ids, 0)
     finishing: deque[tuple[int, str]] = deque()
     # Rates in requests per tick: a tick is one arrival, so the clock is the tick count.
@@ -176,7 +178,7 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
         elif policy in ("multiplex", "multiplex_bounded"):
             cap = max_ongoing if policy == "multiplex" else load_cap(list(loads.values()), eps)
             under = [r for r in ids if loads[r] < cap] or ids
-            pick_from = [r for r in under if adapter in hosts[r]] or under
+            pick_from = [r for r in under if adapter in model_ids[r]] or under
             chosen = min(rng.sample(pick_from, min(2, len(pick_from))), key=lambda r: (loads[r], rng.random()))
         elif policy == "partition":
             chosen = homes[adapter]
@@ -204,8 +206,10 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
             residency.record(chosen, adapter)
         else:
             raise ValueError(f"{policy=} is not one of {', '.join(POLICIES)}")
-        misses += pools[chosen].use(adapter)
-        fetches += hosts[chosen].use(adapter)
+        if pools[chosen].use(adapter):
+            misses += 1
+            fetches += hosts[chosen].use(adapter)
+        model_ids[chosen].use(adapter)
         loads[chosen] += 1
         finishing.append((t + service_ticks, chosen))
         mean = sum(loads.values()) / replicas
