@@ -735,6 +735,8 @@ class OpenAIIngress:
     async def _respond(self, body, caller: Caller, rid: str, payloads: list[dict], prompt_of: list[int], *,
                        chat: bool):
         """`prompt_of[k]`: which prompt choice k answers (its prompt tokens count once)."""
+        for payload in payloads:  # not streamed: the replica sends a choice's tokens in one item
+            payload["stream"] = bool(body.stream)
         streams = await self._start_choices(body, caller, payloads)
         if not body.stream:
             try:

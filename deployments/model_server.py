@@ -217,8 +217,9 @@ class LoRAModelServer:
             prompt, reasoning = self._prompt(request)
             params = self._sampling(request, prompt)
             echo_text = self._echo_text(prompt) if request.get("echo") else None
+            # A request answered all at once needs its tokens in one item, not one item each.
             stream = self._engine.generate(prompt, params, request_id=rid, adapter=adapter,
-                                           priority=request.get("priority", 0))
+                                           priority=request.get("priority", 0), stream=request.get("stream", True))
             first = await anext(stream)
         except ServingError as e:
             trace.finish("error", 0, 0)

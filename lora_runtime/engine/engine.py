@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 import os
 import queue
 import random
@@ -437,12 +438,15 @@ class Engine:
         request_id: str | None = None,
         adapter: str | None = None,
         priority: int = 0,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; closing the iterator early aborts the request. An
         item carries everything produced since the previous one: outputs that queued up
         while the consumer was busy are merged, so a slow consumer gets fewer, larger items.
         After the first item, one waits for `stream_interval` new tokens unless it finishes
-        the request (or an error follows it)."""
+        the request (or an error follows it). ``stream=False`` (a caller that answers only
+        once the request ends): the first item, then everything else in one item when the
+        request ends (or before the error that ends it)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         def emit(out: RequestOutput) -> None:
@@ -457,7 +461,7 @@ class Engine:
                                  priority=priority)
         finished = False
         held: RequestOutput | None = None  # an error taken while merging: raised after what came before
-        interval = self.config.stream_interval
+        interval = self.config.stream_interval if stream else math.inf
         sent: int | None = None  # completion tokens yielded so far; None before the first item
         try:
             while True:

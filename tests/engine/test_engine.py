@@ -229,6 +229,22 @@ def test_a_slow_consumer_gets_merged_items(engine):
     assert parts[-1].completion_tokens == long.max_tokens
 
 
+def test_an_unstreamed_request_comes_in_two_items(engine):
+    """stream=False: the first item, then the rest of the request in one item, the same
+    tokens, text and log-probabilities as a streamed run."""
+    long = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    async def run(prompt):
+        return [out async for out in engine.generate(prompt, long, stream=False)]
+
+    parts = asyncio.run(run(PROMPTS[0]))
+    full = engine.generate_batch([PROMPTS[0]], long)[0]
+    assert len(parts) <= 2 and parts[-1].finished  # streamed, it would be about 14
+    assert [t for p in parts for t in p.token_ids] == full.token_ids
+    assert "".join(p.text for p in parts) == full.text
+    assert [lp.logprob for p in parts for lp in p.logprobs] == pytest.approx([lp.logprob for lp in full.logprobs])
+
+
 def test_stream_interval_holds_items_until_that_many_tokens(checkpoint, engine):
     """After the first token, items wait for stream_interval new tokens; the one that finishes
     the request goes at once. Together they are the whole output."""
