@@ -109,6 +109,9 @@ class AppArgs(BaseModel):
     stream_interval: int = Field(
         1, ge=1, description="Least new tokens in a streamed chunk after the first (see "
         "EngineConfig.stream_interval).")
+    stream_interval_ms: float = Field(
+        0.0, ge=0.0, description="Least milliseconds between a streamed request's items after the first "
+        "(see EngineConfig.stream_interval_ms); 0: none.")
     async_decode: bool = Field(
         True, description="Dispatch each decode step before the host reads the step before's tokens, so the "
         "host's work of a step runs while the device computes (see EngineConfig.async_decode).")
@@ -414,6 +417,7 @@ class AppArgs(BaseModel):
             compilation_cache_dir=self.compilation_cache_dir,
             scan_layers=self.scan_layers,
             stream_interval=self.stream_interval,
+            stream_interval_ms=self.stream_interval_ms,
             async_decode=self.async_decode,
             scheduling_policy=self.scheduling_policy,
         )

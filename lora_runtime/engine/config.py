@@ -111,6 +111,11 @@ class EngineConfig(BaseModel):
         1, ge=1, description="Least new tokens in a stream item after the first (the first token goes "
         "at once, and an item that finishes the request goes at once): a larger interval sends fewer, "
         "larger items, which costs the serving path less per token at the cost of a burstier stream.")
+    stream_interval_ms: float = Field(
+        0.0, ge=0.0, description="Least milliseconds between a request's stream items after the first: "
+        "an item waits until then, gathering every token that comes meanwhile (the first token goes at "
+        "once, and so does an item that finishes the request, so neither the time to the first token nor "
+        "to the last changes). 0: no wait. With stream_interval, an item waits for both.")
     async_decode: bool = Field(
         True, description="Dispatch each decode step before the tokens of the step before reach the host "
         "(each row reads its last token on the device), so the host's work of a step (settling tokens, "

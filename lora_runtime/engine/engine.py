@@ -443,8 +443,9 @@ class Engine:
         """Streams a request's outputs; closing the iterator early aborts the request. An
         item carries everything produced since the previous one: outputs that queued up
         while the consumer was busy are merged, so a slow consumer gets fewer, larger items.
-        After the first item, one waits for `stream_interval` new tokens unless it finishes
-        the request (or an error follows it). ``stream=False`` (a caller that answers only
+        After the first item, one waits for `stream_interval` new tokens and until
+        `stream_interval_ms` passed since the item before, unless it finishes the request (or
+        an error follows it). ``stream=False`` (a caller that answers only
         once the request ends): the first item, then everything else in one item when the
         request ends (or before the error that ends it)."""
         loop = asyncio.get_running_loop()
@@ -462,6 +463,8 @@ class Engine:
         finished = False
         held: RequestOutput | None = None  # an error taken while merging: raised after what came before
         interval = self.config.stream_interval if stream else math.inf
+        gap_s = self.config.stream_interval_ms / 1e3
+        sent_at = 0.0  # the event loop's time of the item before
         sent: int | None = None  # completion tokens yielded so far; None before the first item
         try:
             while True:
@@ -475,6 +478,11 @@ class Engine:
                         more = outputs.get_nowait()
                     elif sent is not None and parts[-1].completion_tokens - sent < interval:
                         more = await outputs.get()
+                    elif sent is not None and (wait_s := sent_at + gap_s - loop.time()) > 0:
+                        try:
+                            more = await asyncio.wait_for(outputs.get(), wait_s)
+                        except asyncio.TimeoutError:
+                            break
                     else:
                         break
                     if more.error is not None:
@@ -482,7 +490,7 @@ class Engine:
                         break
                     parts.append(more)
                 out = parts[0] if len(parts) == 1 else _merge(parts)
-                sent = out.completion_tokens
+                sent, sent_at = out.completion_tokens, loop.time()
                 yield out
                 if out.finished:
                     finished = True

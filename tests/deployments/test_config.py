@@ -69,6 +69,9 @@ def test_stream_interval_reaches_the_engine_config_and_a_bad_one_is_named():
     assert AppArgs(stream_interval=8).engine_config().stream_interval == 8
     with pytest.raises(ValidationError, match="stream_interval"):
         AppArgs(stream_interval=0)
+    assert AppArgs(stream_interval_ms=50).engine_config().stream_interval_ms == 50
+    with pytest.raises(ValidationError, match="stream_interval_ms"):
+        AppArgs(stream_interval_ms=-1)
 
 
 def test_rank_classes_reach_the_engine_config():

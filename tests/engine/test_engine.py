@@ -245,6 +245,33 @@ def test_an_unstreamed_request_comes_in_two_items(engine):
     assert [lp.logprob for p in parts for lp in p.logprobs] == pytest.approx([lp.logprob for lp in full.logprobs])
 
 
+def test_stream_interval_ms_spaces_the_items_and_loses_no_token(checkpoint, engine):
+    """stream_interval_ms: after the first item, items come at least that far apart, each
+    with every token since the one before; the item that ends the request goes at once."""
+    long = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, logprobs=1)
+    cfg = EngineConfig(**ENGINE_SHAPE, stream_interval_ms=20)
+    spaced = Engine.from_pretrained(str(checkpoint), cfg).start()
+
+    async def run(prompt):
+        loop = asyncio.get_running_loop()
+        return [(loop.time(), out) async for out in spaced.generate(prompt, long)]
+
+    try:
+        timed = asyncio.run(run(PROMPTS[0]))
+    finally:
+        spaced.shutdown()
+    parts = [out for _, out in timed]
+    gaps = [b - a for (a, _), (b, _) in zip(timed, timed[1:-1])]
+    assert parts[-1].finished and all(not p.finished for p in parts[:-1])
+    assert len(parts) >= 3, [len(p.token_ids) for p in parts]  # 80 decode steps take longer than 40 ms
+    assert all(g >= 0.0199 for g in gaps), gaps
+    assert len(parts) <= 2 + (timed[-1][0] - timed[0][0]) / 0.02
+    full = engine.generate_batch([PROMPTS[0]], long)[0]
+    assert [t for p in parts for t in p.token_ids] == full.token_ids
+    assert "".join(p.text for p in parts) == full.text
+    assert [lp.logprob for p in parts for lp in p.logprobs] == pytest.approx([lp.logprob for lp in full.logprobs])
+
+
 def test_stream_interval_holds_items_until_that_many_tokens(checkpoint, engine):
     """After the first token, items wait for stream_interval new tokens; the one that finishes
     the request goes at once. Together they are the whole output."""
