@@ -216,12 +216,14 @@ def _start_pair(layers: int, shape: dict) -> tuple[dict, dict]:
     return cold, cached
 
 
-def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1,
-                      pin_cores: bool = False) -> tuple[float, float, float, float]:
+def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1, pin_cores: bool = False,
+                      stream_interval_ms: float = 0.0) -> tuple[float, float, float, float, dict]:
     """(tokens/s over HTTP, tokens/s of the engine's own steps, tokens/s of the engine in
     process by the wall clock, tokens/s of the served replica's own steps during the HTTP
-    run) for STREAMS streams on STREAMS adapters, over `repeats` runs (_http_runs says how
-    they combine); the replica streams `stream_interval` tokens an item after the first.
+    run, CPU milliseconds per token of each process role over the HTTP runs) for STREAMS
+    streams on STREAMS adapters, over `repeats` runs (_http_runs says how they combine); the
+    replica streams `stream_interval` tokens an item after the first, and its items after
+    the first at least `stream_interval_ms` apart.
 
     `pin_cores`: the host's cores split in two (cpu_shares.split_cores), as an accelerator
     host splits the work: XLA's compute threads (the engine's in process, then the
@@ -240,6 +242,7 @@ def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1,
                for i, n in enumerate(names)}
     args = dict(model=str(checkpoint), tokenizer=str(demo_model_dir()), model_name="http-base", max_batch=STREAMS,
                 max_seq_len=128, max_loras_per_batch=STREAMS, max_lora_rank=16, stream_interval=stream_interval,
+                stream_interval_ms=stream_interval_ms,
                 registry_url=f"{tmp}/registry.json", compilation_cache_dir=f"{tmp}/jit-cache")
     params = SamplingParams(max_tokens=HTTP_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     every_core = os.sched_getaffinity(0)
@@ -259,13 +262,14 @@ def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1,
 
 
 def _http_runs(checkpoint, args: dict, sources: dict, params, repeats: int,
-               split: tuple[set[int], set[int]] | None) -> tuple[float, float, float, float]:
+               split: tuple[set[int], set[int]] | None) -> tuple[float, float, float, float, dict]:
     """The in-process runs, then the HTTP runs: each figure the best of `repeats`. With the
     cores split, the in-process engine stays up (idle) beside the cluster and the runs
     alternate, in-process then HTTP, so that a slow spell of the host slows both; then the
     HTTP figures are the median run's, as a fraction of the in-process run beside it, times
     the best in-process figure (a host whose speed wanders by a fifth between runs of a
     second, as this one's does, makes the ratio of two bests noise)."""
+    from benchmarks import cpu_shares
     from benchmarks.cpu_shares import pids_of_role, pin, split_process
     from benchmarks.serve_harness import served_app
     from deployments.config import AppArgs
@@ -276,6 +280,8 @@ def _http_runs(checkpoint, args: dict, sources: dict, params, repeats: int,
     bodies = [{"model": n, "prompt": HTTP_PROMPT, "max_tokens": HTTP_NEW_TOKENS, "temperature": 0.0,
                "ignore_eos": True} for n in names]
     runs: dict[str, list[float]] = {"engine": [], "wall": [], "http": [], "served": []}
+    cpu_s: dict[str, float] = {}  # CPU seconds by process role over the HTTP runs
+    http_tokens = [0]
 
     def engine_run() -> None:
         before = dict(engine.counters)
@@ -289,8 +295,13 @@ def _http_runs(checkpoint, args: dict, sources: dict, params, repeats: int,
 
     def http_run() -> None:
         before = app.engine_stats()
+        threads, start = cpu_shares.snapshot(os.getpid()), time.perf_counter()
         seconds, tokens = app.stream_completions(bodies)
+        spent = cpu_shares.delta(threads, cpu_shares.snapshot(os.getpid()), time.perf_counter() - start)
         after = app.engine_stats()
+        for role, s in spent.by_role().items():
+            cpu_s[role] = cpu_s.get(role, 0.0) + s
+        http_tokens[0] += tokens
         assert tokens == STREAMS * HTTP_NEW_TOKENS, f"{tokens} tokens came back"
         runs["http"].append(tokens / seconds)
         runs["served"].append(tokens / sum(after[k] - before[k] for k in ("prefill_seconds", "decode_seconds")))
@@ -340,7 +351,8 @@ def _http_runs(checkpoint, args: dict, sources: dict, params, repeats: int,
         served_tps = http_tps / float(np.median([h / r for h, r in zip(runs["http"], runs["served"])]))
     _progress(f"engine steps: {engine_tps:.1f} tokens/s, in process by the wall clock {wall_tps:.1f}")
     _progress(f"over HTTP: {http_tps:.1f} tokens/s; the served replica's steps meanwhile {served_tps:.1f}")
-    return http_tps, engine_tps, wall_tps, served_tps
+    cpu_ms_per_token = {role: 1e3 * s / http_tokens[0] for role, s in sorted(cpu_s.items(), key=lambda kv: -kv[1])}
+    return http_tps, engine_tps, wall_tps, served_tps, cpu_ms_per_token
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -352,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth-only", action="store_true", help="only the 4- and 32-layer warm-ups")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the served replica's stream_interval in the HTTP comparison (default 1)")
+    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
+                        help="the served replica's stream_interval_ms in the HTTP comparison (default 0)")
     parser.add_argument("--pin-cores", action="store_true",
                         help="with --http-only: the cores split as on an accelerator host, XLA's compute "
                              "threads on one half, every other thread on the other")
@@ -379,8 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.http_only:
         with tempfile.TemporaryDirectory() as tmp:
             http = _http_over_engine(tmp, repeats=9 if args.pin_cores else 2, stream_interval=args.stream_interval,
-                                    pin_cores=args.pin_cores)
-        _print_http(http, args.stream_interval, args.pin_cores)
+                                    pin_cores=args.pin_cores, stream_interval_ms=args.stream_interval_ms)
+        _print_http(http, args.stream_interval, args.pin_cores, args.stream_interval_ms)
         print(f"http_over_engine={http[0] / http[1]:.3f} http_over_served_steps={http[0] / http[3]:.3f}")
         return
     layers = args.layers or (2 if args.quick else 4)
@@ -436,7 +450,8 @@ def main(argv: list[str] | None = None) -> None:
     cold_start, cached_start = _start_pair(layers, SHAPE)
     depth = _depth_warmups(unrolled=not args.quick)
     with tempfile.TemporaryDirectory() as tmp:
-        http = _http_over_engine(tmp, repeats=2, stream_interval=args.stream_interval)
+        http = _http_over_engine(tmp, repeats=2, stream_interval=args.stream_interval,
+                                 stream_interval_ms=args.stream_interval_ms)
     http_tps, engine_tps = http[0], http[1]
 
     print(f"device={jax.devices()[0].platform} layers={layers} scan_layers={config.scan_layers} {SHAPE} "
@@ -459,7 +474,7 @@ def main(argv: list[str] | None = None) -> None:
         ],
     )
     _print_starts(cold_start, cached_start, f"{layers} layers")
-    _print_http(http, args.stream_interval)
+    _print_http(http, args.stream_interval, stream_interval_ms=args.stream_interval_ms)
     _print_depth(depth)
     print(f"submit_p99_ms={submit_p99:.3f} cold_load_gap_ratio={cold_gap / warm_gap:.3f} "
           f"base_traffic_over_no_lora={base_s / off_s:.4f} lora_over_base_step={many_s / off_s:.4f} "
@@ -479,14 +494,18 @@ def _depth_warmups(unrolled: bool, shape: dict = DEPTH_SHAPE) -> dict:
     return out
 
 
-def _print_http(http: tuple[float, float, float, float], stream_interval: int, pin_cores: bool = False) -> None:
-    http_tps, engine_tps, wall_tps, served_tps = http
+def _print_http(http: tuple[float, float, float, float, dict], stream_interval: int, pin_cores: bool = False,
+                stream_interval_ms: float = 0.0) -> None:
+    http_tps, engine_tps, wall_tps, served_tps, cpu_ms_per_token = http
     print_table(
         ["8 streams, hidden 768, 6 layers" + (" (cores split: XLA compute | the rest)" if pin_cores else ""), "tokens/s"],
         [("engine's own steps", engine_tps), ("engine in process, wall clock", wall_tps),
-         (f"over HTTP (Serve, streamed, stream_interval={stream_interval})", http_tps),
+         (f"over HTTP (Serve, streamed, stream_interval={stream_interval}, stream_interval_ms={stream_interval_ms:g})",
+          http_tps),
          ("the served replica's steps meanwhile", served_tps)],
     )
+    # The model server's row includes its XLA compute threads: the steps themselves.
+    print_table(["over HTTP: CPU by process", "ms per token"], list(cpu_ms_per_token.items()))
 
 
 def _print_depth(depth: dict, shape: dict = DEPTH_SHAPE) -> None:
