@@ -96,7 +96,8 @@ def app_args(a: argparse.Namespace, registry_url: str, *, affinity: bool) -> dic
     """The app args of every local deployment, differing only in routing (and registry file)."""
     return dict(model=a.model, num_replicas=a.replicas, max_batch=16, max_seq_len=a.max_seq_len,
                 max_loras_per_batch=a.slots, max_lora_rank=16, max_cpu_loras=a.host_cache, registry_url=registry_url,
-                adapter_affinity_routing=affinity, stream_interval=a.stream_interval, ingress_replicas=a.ingress_replicas)
+                adapter_affinity_routing=affinity, stream_interval=a.stream_interval,
+                stream_interval_ms=a.stream_interval_ms, ingress_replicas=a.ingress_replicas)
 
 
 def adapter_names(n: int) -> list[str]:
@@ -361,6 +362,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="app arg stream_interval of the local deployments: tokens a streamed chunk waits for "
                         "after the first (default 1, every token)")
+    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
+                        help="app arg stream_interval_ms of the local deployments: least milliseconds between a "
+                        "stream's chunks after the first (default 0)")
     parser.add_argument("--ingress-replicas", type=int, default=1,
                         help="app arg ingress_replicas of the local deployments (default 1)")
     parser.add_argument("--url", default=None, help="a running deployment on this host to measure as ours")
@@ -386,6 +390,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--serve-throughput-optimized starts local deployments; a --url deployment has its own settings")
     if a.stream_interval != 1 and a.url:
         parser.error("--stream-interval sets local deployments; a --url deployment has its own stream_interval")
+    if a.stream_interval_ms != 0 and a.url:
+        parser.error("--stream-interval-ms sets local deployments; a --url deployment has its own stream_interval_ms")
+    if a.stream_interval_ms < 0:
+        parser.error(f"--stream-interval-ms={a.stream_interval_ms} must be at least 0")
     if a.stream_interval < 1:
         parser.error(f"--stream-interval={a.stream_interval} must be at least 1")
     if a.ingress_replicas != 1 and a.url:

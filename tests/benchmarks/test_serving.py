@@ -273,6 +273,15 @@ def test_app_arg_flags_reach_the_local_deployments_only(flag, arg):
             serving.parse_args(["--quick", *bad])
 
 
+def test_stream_interval_ms_reaches_the_local_deployments_only():
+    a = serving.parse_args(["--quick", "--stream-interval-ms", "50"])
+    assert serving.app_args(a, "r.json", affinity=True)["stream_interval_ms"] == 50
+    assert serving.app_args(serving.parse_args(["--quick"]), "r.json", affinity=True)["stream_interval_ms"] == 0
+    for bad in (["--stream-interval-ms", "-1"], ["--stream-interval-ms", "50", "--url", "http://127.0.0.1:8000"]):
+        with pytest.raises(SystemExit):
+            serving.parse_args(["--quick", *bad])
+
+
 @pytest.mark.slow
 def test_benchmark_runs_end_to_end_at_a_tiny_setting():
     """`python -m benchmarks.serving` at a tiny setting (1 replica, 8 adapters, one rate, Serve's
