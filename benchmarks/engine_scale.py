@@ -233,7 +233,7 @@ def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1, pin_core
     processes, the client) on the second, the host's cores."""
     from benchmarks.cpu_shares import pin, split_cores
     from lora_runtime.demo import demo_model_dir
-    from lora_runtime.demo.train import MODEL_VOCAB_SIZE
+    from lora_runtime.demo import MODEL_VOCAB_SIZE
 
     shape = dict(HTTP_SHAPE, vocab=MODEL_VOCAB_SIZE)  # the demo tokenizer's ids fit
     checkpoint = write_random_checkpoint(f"{tmp}/http-base", **shape)

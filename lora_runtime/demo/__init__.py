@@ -14,6 +14,10 @@ from lora_runtime.demo.tasks import ADAPTER_TASKS
 ASSETS_DIR = Path(__file__).parent / "assets"
 BASE_MODEL_DIR = ASSETS_DIR / "base"  # config.json, model.safetensors, tokenizer files
 ADAPTERS_DIR = ASSETS_DIR / "adapters"  # <task>/adapter_config.json, adapter_model.safetensors
+# The demo model's vocabulary: a multiple of 128 (TPU lanes) that also splits over 2, 4 or 8
+# tensor-parallel devices; ids past the tokenizer's 259 are never produced by it. Here, not in
+# train.py, so code without torch can size a model for the demo tokenizer.
+MODEL_VOCAB_SIZE = 384
 
 
 def adapter_dir(name: str) -> Path:

@@ -24,14 +24,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lora_runtime.demo import ASSETS_DIR, tasks
+from lora_runtime.demo import ASSETS_DIR, MODEL_VOCAB_SIZE, tasks
 from lora_runtime.demo.tasks import Task
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
-# A multiple of 128 (TPU lanes) that also splits over 2, 4 or 8 tensor-parallel devices;
-# ids past the tokenizer's 259 are never produced by it.
-MODEL_VOCAB_SIZE = 384
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Chat requests become the plain prompt: each user turn is its text and the separator,
 # each assistant turn its text and EOS; system turns are dropped. The separator already
