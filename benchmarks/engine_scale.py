@@ -232,8 +232,7 @@ def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1, pin_core
     thread (the engine loop, Serve's event loops, the HTTP proxy, the ingress, Ray's
     processes, the client) on the second, the host's cores."""
     from benchmarks.cpu_shares import pin, split_cores
-    from lora_runtime.demo import demo_model_dir
-    from lora_runtime.demo import MODEL_VOCAB_SIZE
+    from lora_runtime.demo import MODEL_VOCAB_SIZE, demo_model_dir
 
     shape = dict(HTTP_SHAPE, vocab=MODEL_VOCAB_SIZE)  # the demo tokenizer's ids fit
     checkpoint = write_random_checkpoint(f"{tmp}/http-base", **shape)

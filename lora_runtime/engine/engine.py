@@ -445,9 +445,9 @@ class Engine:
         while the consumer was busy are merged, so a slow consumer gets fewer, larger items.
         After the first item, one waits for `stream_interval` new tokens and until
         `stream_interval_ms` passed since the item before, unless it finishes the request (or
-        an error follows it). ``stream=False`` (a caller that answers only
-        once the request ends): the first item, then everything else in one item when the
-        request ends (or before the error that ends it)."""
+        an error follows it). ``stream=False`` (a caller that answers only once the request
+        ends): the first item, then everything else in one item when the request ends (or
+        before the error that ends it)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         def emit(out: RequestOutput) -> None:
