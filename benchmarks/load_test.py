@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     duration_s = a.duration or (60.0 if a.quick else 300.0)
 
-    from lora_runtime.demo import demo_model_dir
-    from lora_runtime.demo import MODEL_VOCAB_SIZE
+    from lora_runtime.demo import MODEL_VOCAB_SIZE, demo_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         shape = dict(SHAPE, vocab=MODEL_VOCAB_SIZE)  # the demo tokenizer's ids fit
