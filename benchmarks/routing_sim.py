@@ -197,7 +197,7 @@ def simulate(policy: str, workload: list[str], *, replicas: int, slots: int, hos
             while reports and reports[0][0] <= t:
                 reported = reports.popleft()[1]
             views = [ReplicaView(r, loads[r], residency.held(r, reported[r][0], "slots"),
-                                 residency.held(r, reported[r][1], "host")) for r in ids]
+                                 residency.held(r, reported[r][1], "host", slots=reported[r][0])) for r in ids]
             chosen = route(adapter, views, homes=hot.homes(adapter, replicas), eps=eps,
                            slack=budget.slack() if budget is not None else 0)[0]
             if budget is not None:

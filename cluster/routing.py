@@ -286,17 +286,20 @@ class _Shadow:
     def _evict(self) -> None:
         del self.held[min(self.held, key=lambda n: (self._score(n), self.held[n][2]))]
 
-    def use(self, name: str) -> None:
+    def use(self, name: str) -> bool:
+        """Counts a request for ``name``; returns whether it was not held (a load)."""
         self.step += 1
-        if name in self.held:
+        missed = name not in self.held
+        if not missed:
             score = self._score(name)
         else:
             if self.capacity is not None and len(self.held) >= self.capacity:
                 if self.capacity == 0:
-                    return
+                    return True
                 self._evict()
             score = 0.0
         self.held[name] = (score + 1.0, self.step, self.step)
+        return missed
 
 
 class ResidencyEstimate:
@@ -347,20 +350,24 @@ class ResidencyEstimate:
         sent.append((self._count, now if at is None else at, adapter))
         self._count += 1
 
-    def held(self, replica_id: str, report: HeldReport, kind: str = "slots") -> frozenset[str]:
+    def held(self, replica_id: str, report: HeldReport, kind: str = "slots",
+             slots: HeldReport | None = None) -> frozenset[str]:
         """The adapters ``replica_id`` likely holds of ``kind`` (its slots, its host cache),
-        given its last ``report`` of them."""
+        given its last ``report`` of them. ``slots``: for the host cache, the replica's report
+        of its slots: a replica reads its host cache only to load a slot
+        (lora_runtime/lora/manager.py), so a send whose adapter the slots hold then (replayed
+        alongside) leaves the host cache as it is."""
         sent = self._sent.get(replica_id, ())
         key = (replica_id, kind)
         cached = self._shadows.get(key)
         if report.as_of is None:  # its age unknown: as old as the horizon, rebuilt each time
             since = self._clock() - self.horizon_s
-            shadow, start = _Shadow(report), None
-        elif cached is not None and cached[0] == report:  # sends applied up to `start` already
-            since, (_, shadow, start) = report.as_of - self.skew_s, cached
+            shadow, gate, start = _Shadow(report), None if slots is None else _Shadow(slots), None
+        elif cached is not None and cached[0] == report and cached[1] == slots:  # sends applied up to `start`
+            since, (_, _, shadow, gate, start) = report.as_of - self.skew_s, cached
         else:
             since = report.as_of - self.skew_s
-            shadow, start = _Shadow(report), None
+            shadow, gate, start = _Shadow(report), None if slots is None else _Shadow(slots), None
         new = []  # the sends to apply, newest logged first: the log's tail, less what the report has seen
         for number, t, adapter in reversed(sent):
             # Another router's send is logged up to late_s after it was sent, after newer ones:
@@ -370,9 +377,10 @@ class ResidencyEstimate:
             if t >= since:
                 new.append(adapter)
         for adapter in reversed(new):
-            shadow.use(adapter)
+            if gate is None or gate.use(adapter):
+                shadow.use(adapter)
         if report.as_of is not None:
-            self._shadows[key] = (report, shadow, self._count)
+            self._shadows[key] = (report, slots, shadow, gate, self._count)
         return frozenset(shadow.held)
 
     def forget_others(self, replica_ids: Iterable[str]) -> None:

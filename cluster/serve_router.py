@@ -183,7 +183,7 @@ def replica_view(replica: RunningReplica, load: int, residency: ResidencyEstimat
         replica_id=rid,
         load=load,
         resident=residency.held(rid, slots, "slots"),
-        host_cached=residency.held(rid, HeldReport(host_names, stats.get("host_slots"), as_of), "host"),
+        host_cached=residency.held(rid, HeldReport(host_names, stats.get("host_slots"), as_of), "host", slots=slots),
     )
 
 

@@ -374,6 +374,25 @@ def test_residency_estimate_evicts_as_the_replica_does():
     assert est.held("r0", lru, "host") == {"new", "third"}
 
 
+def test_sends_for_adapters_in_slots_leave_the_host_cache_as_it_is():
+    """A replica reads its host cache only to load a slot: a request for an adapter its
+    slots hold then does not make it the host cache's most recently used, and one that
+    loads an adapter does."""
+    clock = FakeClock()
+    est = ResidencyEstimate(horizon_s=10.0, skew_s=0.0, clock=clock)
+    host = HeldReport(("a", "b"), 2, as_of=0.0)  # "a" least recently loaded
+    slots = HeldReport(("a",), 1, as_of=0.0)
+    for t, name in ((1.0, "a"), (2.0, "c"), (3.0, "a")):
+        clock.t = t
+        est.record("r0", name)
+    # "a" in the slot: the host cache untouched; "c" loads (and takes the slot): "a" leaves
+    # the host cache; "a" loads again: back in, "b" out.
+    assert est.held("r0", host, "host", slots=slots) == {"c", "a"}
+    assert est.held("r0", host, "host", slots=HeldReport(("a",), 2, as_of=0.0)) == {"b", "c"}
+    assert est.held("r0", host, "host") == {"c", "a"}  # without the slots, every send is a load
+    assert est.held("r1", host, "host", slots=slots) == {"a", "b"}  # nothing sent there
+
+
 def test_residency_estimate_takes_other_routers_sends_late_with_their_times():
     """Another ingress replica's sends arrive up to a second late, logged after newer sends of
     this router's: each applies if the replica's report is older than it, whatever was
