@@ -218,13 +218,14 @@ def _start_pair(layers: int, shape: dict) -> tuple[dict, dict]:
 
 
 def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1, pin_cores: bool = False,
-                      stream_interval_ms: float = 0.0) -> tuple[float, float, float, float, dict]:
+                      stream_interval_ms: float = 0.0, stream: bool = True) -> tuple[float, float, float, float, dict]:
     """(tokens/s over HTTP, tokens/s of the engine's own steps, tokens/s of the engine in
     process by the wall clock, tokens/s of the served replica's own steps during the HTTP
     run, CPU milliseconds per token of each process role over the HTTP runs) for STREAMS
     streams on STREAMS adapters, over `repeats` runs (_http_runs says how they combine); the
     replica streams `stream_interval` tokens an item after the first, and its items after
-    the first at least `stream_interval_ms` apart.
+    the first at least `stream_interval_ms` apart. `stream` False: the requests are not
+    streamed (each answered whole).
 
     `pin_cores`: the host's cores split in two (cpu_shares.split_cores), as an accelerator
     host splits the work: XLA's compute threads (the engine's in process, then the
@@ -256,13 +257,13 @@ def _http_over_engine(tmp: str, repeats: int, stream_interval: int = 1, pin_core
             raise RuntimeError("--pin-cores must split the cores before JAX's backend starts")
         pin(os.getpid(), split[0])
     try:
-        return _http_runs(checkpoint, args, sources, params, repeats, split)
+        return _http_runs(checkpoint, args, sources, params, repeats, split, stream)
     finally:
         pin(os.getpid(), every_core)
 
 
 def _http_runs(checkpoint, args: dict, sources: dict, params, repeats: int,
-               split: tuple[set[int], set[int]] | None) -> tuple[float, float, float, float, dict]:
+               split: tuple[set[int], set[int]] | None, stream: bool = True) -> tuple[float, float, float, float, dict]:
     """The in-process runs, then the HTTP runs: each figure the best of `repeats`. With the
     cores split, the in-process engine stays up (idle) beside the cluster and the runs
     alternate, in-process then HTTP, so that a slow spell of the host slows both; then the
@@ -296,7 +297,7 @@ def _http_runs(checkpoint, args: dict, sources: dict, params, repeats: int,
     def http_run() -> None:
         before = app.engine_stats()
         threads, start = cpu_shares.snapshot(os.getpid()), time.perf_counter()
-        seconds, tokens = app.stream_completions(bodies)
+        seconds, tokens = app.send_completions(bodies, stream=stream)
         spent = cpu_shares.delta(threads, cpu_shares.snapshot(os.getpid()), time.perf_counter() - start)
         after = app.engine_stats()
         for role, s in spent.by_role().items():
@@ -335,7 +336,7 @@ def _http_runs(checkpoint, args: dict, sources: dict, params, repeats: int,
             _progress(f"model server: {threads} XLA compute threads on cores {split[0]}")
         for n, source in sources.items():
             app.register(n, source)
-        app.stream_completions(bodies)  # every adapter resident
+        app.send_completions(bodies, stream=stream)  # every adapter resident
         for _ in range(repeats):
             if split is not None:
                 engine_run()
@@ -366,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the served replica's stream_interval in the HTTP comparison (default 1)")
     parser.add_argument("--stream-interval-ms", type=float, default=0.0,
                         help="the served replica's stream_interval_ms in the HTTP comparison (default 0)")
+    parser.add_argument("--unstreamed", action="store_true",
+                        help="with --http-only: the HTTP requests are not streamed (each answered whole)")
     parser.add_argument("--pin-cores", action="store_true",
                         help="with --http-only: the cores split as on an accelerator host, XLA's compute "
                              "threads on one half, every other thread on the other")
@@ -380,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth-widths", choices=sorted(WIDTHS), default="1024",
                         help="--start-only: the 4- and 32-layer pair's layer widths")
     args = parser.parse_args(argv)
+    if args.unstreamed and not args.http_only:
+        parser.error("--unstreamed needs --http-only")
     if args.pin_cores and not args.http_only:
         parser.error("--pin-cores needs --http-only (the cores are split before JAX's backend starts)")
     if args.start_only:
@@ -393,8 +398,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.http_only:
         with tempfile.TemporaryDirectory() as tmp:
             http = _http_over_engine(tmp, repeats=9 if args.pin_cores else 2, stream_interval=args.stream_interval,
-                                    pin_cores=args.pin_cores, stream_interval_ms=args.stream_interval_ms)
-        _print_http(http, args.stream_interval, args.pin_cores, args.stream_interval_ms)
+                                    pin_cores=args.pin_cores, stream_interval_ms=args.stream_interval_ms,
+                                    stream=not args.unstreamed)
+        _print_http(http, args.stream_interval, args.pin_cores, args.stream_interval_ms, not args.unstreamed)
         print(f"http_over_engine={http[0] / http[1]:.3f} http_over_served_steps={http[0] / http[3]:.3f}")
         return
     layers = args.layers or (2 if args.quick else 4)
@@ -497,13 +503,13 @@ def _depth_warmups(unrolled: bool, shape: dict = DEPTH_SHAPE) -> dict:
 
 
 def _print_http(http: tuple[float, float, float, float, dict], stream_interval: int, pin_cores: bool = False,
-                stream_interval_ms: float = 0.0) -> None:
+                stream_interval_ms: float = 0.0, stream: bool = True) -> None:
     http_tps, engine_tps, wall_tps, served_tps, cpu_ms_per_token = http
     print_table(
         ["8 streams, hidden 768, 6 layers" + (" (cores split: XLA compute | the rest)" if pin_cores else ""), "tokens/s"],
         [("engine's own steps", engine_tps), ("engine in process, wall clock", wall_tps),
-         (f"over HTTP (Serve, streamed, stream_interval={stream_interval}, stream_interval_ms={stream_interval_ms:g})",
-          http_tps),
+         (f"over HTTP (Serve, streamed, stream_interval={stream_interval}, stream_interval_ms={stream_interval_ms:g})"
+          if stream else "over HTTP (Serve, not streamed)", http_tps),
          ("the served replica's steps meanwhile", served_tps)],
     )
     # The model server's row includes its XLA compute threads: the steps themselves.

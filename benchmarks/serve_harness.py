@@ -1,6 +1,6 @@
 """The application served for real, for benchmarks: a local Ray cluster running the Serve
 app (`deployments.app:build_app`) on loopback, adapters registered through its admin API,
-and a streaming OpenAI-API client."""
+and an OpenAI-API client (streamed or not)."""
 
 from __future__ import annotations
 
@@ -77,16 +77,25 @@ class ServedApp:
         r.raise_for_status()
         return r.json()["engine"]
 
-    def stream_completions(self, requests: Sequence[dict], timeout_s: float = 600.0) -> tuple[float, int]:
-        """Sends the completion requests at once, each streamed; returns (seconds from the
-        first send to the last finish, completion tokens over all of them)."""
-        return asyncio.run(self._stream_all(requests, timeout_s))
+    def send_completions(self, requests: Sequence[dict], timeout_s: float = 600.0,
+                         stream: bool = True) -> tuple[float, int]:
+        """Sends the completion requests at once, each streamed (or, `stream` False, each
+        answered whole); returns (seconds from the first send to the last finish, completion
+        tokens over all of them)."""
+        return asyncio.run(self._send_all(requests, timeout_s, self._stream_one if stream else self._complete_one))
 
-    async def _stream_all(self, requests: Sequence[dict], timeout_s: float) -> tuple[float, int]:
+    async def _send_all(self, requests: Sequence[dict], timeout_s: float, send) -> tuple[float, int]:
         async with httpx.AsyncClient(base_url=self.url, timeout=timeout_s) as client:
             start = time.perf_counter()
-            tokens = await asyncio.gather(*(self._stream_one(client, body) for body in requests))
+            tokens = await asyncio.gather(*(send(client, body) for body in requests))
             return time.perf_counter() - start, sum(tokens)
+
+    @staticmethod
+    async def _complete_one(client: httpx.AsyncClient, body: dict) -> int:
+        r = await client.post("/v1/completions", json=dict(body, stream=False))
+        if r.status_code != 200:
+            raise RuntimeError(f"completion failed with {r.status_code}: {r.text[:500]!r}")
+        return int(r.json()["usage"]["completion_tokens"])
 
     @staticmethod
     async def _stream_one(client: httpx.AsyncClient, body: dict) -> int:

@@ -23,6 +23,7 @@ def test_a_cached_restart_compiles_nothing_and_warms_up_faster(capsys):
     assert compiled == "0" and int(hits) > 0, cached
 
 
-def test_pin_cores_needs_the_http_comparison_alone():
+@pytest.mark.parametrize("flag", ["--pin-cores", "--unstreamed"])
+def test_http_flags_need_the_http_comparison_alone(flag):
     with pytest.raises(SystemExit):
-        engine_scale.main(["--pin-cores"])
+        engine_scale.main([flag])
