@@ -4,17 +4,18 @@ N replicas, each with a pool of S device slots (evicting as the engine does, the
 lately: lora_runtime/lora/eviction.py; or LRU) and an LRU host cache of H adapters,
 serve a Zipf-distributed adapter workload. As in the engine (lora_runtime/lora/manager.py),
 the host cache is consulted only on a slot miss, so its order is that of slot loads, not of
-requests. A slot miss that also misses the host cache is a fetch from storage, the expensive case that rendezvous homes exist to avoid: with each
-adapter homed on one replica, the host caches hold disjoint sets and add up. Requests arrive one per tick and each lasts ``service_ticks`` ticks, so load is
-the number of requests in flight on a replica. Policies:
+requests. A slot miss that also misses the host cache is a fetch from storage, the expensive
+case that rendezvous homes exist to avoid: with each adapter homed on one replica, the host
+caches hold disjoint sets and add up. Requests arrive one per tick and each lasts
+``service_ticks`` ticks, so load is the number of requests in flight on a replica. Policies:
 
 - random: any replica.
 - least_loaded: the replica with the fewest requests in flight.
 - multiplex: Serve's multiplexed routing as the app configures it (Ray 2.60's
   power-of-two-choices router): each replica's model ids are the last ``host_slots``
   adapters it served (``max_num_models_per_replica`` is ``max_cpu_loras``; Serve's own LRU
-  of them, kept apart from the host cache); the less loaded of two random replicas holding the adapter under their max
-  ongoing requests, else of two random replicas under it. It sees live state. Nothing
+  of them, kept apart from the host cache); the less loaded of two random replicas holding
+  the adapter under their max ongoing requests, else of two random replicas under it. It sees live state. Nothing
   bounds a replica's load below ``max_ongoing`` (64 a replica in the app).
 - multiplex_bounded: the same within affinity's load bound (cluster/routing.py load_cap)
   in place of max ongoing requests.

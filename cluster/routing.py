@@ -311,7 +311,8 @@ class ResidencyEstimate:
     evicted since. Each request this router sends is logged with its time; a report says
     when it was taken (``as_of``), so the sends after it are applied to it with the
     replica's own eviction: least used lately for device slots (the report carries the use
-    counts), least recently used for the host cache. Sends within ``skew_s`` before a
+    counts), least recently loaded for the host cache (only a send that loads a slot reads
+    it, see ``held``). Sends within ``skew_s`` before a
     report count as after it (still in flight when it was taken, or clocks apart). A report
     without a time is taken as ``horizon_s`` old. Other routers' sends (other ingress
     replicas') are known as they pass them on, with their times, a moment late: each is
