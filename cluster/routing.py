@@ -312,9 +312,9 @@ class ResidencyEstimate:
     when it was taken (``as_of``), so the sends after it are applied to it with the
     replica's own eviction: least used lately for device slots (the report carries the use
     counts), least recently loaded for the host cache (only a send that loads a slot reads
-    it, see ``held``). Sends within ``skew_s`` before a
-    report count as after it (still in flight when it was taken, or clocks apart). A report
-    without a time is taken as ``horizon_s`` old. Other routers' sends (other ingress
+    it, see ``held``). Sends within ``skew_s`` before a report count as after it (still in
+    flight when it was taken, or clocks apart). A report without a time is taken as
+    ``horizon_s`` old. Other routers' sends (other ingress
     replicas') are known as they pass them on, with their times, a moment late: each is
     applied after the sends logged before it arrived, and not at all if the replica's
     report is newer than it; one that arrives more than ``late_s`` after it was sent is
