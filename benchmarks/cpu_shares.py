@@ -71,6 +71,11 @@ def _cpu_seconds(stat: str) -> float:
     return (int(rest[11]) + int(rest[12])) / _TICKS
 
 
+def command_line(pid: int) -> str:
+    """Process `pid`'s command line, its arguments joined by spaces ("" once it has ended)."""
+    return (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
+
+
 def pids_of_role(role: str, client_pid: int | None = None) -> list[int]:
     """The host's processes of `role` (ROLES), by their command lines."""
     client_pid = os.getpid() if client_pid is None else client_pid

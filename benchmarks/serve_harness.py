@@ -11,7 +11,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import httpx
 
@@ -28,20 +28,34 @@ def served_app(args: dict, *, num_cpus: int = 4, env: dict[str, str] | None = No
     once every replica is running, and stops the cluster after. `env`: environment variables
     of every process of the cluster (Ray Serve's own settings, such as
     RAY_SERVE_THROUGHPUT_OPTIMIZED, which its controller, proxy and replicas read at start)."""
+    with served_apps({"": args}, num_cpus=num_cpus, env=env) as apps:
+        yield apps[""]
+
+
+@contextlib.contextmanager
+def served_apps(apps: Mapping[str, dict], *, num_cpus: int = 4,
+                env: dict[str, str] | None = None) -> Iterator[dict[str, "ServedApp"]]:
+    """served_app for several apps on one local Ray cluster, each under its name's route
+    prefix (``/<name>``; the name "" serves at ``/``) and Serve application name, behind one
+    HTTP proxy; yields {name: ServedApp} once every replica of every app is running. Apps of
+    one cluster need their own `admin_actor_name` and `registry_url`."""
+    admins = [args.get("admin_actor_name") for args in apps.values()]
+    if len(apps) > 1 and len(set(admins)) < len(admins):
+        raise ValueError(f"apps on one cluster need distinct admin_actor_name values, got {admins}")
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
     token = secrets.token_hex(16)
-    env_name = args.get("admin_token_env", "LORA_ADMIN_TOKEN")
+    env_names = {args.get("admin_token_env", "LORA_ADMIN_TOKEN") for args in apps.values()}
     # address="local": a cluster of its own, never one `ray start` left running on this host.
     # Its processes inherit this one's environment as ray.init finds it.
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
     try:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {env_name: token, "JAX_PLATFORMS": "cpu"}})
+                 runtime_env={"env_vars": {**dict.fromkeys(env_names, token), "JAX_PLATFORMS": "cpu"}})
     finally:
         for k, v in saved.items():
             if v is None:
@@ -51,8 +65,11 @@ def served_app(args: dict, *, num_cpus: int = 4, env: dict[str, str] | None = No
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="bench", route_prefix="/")
-        yield ServedApp(f"http://127.0.0.1:{port}", token)
+        served = {}
+        for name, args in apps.items():
+            serve.run(build_app(args), name=name or "bench", route_prefix=f"/{name}")
+            served[name] = ServedApp(f"http://127.0.0.1:{port}" + (f"/{name}" if name else ""), token)
+        yield served
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()

@@ -2,7 +2,8 @@
 completions sent to our deployment and, in the same run, to its peers.
 
     python -m benchmarks.serving [--quick] [--adapters 64] [--alpha 1.0] [--rates 2 4 8 16]
-        [--requests N] [--duration S] [--input-len LO HI] [--output-len LO HI] [--replicas R] [--url URL]
+        [--requests N] [--duration S] [--input-len LO HI] [--output-len LO HI] [--replicas R] [--rounds K]
+        [--pin-replicas] [--url URL]
 
 As S-LoRA, Punica and dLoRA measure it: `--adapters` random rank-8 PEFT adapters of the demo
 model (written by PEFT, registered through the admin API), adapter i drawn with probability
@@ -17,20 +18,26 @@ The same requests (same seed) go to:
   fastest batch size;
 - `ours`: our deployment, adapter-affinity routing (the default).
 
-Each deployment is a fresh local Ray cluster on loopback (benchmarks/serve_harness.py) with the
-same app args; `--url` targets a running deployment on this host instead (then `ours` and
-`base` run there and `serve-default` is skipped). Per run: requests/s and output tokens/s (from
+Our app and the same app with Serve's routing run side by side on one local Ray cluster on
+loopback (benchmarks/serve_harness.py), with the same app args; `--url` targets a running
+deployment on this host instead (then `ours` and `base` run there and `serve-default` is
+skipped). Each workload runs `--rounds` times on each deployed system, the systems taking turns
+(base, ours, serve-default, then again), so the host's drift falls on all alike; each system
+counts its round of most requests/s, and the table shows every round's. Per run: requests/s and output tokens/s (from
 the first send to the last token), TTFT and TPOT p50/p99, errors, SLO attainment (TTFT <=
 `--slo-ttft-s` and TPOT <= `--slo-tpot-s`), and from the deployment's `GET /metrics` the adapter
 loads into device slots (slot misses), host-cache misses and storage fetches of the run, and
 the share of adapter requests the router sent away from a replica holding the adapter (`off
-holder`: the load bound or a hot adapter's extra home moved it; `multilora_routing_decisions_total`).
+holder`: the load bound or a hot adapter's extra home moved it; `multilora_routing_decisions_total`),
+and the busiest replica's generated tokens over the replicas' mean (`max/mean tokens`, what the
+load bound bounds).
 
 After the table, where this host's CPU time went during each system's run at the last line's
 setting and rate, by process and thread (benchmarks/cpu_shares.py): without an accelerator, the
 client, the HTTP proxy, the ingress and the replicas' serving threads share the cores that
-compute the model. `--serve-throughput-optimized` starts the local deployments with Ray Serve's
-`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`.
+compute the model. `--pin-replicas` gives each replica's XLA compute threads a core of their
+own, as replicas on devices of their own. `--serve-throughput-optimized` starts the local
+deployments with Ray Serve's `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`.
 
 Last line, for n=64, alpha=1.0 (else the last setting swept), at the highest rate whose `ours`
 p99 TTFT is under `--slo-ttft-s` (else the lowest rate): `lora_over_base_throughput=<f>
@@ -48,19 +55,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import httpx
 
 from benchmarks.common import print_table
-from benchmarks.cpu_shares import CpuShares, delta, snapshot
-from benchmarks.serve_harness import ServedApp, free_port, served_app
+from benchmarks.cpu_shares import XLA_COMPUTE_THREADS, CpuShares, command_line, delta, pids_of_role, pin, snapshot
+from benchmarks.serve_harness import ServedApp, free_port, served_apps
 from benchmarks.serving_client import run_workload
 from benchmarks.serving_workload import (
     RunSummary,
     WorkloadSpec,
     adapter_counters,
     counter_delta,
+    load_imbalance,
     make_workload,
     off_holder_share,
     summarize,
@@ -86,15 +94,18 @@ class Result:
     summary: RunSummary
     counters: dict[str, float] | None  # adapter counters the run added (None: not our deployment)
     cpu: CpuShares | None = None  # where this host's CPU time went during the run
+    rounds_rps: tuple[float, ...] = ()  # requests/s of every round of this system and workload (run_systems)
 
 
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def app_args(a: argparse.Namespace, registry_url: str, *, affinity: bool) -> dict:
-    """The app args of every local deployment, differing only in routing (and registry file)."""
+def app_args(a: argparse.Namespace, registry_url: str, *, affinity: bool, admin: str = "lora_admin") -> dict:
+    """The app args of every local deployment, differing only in routing (and registry file and
+    admin actor, for apps sharing a cluster)."""
     return dict(model=a.model, num_replicas=a.replicas, max_batch=16, max_seq_len=a.max_seq_len,
+                admin_actor_name=admin,
                 max_loras_per_batch=a.slots, max_lora_rank=16, max_cpu_loras=a.host_cache, registry_url=registry_url,
                 adapter_affinity_routing=affinity, stream_interval=a.stream_interval,
                 stream_interval_ms=a.stream_interval_ms, ingress_replicas=a.ingress_replicas)
@@ -120,69 +131,116 @@ def _warm_up(url: str, spec: WorkloadSpec, model_of: Callable) -> None:
         raise RuntimeError(f"warm-up requests failed at {url}: {failed[:3]}")
 
 
-def run_system(system: str, url: str, specs: Sequence[WorkloadSpec], model_of: Callable,
-               a: argparse.Namespace, *, metrics: bool) -> list[Result]:
-    """Every workload of `specs` sent to `url` in turn, as `system` (with `metrics`: the adapter
-    counters of its /metrics read around each run)."""
-    _warm_up(url, specs[0], model_of)
-    results = []
-    before = None
+def run_once(system: str, url: str, spec: WorkloadSpec, model_of: Callable, a: argparse.Namespace,
+             before: dict[str, float] | None) -> tuple[Result, dict[str, float] | None]:
+    """One workload sent to `url` as `system`; with `before` (the deployment's adapter counters
+    when the run starts) its counters are read after it too. Returns the result and the
+    counters after it (None without `before`)."""
+    started = time.monotonic()
+    threads = snapshot()
+    records = run_workload(url, make_workload(spec), model_of, a.drain)
+    cpu = delta(threads, snapshot(), time.monotonic() - started)
+    counters = after = None
+    if before is not None:
+        time.sleep(_METRICS_SETTLE_S)
+        after = _scrape(url)
+        counters = counter_delta(before, after)
+    summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
+    if counters is not None:
+        _progress("  routed: " + ", ".join(f"{o} {int(counters[f'routed_{o}'])}" for o in ROUTING_OUTCOMES))
+    _progress(f"  {system} n={spec.num_adapters} alpha={spec.alpha} rate={spec.rate}: "
+              f"{summary.requests} requests, {summary.errors} errors, {summary.requests_per_s:.2f} req/s, "
+              f"TTFT p99 {summary.ttft_p99_ms:.0f} ms ({time.monotonic() - started:.0f} s)")
+    return Result(system, spec, summary, counters, cpu), after
+
+
+def run_systems(systems: Mapping[str, str], specs: Sequence[WorkloadSpec], models: Mapping[str, Callable],
+                a: argparse.Namespace, *, metrics: bool, rounds: int = 1) -> list[Result]:
+    """Every workload of `specs` sent to each system ({system: url}) `rounds` times, the systems
+    taking turns within each round (so the host's drift falls on all alike); each system's
+    result for a workload is its round of most requests/s (Result.rounds_rps: every round's).
+    With `metrics`, the adapter counters of each deployment's /metrics are read around its runs."""
+    last: dict[str, dict[str, float]] = {}
+    for system, url in systems.items():
+        _warm_up(url, specs[0], models[system])
     if metrics:
-        time.sleep(_METRICS_SETTLE_S)  # so the warm-up's loads count before the first run
-        before = _scrape(url)
+        time.sleep(_METRICS_SETTLE_S)  # so the warm-ups' loads count before the first run
+        last = {url: _scrape(url) for url in set(systems.values())}
+    results = []
     for spec in specs:
-        started = time.monotonic()
-        threads = snapshot()
-        records = run_workload(url, make_workload(spec), model_of, a.drain)
-        cpu = delta(threads, snapshot(), time.monotonic() - started)
-        counters = None
-        if metrics:
-            time.sleep(_METRICS_SETTLE_S)
-            after = _scrape(url)
-            counters, before = counter_delta(before, after), after
-        summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
-        if counters is not None:
-            _progress("  routed: " + ", ".join(f"{o} {int(counters[f'routed_{o}'])}" for o in ROUTING_OUTCOMES))
-        _progress(f"  {system} n={spec.num_adapters} alpha={spec.alpha} rate={spec.rate}: "
-                  f"{summary.requests} requests, {summary.errors} errors, {summary.requests_per_s:.2f} req/s, "
-                  f"TTFT p99 {summary.ttft_p99_ms:.0f} ms ({time.monotonic() - started:.0f} s)")
-        results.append(Result(system, spec, summary, counters, cpu))
+        runs: dict[str, list[Result]] = {system: [] for system in systems}
+        for _ in range(rounds):
+            for system, url in systems.items():
+                result, after = run_once(system, url, spec, models[system], a, last.get(url))
+                if after is not None:
+                    last[url] = after
+                runs[system].append(result)
+        for system, tried in runs.items():
+            best = max(tried, key=lambda r: r.summary.requests_per_s)
+            results.append(dataclasses.replace(best, rounds_rps=tuple(r.summary.requests_per_s for r in tried)))
     return results
 
 
 def _models(base_name: str, names: Sequence[str]) -> dict[str, Callable]:
-    return {"base": lambda item: base_name, "adapters": lambda item: names[item.adapter]}
+    adapters = lambda item: names[item.adapter]  # noqa: E731
+    return {"base": lambda item: base_name, "ours": adapters, "serve-default": adapters, "peft": adapters}
 
 
-def run_deployment(a, specs, sources: dict[str, str], base_name: str, tmp: str, *, affinity: bool,
-                   systems: Sequence[str]) -> list[Result]:
-    """Deploys the app locally (or uses `--url`), registers the adapters, runs `systems` on it."""
-    names = list(sources)
-    models = _models(base_name, names)
-    label = "affinity" if affinity else "serve-default"
+def run_deployments(a, specs, sources: dict[str, str], base_name: str, tmp: str,
+                    systems: Sequence[str]) -> list[Result]:
+    """Deploys our app (and, for serve-default, the same app with Serve's routing) on one local
+    cluster, or uses `--url`; registers the adapters; runs `systems` on them, taking turns."""
+    models = _models(base_name, list(sources))
     if a.url:
         app = ServedApp(a.url.rstrip("/"), os.environ.get(a.admin_token_env, ""))
-        return _on_app(a, app, specs, sources, models, systems)
-    args = app_args(a, f"{tmp}/registry-{label}.json", affinity=affinity)
-    _progress(f"deploying {a.replicas} model-server replicas ({label} routing)")
+        return _on_apps(a, {s: app for s in systems if s != "serve-default"}, specs, sources, models)
+    labels = {"ours": "affinity", "base": "affinity", "serve-default": "multiplex"}
+    args = {label: app_args(a, f"{tmp}/registry-{label}.json", affinity=label == "affinity", admin=f"lora_admin_{label}")
+            for label in dict.fromkeys(labels[s] for s in systems)}
+    _progress(f"deploying {' and '.join(args)} routing, {a.replicas} model-server replicas each")
     started = time.monotonic()
-    # Ray's CPU count is bookkeeping: room for every replica (one CPU each), the ingress and the admin.
+    # Ray's CPU count is bookkeeping: room for every replica (one CPU each), the ingresses and the admins.
     env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"} if a.serve_throughput_optimized else None
-    with served_app(args, num_cpus=max(4, a.replicas + 2), env=env) as app:
+    with served_apps(args, num_cpus=max(4, len(args) * (a.replicas + 2)), env=env) as apps:
         _progress(f"  up in {time.monotonic() - started:.0f} s")
-        return _on_app(a, app, specs, sources, models, systems)
+        if a.pin_replicas:
+            _progress("  " + pin_replicas(list(apps), a.replicas))
+        return _on_apps(a, {s: apps[labels[s]] for s in systems}, specs, sources, models)
 
 
-def _on_app(a, app: ServedApp, specs, sources, models, systems) -> list[Result]:
+def pin_replicas(apps: Sequence[str], replicas: int) -> str:
+    """Each app's model-server replica i has its XLA compute threads on core i (modulo the
+    cores), as replicas on devices of their own: a replica sent more than its share cannot
+    borrow another's core. Every other thread keeps every core. Returns what it did."""
+    cores = sorted(os.sched_getaffinity(0))
+    placed = []
+    for app in apps:
+        deadline = time.monotonic() + 30.0  # a stopped cluster's replicas may still be exiting
+        while len(pids := replica_pids(app)) != replicas and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if len(pids) != replicas:
+            raise RuntimeError(f"--pin-replicas found {len(pids)} model-server processes of {app}, not {replicas}")
+        for i, pid in enumerate(pids):
+            core = cores[i % len(cores)]
+            threads = pin(pid, {core}, XLA_COMPUTE_THREADS)
+            if threads == 0:
+                raise RuntimeError(f"model-server process {pid} has no {XLA_COMPUTE_THREADS} threads to pin")
+            placed.append(f"{app} {threads} on core {core}")
+    return "XLA compute threads of the replicas: " + ", ".join(placed)
+
+
+def replica_pids(app: str) -> list[int]:
+    """The model-server replica processes of Serve application `app` on this host."""
+    return [pid for pid in pids_of_role("model server") if f"ServeReplica:{app}:" in command_line(pid)]
+
+
+def _on_apps(a, apps: Mapping[str, ServedApp], specs, sources, models) -> list[Result]:
     started = time.monotonic()
-    for name, source in sources.items():
-        app.register(name, source)
+    for app in {id(app): app for app in apps.values()}.values():
+        for name, source in sources.items():
+            app.register(name, source)
     _progress(f"  {len(sources)} adapters registered in {time.monotonic() - started:.0f} s")
-    results = []
-    for system in systems:
-        model_of = models["base"] if system == "base" else models["adapters"]
-        results += run_system(system, app.url, specs, model_of, a, metrics=True)
-    return results
+    return run_systems({s: app.url for s, app in apps.items()}, specs, models, a, metrics=True, rounds=a.rounds)
 
 
 def run_peft(a, specs, sources: dict[str, str], base_name: str, model_dir: str, adapters_dir: str,
@@ -202,7 +260,7 @@ def run_peft(a, specs, sources: dict[str, str], base_name: str, model_dir: str, 
             tried = ", ".join(f"{b}: {s:.0f}" for b, s in health["tuning_tokens_per_s"].items())
             notes.append(f"peft: batch size {health['max_batch']} (closed-batch tokens/s by batch size: {tried})")
             _progress(f"  up in {time.monotonic() - started:.0f} s; {notes[-1]}")
-            return run_system("peft", url, specs, _models(base_name, list(sources))["adapters"], a, metrics=False)
+            return run_systems({"peft": url}, specs, _models(base_name, list(sources)), a, metrics=False)
         finally:
             proc.terminate()
             try:
@@ -287,13 +345,14 @@ def print_results(results: Sequence[Result]) -> None:
     for r in sorted(results, key=lambda r: (r.spec.num_adapters, r.spec.alpha, r.spec.rate, _SYSTEM_ORDER[r.system])):
         s, c = r.summary, r.counters
         rows.append([r.system, r.spec.num_adapters, r.spec.alpha, r.spec.rate, s.requests, s.errors,
-                     s.requests_per_s, s.output_tokens_per_s, s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms,
+                     s.requests_per_s, "/".join(f"{x:.1f}" for x in r.rounds_rps) or "-", s.output_tokens_per_s, s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms,
                      s.tpot_p99_ms, f"{100 * s.slo_attainment:.0f}%",
-                     *(("-", "-", "-", "-") if c is None else (int(c["loads"]), int(c["host_misses"]), int(c["fetches"]),
-                                                          _percent(off_holder_share(c))))])
-    print_table(["system", "n", "alpha", "rate", "requests", "errors", "req/s", "out tok/s", "TTFT p50 ms",
+                     *(("-", "-", "-", "-", "-") if c is None else (
+                         int(c["loads"]), int(c["host_misses"]), int(c["fetches"]), _percent(off_holder_share(c)),
+                         f"{load_imbalance(c):.2f}"))])
+    print_table(["system", "n", "alpha", "rate", "requests", "errors", "req/s", "rounds", "out tok/s", "TTFT p50 ms",
                  "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "SLO", "slot loads", "host misses", "fetches",
-                 "off holder"], rows)
+                 "off holder", "max/mean tokens"], rows)
 
 
 def _percent(share: float) -> str:
@@ -367,6 +426,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "stream's chunks after the first (default 0)")
     parser.add_argument("--ingress-replicas", type=int, default=1,
                         help="app arg ingress_replicas of the local deployments (default 1)")
+    parser.add_argument("--pin-replicas", action="store_true",
+                        help="each local model-server replica's XLA compute threads on a core of their own (replica "
+                        "i on core i modulo the cores), as replicas on devices of their own; the rest float")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of each workload on each deployed system, the systems taking turns; each "
+                        "counts its round of most requests/s (default 2; PEFT runs once)")
     parser.add_argument("--url", default=None, help="a running deployment on this host to measure as ours")
     parser.add_argument("--admin-token-env", default="LORA_ADMIN_TOKEN",
                         help="with --url: the env var holding its admin token")
@@ -398,8 +463,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--stream-interval-ms={a.stream_interval_ms} must be at least 0")
     if a.stream_interval < 1:
         parser.error(f"--stream-interval={a.stream_interval} must be at least 1")
+    if a.pin_replicas and a.url:
+        parser.error("--pin-replicas pins local deployments' replicas; a --url deployment is not ours to pin")
     if a.ingress_replicas != 1 and a.url:
         parser.error("--ingress-replicas sets local deployments; a --url deployment has its own ingress_replicas")
+    if a.rounds < 1:
+        parser.error(f"--rounds={a.rounds} must be at least 1")
     if a.ingress_replicas < 1:
         parser.error(f"--ingress-replicas={a.ingress_replicas} must be at least 1")
     if a.input_len[1] + a.output_len[1] > a.max_seq_len:
@@ -429,11 +498,8 @@ def main(argv: list[str] | None = None) -> None:
         sources = write_random_peft_adapters(model_dir, adapters_dir, adapter_names(max(a.adapters)),
                                              r=ADAPTER_RANK, alpha=2 * ADAPTER_RANK, seed=a.seed)
         _progress(f"{len(sources)} random rank-{ADAPTER_RANK} PEFT adapters written")
-        steps = [("ours", lambda: run_deployment(a, specs, sources, base_name, tmp, affinity=True,
-                                                 systems=[s for s in ("base", "ours") if s not in a.skip]))]
-        if "serve-default" not in a.skip and not a.url:
-            steps.append(("serve-default", lambda: run_deployment(a, specs, sources, base_name, tmp, affinity=False,
-                                                                  systems=["serve-default"])))
+        ours = [s for s in ("base", "ours", "serve-default") if s not in a.skip and not (s == "serve-default" and a.url)]
+        steps = [("ours", lambda: run_deployments(a, specs, sources, base_name, tmp, ours))]
         if "peft" not in a.skip:
             steps.append(("peft", lambda: run_peft(a, specs, sources, base_name, model_dir, adapters_dir,
                                                        notes)))
@@ -450,6 +516,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{a.requests} requests or {a.duration:.0f} s a run, SLO TTFT <= {a.slo_ttft_s} s and "
           f"TPOT <= {1e3 * a.slo_tpot_s:.0f} ms; "
           f"{'RAY_SERVE_THROUGHPUT_OPTIMIZED=1; ' if a.serve_throughput_optimized else ''}"
+          f"{'replicas compute on a core each; ' if a.pin_replicas else ''}"
           f"{time.monotonic() - started:.0f} s in all")
     print_results(results)
     print_cpu_shares(results, a.slo_ttft_s)

@@ -180,10 +180,14 @@ def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+REPLICA_TOKENS = "tokens@"  # adapter_counters' key of one replica's generated tokens: "tokens@<replica>"
+
+
 def adapter_counters(text: str) -> dict[str, float]:
     """The adapter counters (cluster.metrics.LORA_COUNTERS: loads into device slots, host-cache
-    misses, storage fetches, ...) of /metrics text, summed over replicas, and the routing
-    outcomes (``routed_<outcome>``, cluster.routing.ROUTING_OUTCOMES)."""
+    misses, storage fetches, ...) of /metrics text, summed over replicas, the routing outcomes
+    (``routed_<outcome>``, cluster.routing.ROUTING_OUTCOMES) and each replica's generated
+    tokens (``tokens@<replica>``, every adapter's and the base model's)."""
     samples = parse_prometheus(text)
     out = {}
     for counter in LORA_COUNTERS:
@@ -192,7 +196,20 @@ def adapter_counters(text: str) -> dict[str, float]:
     for outcome in ROUTING_OUTCOMES:
         key = (f"{PREFIX}_routing_decisions_total", (("outcome", outcome),))
         out[f"routed_{outcome}"] = samples.get(key, 0.0)
+    for (name, labels), value in samples.items():
+        if name == f"{PREFIX}_generation_tokens_total":
+            key = REPLICA_TOKENS + dict(labels)["replica"]
+            out[key] = out.get(key, 0.0) + value
     return out
+
+
+def load_imbalance(counters: Mapping[str, float]) -> float:
+    """The busiest replica's generated tokens over the replicas' mean (1: even; the load
+    bound's measure), from adapter_counters (or their delta over a run); nan where no replica
+    generated any."""
+    loads = [v for k, v in counters.items() if k.startswith(REPLICA_TOKENS)]
+    total = sum(loads)
+    return max(loads) * len(loads) / total if total > 0 else math.nan
 
 
 def off_holder_share(counters: Mapping[str, float]) -> float:

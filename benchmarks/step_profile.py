@@ -9,10 +9,11 @@ it, then decodes another under `jax.profiler.trace` and reads the trace back wit
 the executing threads' `hlo_op` events on CPU; an event enclosing others, a loop's, is left
 out for its body's) are grouped by the program they ran in, named by the engine's programs
 (`jit_decode` is the forward of a decode step, `jit_sample` its sampler). For the forward the
-table gives each op kind's time per step (the op's name without its number) and its share,
-and the last line its busy time per step (the union of its ops' intervals: a CPU runs ops on
-several threads at once) against the engine's own decode-step wall time (`decode_seconds`:
-wall clock from one decode step's tokens on the host to the next's, host work included). A second table splits the engine thread's
+table gives each op kind's time per step (the op's name without its number), its runs per
+step and its share, and the last line its busy time per step (the union of its ops'
+intervals: a CPU runs ops on several threads at once) against the engine's own decode-step
+wall time (`decode_seconds`: wall clock from one decode step's tokens on the host to the
+next's, host work included). A second table splits the engine thread's
 decode step by the calls the profiler's Python tracer saw: building the inputs, launching the
 forward, the host work done while it runs, launching the sampler, waiting for the tokens (with
 async_decode, the step before's, read while this one computes), their text and stream items,
@@ -173,6 +174,12 @@ def per_step(events: list[dict], field: str, n: int) -> list[tuple[str, float]]:
     return sorted(((k, ns / n) for k, ns in total.items()), key=lambda kv: -kv[1])
 
 
+def calls_per_step(events: list[dict], n: int) -> dict[str, float]:
+    """{op kind: executions per step} of `events` over `n` steps."""
+    counts = collections.Counter(e["kind"] for e in events)
+    return {k: c / n for k, c in counts.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--large", action="store_true", help="8 layers of Llama-3-8B widths, bfloat16")
@@ -227,13 +234,15 @@ def main(argv: list[str] | None = None) -> dict:
     device_ns, kinds, ops = breakdown(events, steps)
     sampler_ns = busy_ns(step_programs(events, "sample")) / steps
     op_ns = sum(ns for _, ns in kinds)  # past device_ns where ops ran on several threads at once
-    rows = [(kind, f"{ns / 1e3:.1f}", f"{ns / op_ns:.3f}") for kind, ns in kinds[: args.top]]
+    calls = calls_per_step(step_programs(events, "decode"), steps)
+    rows = [(kind, f"{ns / 1e3:.1f}", f"{calls[kind]:.0f}", f"{ns / op_ns:.3f}") for kind, ns in kinds[: args.top]]
     rest = sum(ns for _, ns in kinds[args.top:])
     if rest:
-        rows.append((f"({len(kinds) - args.top} more)", f"{rest / 1e3:.1f}", f"{rest / op_ns:.3f}"))
+        rows.append((f"({len(kinds) - args.top} more)", f"{rest / 1e3:.1f}",
+                     f"{sum(calls[k] for k, _ in kinds[args.top:]):.0f}", f"{rest / op_ns:.3f}"))
     print(f"device={jax.devices()[0].platform} model={shape} dtype={dtype} batch={batch} adapters={args.adapters} "
           f"decode steps={steps}; the forward's ops, per step (the sampler's program: {sampler_ns / 1e3:.1f} us)")
-    print_table(["op", "us per step", "share"], rows)
+    print_table(["op", "us per step", "runs per step", "share"], rows)
     host_steps, host = host_parts(profile)
     if host:
         print(f"the engine thread's side of a decode step ({host_steps} steps, from the Python tracer, which "
@@ -245,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
               "top_op": kinds[0][0], "top_op_share": kinds[0][1] / op_ns}
     with open(os.path.join(out_dir, "step_profile.json"), "w") as f:
         json.dump({**result, "sampler_ms": sampler_ns / 1e6, "steps": steps, "shape": shape,
-                   "kinds_us": {k: ns / 1e3 for k, ns in kinds},
+                   "kinds_us": {k: ns / 1e3 for k, ns in kinds}, "kinds_runs_per_step": calls,
                    "host_us": {k: ns / 1e3 for k, ns in host.items()},
                    "ops_us": {k: ns / 1e3 for k, ns in ops[:60]}}, f, indent=1, default=str)
     print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))

@@ -69,7 +69,7 @@ for mode in "${@:-check}"; do
           | tee "$OUT/multi_lora_$backend.log" | tail -16
       done ;;
     steps-pallas)
-      timeout 200 python3 -m benchmarks.multi_lora --quick --large --backend pallas 2>&1 \
+      timeout 300 python3 -m benchmarks.multi_lora --quick --large --backend pallas 2>&1 \
         | tee "$OUT/multi_lora_pallas.log" | tail -16 ;;
     async)
       timeout 280 python3 -m benchmarks.async_decode --large --backend pallas 2>&1 \

@@ -16,6 +16,7 @@ from benchmarks.serving_workload import (
     RunSummary,
     WorkloadSpec,
     adapter_counters,
+    load_imbalance,
     counter_delta,
     off_holder_share,
     make_workload,
@@ -124,7 +125,22 @@ def test_adapter_counters_are_read_from_metrics_text_over_replicas():
     assert samples[("multilora_adapter_loads_total", (("replica", "replica-1"),))] == 4
     got = adapter_counters(text)
     assert (got["loads"], got["host_misses"], got["fetches"], got["evictions"]) == (7, 2, 2, 0)
-    assert adapter_counters("") == dict.fromkeys(got, 0.0)
+    assert adapter_counters("") == {k: 0.0 for k in got if not k.startswith("tokens@")}
+
+
+def test_each_replicas_generated_tokens_give_the_load_imbalance():
+    snaps = {}
+    for replica, tokens in (("replica-0", {"a": 30, "b": 10}), ("replica-1", {"a": 20}), ("replica-2", {})):
+        m = ReplicaMetrics()
+        for adapter, n in tokens.items():
+            m.start(adapter).finish("ok", prompt_tokens=4, completion_tokens=n)
+        snaps[replica] = m.snapshot({}, LoRAStats(), 0, 8)
+    got = adapter_counters(render(lambda: snaps).decode())
+    assert {k: v for k, v in got.items() if k.startswith("tokens@")} == {
+        "tokens@replica-0": 40, "tokens@replica-1": 20, "tokens@replica-2": 0}
+    assert load_imbalance(got) == pytest.approx(40 / 20)  # the busiest over the mean of 60 / 3
+    assert load_imbalance({"tokens@r0": 5.0, "tokens@r1": 5.0}) == 1.0
+    assert math.isnan(load_imbalance({"tokens@r0": 0.0})) and math.isnan(load_imbalance({"loads": 3.0}))
 
 
 def test_routing_outcomes_are_read_and_the_off_holder_share_counts_adapter_requests_only():
@@ -273,6 +289,53 @@ def test_app_arg_flags_reach_the_local_deployments_only(flag, arg):
             serving.parse_args(["--quick", *bad])
 
 
+def test_systems_take_turns_each_round_and_count_their_best(monkeypatch):
+    """run_systems: each round sends the workload to every system in turn; each system's result is
+    its round of most requests/s, with every round's requests/s kept; a deployment's counters
+    are read once before its first run and carried from run to run."""
+    order, scrapes = [], []
+    rps = {("base", 0): 9.0, ("ours", 0): 5.0, ("serve-default", 0): 6.0,
+           ("base", 1): 8.0, ("ours", 1): 7.0, ("serve-default", 1): 4.0}
+
+    def run_once(system, url, spec_, model_of, a, before):
+        round_ = sum(1 for s, r in order if (s, r) == (system, spec_.rate))
+        order.append((system, spec_.rate))
+        s = RunSummary(requests=10, errors=0, requests_per_s=rps[(system, round_)], output_tokens_per_s=1.0,
+                       ttft_p50_ms=1.0, ttft_p99_ms=round_, tpot_p50_ms=1.0, tpot_p99_ms=1.0, slo_attainment=1.0)
+        assert before == {"runs": sum(1 for s, _ in order[:-1] if urls[s] == url)}
+        return serving.Result(system, spec_, s, {}), {"runs": before["runs"] + 1}
+
+    urls = {"base": "http://a", "ours": "http://a", "serve-default": "http://b"}
+    monkeypatch.setattr(serving, "run_once", run_once)
+    monkeypatch.setattr(serving, "_warm_up", lambda *args: None)
+    monkeypatch.setattr(serving, "_scrape", lambda url: scrapes.append(url) or {"runs": 0})
+    monkeypatch.setattr(serving, "_METRICS_SETTLE_S", 0.0)
+    specs = [spec(num_adapters=8, rate=4.0), spec(num_adapters=8, rate=8.0)]
+    results = serving.run_systems(urls, specs, dict.fromkeys(urls), None, metrics=True, rounds=2)
+    assert sorted(scrapes) == ["http://a", "http://b"]  # once each, before the first runs
+    assert order[:6] == [(s, 4.0) for s in ("base", "ours", "serve-default")] * 2
+    assert order[6:9] == [(s, 8.0) for s in ("base", "ours", "serve-default")]
+    first = {r.system: r for r in results if r.spec.rate == 4.0}
+    assert {s: r.summary.requests_per_s for s, r in first.items()} == {"base": 9.0, "ours": 7.0, "serve-default": 6.0}
+    assert {s: r.summary.ttft_p99_ms for s, r in first.items()} == {"base": 0, "ours": 1, "serve-default": 0}
+    assert first["ours"].rounds_rps == (5.0, 7.0)
+
+
+def test_apps_sharing_a_cluster_need_their_own_admins():
+    from benchmarks.serve_harness import served_apps
+
+    with pytest.raises(ValueError, match="distinct admin_actor_name"):
+        with served_apps({"a": {"admin_actor_name": "x"}, "b": {"admin_actor_name": "x"}}):
+            pass
+
+
+def test_pinned_replicas_are_for_local_deployments_only():
+    assert serving.parse_args(["--quick", "--pin-replicas"]).pin_replicas
+    assert not serving.parse_args(["--quick"]).pin_replicas
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--quick", "--pin-replicas", "--url", "http://127.0.0.1:8000"])
+
+
 def test_stream_interval_ms_reaches_the_local_deployments_only():
     a = serving.parse_args(["--quick", "--stream-interval-ms", "50"])
     assert serving.app_args(a, "r.json", affinity=True)["stream_interval_ms"] == 50
@@ -285,18 +348,22 @@ def test_stream_interval_ms_reaches_the_local_deployments_only():
 @pytest.mark.slow
 def test_benchmark_runs_end_to_end_at_a_tiny_setting():
     """`python -m benchmarks.serving` at a tiny setting (1 replica, 8 adapters, one rate, Serve's
-    routing skipped, the demo vocabulary on a random 2-layer model): a deployment and the PEFT
-    peer, the table and the last line."""
+    routing skipped, the demo vocabulary on a random 2-layer model, the replica's XLA compute
+    threads pinned to a core): a deployment and the PEFT peer, the table and the last line."""
     import re
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "benchmarks.serving", "--adapters", "8", "--rates", "4", "--requests", "6",
            "--duration", "3", "--drain", "60", "--input-len", "6", "8", "--output-len", "4", "6", "--replicas", "1",
-           "--peft-batch-sizes", "1", "4", "--skip", "serve-default", "--hidden", "128", "--layers", "2"]
+           "--peft-batch-sizes", "1", "4", "--skip", "serve-default", "--hidden", "128", "--layers", "2",
+           "--pin-replicas"]
     done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
+    assert re.search(r"XLA compute threads of the replicas: affinity [1-9]\d* on core \d+\n", done.stderr), \
+        done.stderr[-3000:]
+    assert "replicas compute on a core each" in done.stdout.split("serving over HTTP: ")[1].splitlines()[0], done.stdout
     assert re.fullmatch(r"lora_over_base_throughput=[\d.]+ ttft_p99_ms=[\d.]+ tpot_p99_ms=[\d.]+ "
                         r"routing_gain_vs_serve_default=nan speedup_vs_peft=[\d.]+", lines[-1]), lines[-1]
     rows = {line.split()[0]: line.split() for line in lines if line.split()[:1] in (["base"], ["ours"], ["peft"])}

@@ -21,6 +21,11 @@ def test_it_profiles_a_tiny_engines_decode_step(tmp_path, capsys):
     # The engine thread's side of the steps, from the Python tracer: every part of a step seen.
     assert set(summary["host_us"]) == {*step_profile.HOST_PARTS.values(), step_profile.OTHER_PART}
     assert summary["host_us"]["wait for the tokens (device, copy back)"] > 0
+    # Every op kind with time ran at least once a step on average, and a whole number of times over them.
+    runs = summary["kinds_runs_per_step"]
+    assert set(runs) == set(summary["kinds_us"]) and all(n > 0 for n in runs.values())
+    steps = summary["steps"]
+    assert all(abs(n * steps - round(n * steps)) < 1e-6 for n in runs.values())
 
 
 def test_a_decode_step_splits_by_its_outermost_parts():
