@@ -23,14 +23,14 @@ loopback (benchmarks/serve_harness.py), with the same app args; `--url` targets 
 deployment on this host instead (then `ours` and `base` run there and `serve-default` is
 skipped). Each workload runs `--rounds` times on each deployed system, the systems taking turns
 (base, ours, serve-default, then again), so the host's drift falls on all alike; each system
-counts its round of most requests/s, and the table shows every round's. Per run: requests/s and output tokens/s (from
-the first send to the last token), TTFT and TPOT p50/p99, errors, SLO attainment (TTFT <=
-`--slo-ttft-s` and TPOT <= `--slo-tpot-s`), and from the deployment's `GET /metrics` the adapter
-loads into device slots (slot misses), host-cache misses and storage fetches of the run, and
-the share of adapter requests the router sent away from a replica holding the adapter (`off
-holder`: the load bound or a hot adapter's extra home moved it; `multilora_routing_decisions_total`),
-and the busiest replica's generated tokens over the replicas' mean (`max/mean tokens`, what the
-load bound bounds).
+counts its round of most requests/s, and the table shows every round's. Per run: requests/s and
+output tokens/s (from the first send to the last token), TTFT and TPOT p50/p99, errors, SLO
+attainment (TTFT <= `--slo-ttft-s` and TPOT <= `--slo-tpot-s`), and from the deployment's
+`GET /metrics` the adapter loads into device slots (slot misses), host-cache misses and storage
+fetches of the run, and the share of adapter requests the router sent away from a replica
+holding the adapter (`off holder`: the load bound or a hot adapter's extra home moved it;
+`multilora_routing_decisions_total`), and the busiest replica's generated tokens over the
+replicas' mean (`max/mean tokens`, what the load bound bounds).
 
 After the table, where this host's CPU time went during each system's run at the last line's
 setting and rate, by process and thread (benchmarks/cpu_shares.py): without an accelerator, the
@@ -195,7 +195,8 @@ def run_deployments(a, specs, sources: dict[str, str], base_name: str, tmp: str,
         app = ServedApp(a.url.rstrip("/"), os.environ.get(a.admin_token_env, ""))
         return _on_apps(a, {s: app for s in systems if s != "serve-default"}, specs, sources, models)
     labels = {"ours": "affinity", "base": "affinity", "serve-default": "multiplex"}
-    args = {label: app_args(a, f"{tmp}/registry-{label}.json", affinity=label == "affinity", admin=f"lora_admin_{label}")
+    args = {label: app_args(a, f"{tmp}/registry-{label}.json", affinity=label == "affinity",
+                            admin=f"lora_admin_{label}")
             for label in dict.fromkeys(labels[s] for s in systems)}
     _progress(f"deploying {' and '.join(args)} routing, {a.replicas} model-server replicas each")
     started = time.monotonic()
@@ -345,7 +346,8 @@ def print_results(results: Sequence[Result]) -> None:
     for r in sorted(results, key=lambda r: (r.spec.num_adapters, r.spec.alpha, r.spec.rate, _SYSTEM_ORDER[r.system])):
         s, c = r.summary, r.counters
         rows.append([r.system, r.spec.num_adapters, r.spec.alpha, r.spec.rate, s.requests, s.errors,
-                     s.requests_per_s, "/".join(f"{x:.1f}" for x in r.rounds_rps) or "-", s.output_tokens_per_s, s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms,
+                     s.requests_per_s, "/".join(f"{x:.1f}" for x in r.rounds_rps) or "-", s.output_tokens_per_s,
+                     s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms,
                      s.tpot_p99_ms, f"{100 * s.slo_attainment:.0f}%",
                      *(("-", "-", "-", "-", "-") if c is None else (
                          int(c["loads"]), int(c["host_misses"]), int(c["fetches"]), _percent(off_holder_share(c)),
@@ -498,8 +500,9 @@ def main(argv: list[str] | None = None) -> None:
         sources = write_random_peft_adapters(model_dir, adapters_dir, adapter_names(max(a.adapters)),
                                              r=ADAPTER_RANK, alpha=2 * ADAPTER_RANK, seed=a.seed)
         _progress(f"{len(sources)} random rank-{ADAPTER_RANK} PEFT adapters written")
-        ours = [s for s in ("base", "ours", "serve-default") if s not in a.skip and not (s == "serve-default" and a.url)]
-        steps = [("ours", lambda: run_deployments(a, specs, sources, base_name, tmp, ours))]
+        deployed = [s for s in ("base", "ours", "serve-default")
+                    if s not in a.skip and not (s == "serve-default" and a.url)]
+        steps = [("ours", lambda: run_deployments(a, specs, sources, base_name, tmp, deployed))]
         if "peft" not in a.skip:
             steps.append(("peft", lambda: run_peft(a, specs, sources, base_name, model_dir, adapters_dir,
                                                        notes)))
