@@ -23,6 +23,9 @@
 #   restarts     only the 8-layer cold and cached pair of `starts` (about 4 minutes)
 #   profile      where a decode step's device time goes, at Llama-3-8B layer widths (8 layers,
 #                bfloat16), base traffic and 8 adapters (benchmarks/step_profile.py; about 4 minutes)
+#   serving      the serving benchmark's workload (64 Zipf adapters through 8 slots, Poisson arrivals)
+#                sent in process to a LoRA-off engine and to the LoRA engine at 8 layers of Llama-3-8B
+#                widths (benchmarks/engine_serving.py --large; about 5 minutes)
 #   load         a checkpoint of 8 layers of Llama-3-8B widths in bfloat16 read onto the chip
 #                (benchmarks/checkpoint_load.py; about a minute)
 #   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
@@ -87,12 +90,15 @@ for mode in "${@:-check}"; do
         timeout 150 python3 -m benchmarks.step_profile --large --adapters $adapters --out "$OUT/step_profile_$adapters" \
           2>&1 | tee "$OUT/step_profile_$adapters.log" | grep -v Warn | tail -26
       done ;;
+    serving)
+      timeout 500 python3 -m benchmarks.engine_serving --large 2>&1 | tee "$OUT/engine_serving.log" | grep -v Warn \
+        | tail -14 ;;
     load)
       timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \
         --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
       echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, async, long, starts, restarts, profile," \
-        "load, smoke)" >&2
+        "serving, load, smoke)" >&2
       exit 2 ;;
   esac
 done

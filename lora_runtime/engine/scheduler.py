@@ -4,8 +4,11 @@ A running request holds a batch row (at most `max_batch` run at once), KV blocks
 tokens it has computed (handed out as it grows, see block_pool.py) and, if it names an
 adapter, a refcount on that adapter's device slot, so the distinct adapters in a batch
 never exceed the slots (`max_loras_per_batch`). Requests whose adapter is already resident
-are admitted first; a request passed over for more than `max_wait_steps` steps stops all
-other admissions until it is admitted, which bounds its wait by the longest running request.
+are admitted first; a request passed over for more than `max_wait_steps` steps stops other
+admissions until it is admitted, which bounds its wait by the longest running request. When
+what it waits for is an adapter slot, every one held by running requests, only requests for
+the held slot that frees first are stopped: that slot drains while requests that need no new
+slot keep joining, one row and the starving prompt's blocks kept free for it.
 
 A request whose prompt starts with full blocks another request computed (same tokens,
 same adapter content) takes those blocks by reference and computes only the rest. Such
@@ -134,10 +137,16 @@ class Scheduler:
         packed_budget = budget if packed_budget is None else packed_budget
         oldest = next(s for s in self.waiting if s.priority == top)  # first in line of the most urgent
         starving = only is None and self.step - oldest.arrival > self.config.max_wait_steps
+        # A starving request that waits for an adapter slot drains the held slot that frees first:
+        # nothing new joins that slot, while requests that need no new slot keep joining.
+        draining = self._drain_for(oldest) if starving else None
         if only is not None:
             candidates = [only] if only in self.waiting else []
         elif starving:
-            candidates = [oldest]  # starving: nothing else joins until it does
+            candidates = [oldest]  # starving: nothing else joins until it does, but for a drain
+            if draining is not None:
+                candidates += [s for s in self.waiting if s is not oldest and s.priority == top and self._is_warm(s)
+                               and (s.adapter is None or self.adapters.content_of(s.adapter) != draining)]
         else:
             candidates = sorted(self.waiting, key=lambda s: (s.priority, not self._is_warm(s), s.arrival, s.order))
         if only is None:
@@ -146,20 +155,25 @@ class Scheduler:
         self.growth_ratio = max(GROWTH_RATIO_MIN, self.growth_ratio - GROWTH_RATIO_DECAY)
         reserve = sum(self._growth(s) for s in self.running.values())
         for seq in candidates:
+            kept = 0  # blocks kept back for the starving request while others join past it
+            if seq is not oldest and draining is not None:
+                if len(self.free_rows) <= 1:
+                    break  # the starving request's row stays free
+                kept = math.ceil(oldest.prefill_len / self.block_size)
             if not self.free_rows and not self._preempt_below(seq):
                 break
             hits = self._lookup(seq, self._predicted_key(seq))
-            if not starving and self._sharer_computing(seq, len(hits)):
+            if (not starving or seq is not oldest) and self._sharer_computing(seq, len(hits)):
                 continue  # a running request is computing this prompt's next blocks: take them next
             packed = not hits and seq.prefill_len <= budget
             if packed and used + seq.prefill_len > packed_budget:
                 continue  # waits for the next packed step rather than computing alone
-            while not self._fits(seq, hits, reserve):
+            while not self._fits(seq, hits, reserve + kept):
                 if not self._preempt_below(seq):
                     break
                 hits = self._lookup(seq, seq.kv_key)  # the victim's blocks may be among them, freed
                 reserve = sum(self._growth(s) for s in self.running.values())
-            if not self._fits(seq, hits, reserve):
+            if not self._fits(seq, hits, reserve + kept):
                 break  # the blocks come back as running requests finish; keep the queue's order
             packed = not hits and seq.prefill_len <= budget
             try:
@@ -173,7 +187,7 @@ class Scheduler:
             if key != seq.kv_key:  # the adapter's content was unknown or changed: look again
                 hits = self._lookup(seq, key)
                 packed = not hits and seq.prefill_len <= budget
-                if not self._fits(seq, hits, reserve) or (packed and used + seq.prefill_len > packed_budget):
+                if not self._fits(seq, hits, reserve + kept) or (packed and used + seq.prefill_len > packed_budget):
                     self._release_slot(seq)
                     continue
             self.waiting.remove(seq)
@@ -186,6 +200,24 @@ class Scheduler:
             else:
                 self.extending.append(seq)
         return out
+
+    def _drain_for(self, seq: Sequence) -> bytes | None:
+        """When `seq` waits for an adapter slot that running sequences hold, every one it could
+        take: the content (LoRAManager's identity of the weights) of the held slot whose
+        holders finish first (the fewest tokens left to the longest of them). Admissions skip
+        requests for that content until its slot frees, so the slot drains while the rest of
+        the batch stays full. None when `seq` waits for no held slot."""
+        if seq.adapter is None or self.adapters is None or self.adapters.can_acquire(seq.adapter):
+            return None
+        held = self.adapters.held_slots_for(seq.adapter)
+        holders: dict[int, list[Sequence]] = {}
+        for s in self.running.values():
+            if s.slot in held:
+                holders.setdefault(s.slot, []).append(s)
+        if not holders:
+            return None
+        slot = min(holders, key=lambda k: (max(s.params.max_tokens - len(s.output_ids) for s in holders[k]), k))
+        return self.adapters.slot_content(slot)
 
     def _preempt_below(self, seq: Sequence) -> bool:
         """Preempts the least urgent, newest running sequence if it is less urgent than `seq`

@@ -249,3 +249,98 @@ def test_the_wait_bound_holds_among_the_most_urgent():
     sched.step += 5  # low has waited past the bound...
     sched.add(urgent)
     assert sched.admit().packed == [urgent]  # ...yet a more urgent one goes first
+
+
+class _Slots:
+    """The AdapterSlots protocol over `n` device slots of one rank, every adapter fetched: a
+    slot holds one adapter (its name is its content) and counts references; an adapter that
+    is not resident takes the first unreferenced slot."""
+
+    def __init__(self, n: int):
+        self.held: list[str | None] = [None] * n
+        self.refs = [0] * n
+
+    def is_resident(self, name):
+        return name in self.held
+
+    def is_host_cached(self, name):
+        return True
+
+    def is_ready(self, name):
+        return True
+
+    def can_acquire(self, name):
+        return name in self.held or 0 in self.refs
+
+    def held_slots_for(self, name):
+        return {} if self.can_acquire(name) else dict(enumerate(self.refs))
+
+    def acquire_slot(self, name):
+        slot = self.held.index(name) if name in self.held else self.refs.index(0)
+        self.held[slot] = name
+        self.refs[slot] += 1
+        return slot
+
+    def release_slot(self, name, slot):
+        self.refs[slot] -= 1
+
+    def prefetch(self, names):
+        pass
+
+    def content_of(self, name):
+        return name.encode()
+
+    def slot_content(self, slot):
+        return None if self.held[slot] is None else self.held[slot].encode()
+
+
+def _lora_seq(prompt, rid, adapter, max_tokens):
+    return Sequence(request_id=rid, prompt_ids=list(prompt), params=SamplingParams(max_tokens=max_tokens), seed=0,
+                    adapter=adapter, emit=lambda out: None, detokenizer=None, eos_token_ids=frozenset())
+
+
+def test_a_request_starving_for_a_slot_drains_the_slot_that_frees_first_while_others_join():
+    """Two slots, held by running requests for "a" (10 tokens left) and "b" (30): a request for
+    "c", passed over past max_wait_steps, waits for a slot. Nothing new joins "a"'s slot, which
+    frees first; requests for "b" and the base model keep joining, but for one row kept for
+    "c"; when "a"'s last holder finishes, "c" takes its slot before anyone else."""
+    config = EngineConfig(max_batch=4, max_seq_len=128, max_loras_per_batch=2, max_wait_steps=2)
+    sched = Scheduler(config, _Slots(2), num_blocks=64, block_size=16)
+    a1, b1 = _lora_seq(range(10, 20), "a1", "a", 10), _lora_seq(range(20, 30), "b1", "b", 30)
+    for seq in (a1, b1):
+        sched.add(seq)
+    assert sched.admit().placed == [a1, b1]
+    _prefill(sched, [a1, b1])
+    cold = _lora_seq(range(30, 40), "c", "c", 5)
+    sched.add(cold)
+    assert sched.admit().placed == []  # no slot for "c"
+    sched.step += 3  # "c" has waited past max_wait_steps
+    a2, b2, base = (_lora_seq(range(40, 50), "a2", "a", 5), _lora_seq(range(50, 60), "b2", "b", 5),
+                    _lora_seq(range(60, 70), "base", None, 5))
+    for seq in (a2, b2, base):
+        sched.add(seq)
+    assert sched.admit().placed == [b2]  # "a" drains; "b" joins; the last free row stays for "c"
+    assert list(sched.waiting) == [cold, a2, base]
+    drained = a1.slot
+    sched.finish(a1)  # "a"'s slot frees
+    placed = sched.admit().placed
+    assert placed[0] is cold and cold.slot == drained and a2 not in placed
+    _check_accounting(sched)
+
+
+def test_a_starving_request_waiting_for_blocks_still_stops_every_admission():
+    """A starving request that waits for KV blocks, not a slot, drains nothing: no other
+    request joins past it."""
+    config = EngineConfig(max_batch=4, max_seq_len=128, max_loras_per_batch=2, max_wait_steps=2)
+    sched = Scheduler(config, _Slots(2), num_blocks=8, block_size=16)
+    big = _lora_seq(range(0, 90), "big", "a", 5)
+    sched.add(big)
+    assert sched.admit().placed == [big]
+    _prefill(sched, [big])
+    long = _lora_seq(range(100, 190), "long", "a", 5)  # needs 6 of the 8 blocks: waits
+    sched.add(long)
+    assert sched.admit().placed == []
+    sched.step += 3
+    short = _lora_seq(range(200, 205), "short", "a", 5)
+    sched.add(short)
+    assert sched.admit().placed == [] and list(sched.waiting) == [long, short]

@@ -1,0 +1,225 @@
+"""The serving benchmark's workload sent to the engine in process, without HTTP: how close serving
+many adapters comes to serving the base model alone where the model's steps have the machine to
+themselves (an accelerator host's case).
+
+    python -m benchmarks.engine_serving [--large] [--adapters 64] [--alpha 1.0] [--slots 8]
+        [--rates R ...] [--requests N] [--duration S] [--input-len LO HI] [--output-len LO HI]
+
+The workload is benchmarks/serving_workload.py's (the one `benchmarks.serving` sends over HTTP):
+`--adapters` adapters of Zipf(`--alpha`) popularity, Poisson arrivals at each rate, prompt and
+output lengths uniform in their ranges, the same requests for both engines:
+
+- `base`: an engine with LoRA off, every request on the base model (the ceiling);
+- `adapters`: the LoRA engine with `--slots` device slots and every adapter in its host cache,
+  each request on its drawn adapter (random rank-16 adapters on all seven modules, registered
+  from local disk).
+
+A driver thread submits each request at its arrival time; the engine's emit callback stamps its
+first and last token. Per run: requests/s and output tokens/s (from the first submission to the
+last token), TTFT and TPOT p50/p99, SLO attainment and, for the LoRA engine, adapter loads into
+device slots per request. The engines run one after the other (each plans its KV cache from the
+device's free memory), each warmed up first on a burst of the first rate's requests and, for the
+LoRA engine, a request on every adapter, so each adapter has been read from storage into the host
+cache once (a server that has been up a while): the runs measure the device slots' turnover, not
+first reads.
+
+Default shape: a small random Llama for CPU. `--large`: 8 layers of Llama-3-8B widths in bfloat16
+on the demo tokenizer's vocabulary, async decode, for an accelerator.
+
+Last line, at the highest rate whose LoRA p99 TTFT is under `--slo-ttft-s` (else the lowest):
+`lora_over_base_throughput=<f> ttft_p99_ms=<f> tpot_p99_ms=<f> slot_loads_per_request=<f>
+compiles_after_warmup=<n>` (requests/s of the LoRA engine over the LoRA-off engine's, on the same
+requests; compiles after warm-up over both engines, from JAX's compile events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+from benchmarks.common import demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter
+from benchmarks.serving_workload import RequestRecord, RunSummary, WorkItem, WorkloadSpec, make_workload, summarize
+from lora_runtime.engine.config import EngineConfig
+from lora_runtime.engine.sampling_params import SamplingParams
+
+LARGE_SHAPE = dict(hidden=4096, layers=8, heads=32, kv_heads=8, intermediate=14336)
+SMALL_SHAPE = dict(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512)
+RANK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRun:
+    system: str  # "base" or "adapters"
+    spec: WorkloadSpec
+    summary: RunSummary
+    slot_loads: int  # adapter loads into device slots during the run
+
+
+def send(engine, items: Sequence[WorkItem], adapters: Sequence[str | None], timeout_s: float) -> list[RequestRecord]:
+    """Submits each request at its arrival time (`adapters[i]` for items[i]) and waits for all;
+    returns what each saw (perf_counter times of submission, first and last token)."""
+    records = [RequestRecord(sent=0.0) for _ in items]
+    done = threading.Semaphore(0)
+
+    def emitter(record: RequestRecord):
+        def emit(out) -> None:  # on the engine's loop thread
+            now = time.perf_counter()
+            if out.error is not None:
+                record.error = f"{type(out.error).__name__}: {out.error}"
+            elif out.token_ids and record.first_token is None:
+                record.first_token = now
+            record.completion_tokens = out.completion_tokens
+            if out.finished or out.error is not None:
+                record.last_token = now
+                done.release()
+
+        return emit
+
+    start = time.perf_counter()
+    for item, adapter, record in zip(items, adapters, records):
+        delay = start + item.send_at_s - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        record.sent = time.perf_counter()
+        params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
+        engine.submit(item.prompt, params, emitter(record), adapter=adapter)
+    deadline = time.monotonic() + timeout_s
+    for _ in items:
+        if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"the requests did not finish within {timeout_s:.0f} s")
+    return records
+
+
+def run_engine(system: str, engine, specs: Sequence[WorkloadSpec], names: list[str] | None, a) -> list[EngineRun]:
+    """Every workload of `specs` sent to `engine`, after a warm-up burst; `names`: the adapters by
+    popularity rank (None: every request on the base model)."""
+    def adapters_of(items):
+        return [None if names is None else names[item.adapter] for item in items]
+
+    burst = dataclasses.replace(specs[0], rate=1e4, max_requests=2 * engine.config.max_batch, seed=specs[0].seed + 1)
+    warm_items = make_workload(burst)
+    send(engine, warm_items, adapters_of(warm_items), timeout_s=a.timeout)
+    if names is not None:  # every adapter read from storage into the host cache once, as on a server up a while
+        for i in range(0, len(names), engine.config.max_batch):
+            group = names[i:i + engine.config.max_batch]
+            items = [dataclasses.replace(warm_items[0], send_at_s=0.0, adapter=j) for j in range(i, i + len(group))]
+            send(engine, items, group, timeout_s=a.timeout)
+    runs = []
+    for spec in specs:
+        items = make_workload(spec)
+        loads = engine.lora_manager.stats().loads if engine.lora_manager is not None else 0
+        records = send(engine, items, adapters_of(items), timeout_s=a.timeout)
+        loads = (engine.lora_manager.stats().loads - loads) if engine.lora_manager is not None else 0
+        summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
+        runs.append(EngineRun(system, spec, summary, loads))
+    return runs
+
+
+def headline(runs: Sequence[EngineRun], slo_ttft_s: float, compiles: int) -> tuple[str, str]:
+    """The last line and a note on the rate it is at."""
+    lora = {r.spec.rate: r for r in runs if r.system == "adapters"}
+    base = {r.spec.rate: r for r in runs if r.system == "base"}
+    within = [rate for rate, r in lora.items() if r.summary.ttft_p99_ms < 1e3 * slo_ttft_s]
+    rate = max(within) if within else min(lora)
+    note = f"last line at {rate} req/s" + ("" if within else f" (no rate kept the LoRA p99 TTFT under {slo_ttft_s} s)")
+    ours, ceiling = lora[rate], base[rate]
+    ratio = (ours.summary.requests_per_s / ceiling.summary.requests_per_s
+             if ceiling.summary.requests_per_s > 0 else float("nan"))
+    per_request = ours.slot_loads / ours.summary.requests if ours.summary.requests else float("nan")
+    return (f"lora_over_base_throughput={ratio:.4f} ttft_p99_ms={ours.summary.ttft_p99_ms:.2f} "
+            f"tpot_p99_ms={ours.summary.tpot_p99_ms:.2f} slot_loads_per_request={per_request:.4f} "
+            f"compiles_after_warmup={compiles}"), note
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--large", action="store_true", help="8 layers of Llama-3-8B widths, bfloat16, async decode")
+    parser.add_argument("--adapters", type=int, default=64)
+    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument("--slots", type=int, default=8, help="device adapter slots (max_loras_per_batch)")
+    parser.add_argument("--max-batch", type=int, default=None, help="rows a step (default 32 with --large, else 16)")
+    parser.add_argument("--rates", type=float, nargs="+", default=None,
+                        help="requests/s, Poisson (default 100 400 1600 with --large, else 16 64 256: the last past "
+                        "the engines' capacity)")
+    parser.add_argument("--requests", type=int, default=None, help="most requests a run (default 400, 96 on CPU)")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds a run sends for, at most")
+    parser.add_argument("--input-len", type=int, nargs=2, default=(8, 24), metavar=("LO", "HI"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(8, 24), metavar=("LO", "HI"))
+    parser.add_argument("--slo-ttft-s", type=float, default=2.0)
+    parser.add_argument("--slo-tpot-s", type=float, default=0.2)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take to finish")
+    parser.add_argument("--seed", type=int, default=0)
+    a = parser.parse_args(argv)
+    a.max_batch = a.max_batch or (32 if a.large else 16)
+    a.rates = a.rates or ([100.0, 400.0, 1600.0] if a.large else [16.0, 64.0, 256.0])
+    a.requests = a.requests or (400 if a.large else 96)
+    a.input_len, a.output_len = tuple(a.input_len), tuple(a.output_len)
+    for name in ("adapters", "slots", "max_batch", "requests"):
+        if getattr(a, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be at least 1")
+    if any(rate <= 0 for rate in a.rates):
+        parser.error(f"--rates={a.rates} must be positive")
+    for name in ("input_len", "output_len"):
+        lo, hi = getattr(a, name)
+        if not 2 <= lo <= hi:
+            parser.error(f"--{name.replace('_', '-')}={lo} {hi}: need 2 <= LO <= HI")
+    return a
+
+
+def main(argv: list[str] | None = None) -> str:
+    a = parse_args(argv)
+    shape, dtype = (LARGE_SHAPE, "bfloat16") if a.large else (SMALL_SHAPE, "float32")
+    tokenizer = demo_tokenizer()
+    model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
+    config = EngineConfig(max_batch=a.max_batch, max_seq_len=a.input_len[1] + a.output_len[1] + 8,
+                          max_loras_per_batch=a.slots, max_lora_rank=RANK, max_cpu_loras=a.adapters,
+                          async_decode=a.large)
+    specs = [WorkloadSpec(a.adapters, a.alpha, rate, a.requests, a.duration, a.input_len, a.output_len, a.seed)
+             for rate in a.rates]
+    runs: list[EngineRun] = []
+    compiles = 0
+    engine = synthetic_engine(model_config, config.model_copy(update={"max_loras_per_batch": 0}), tokenizer)
+    engine.start()
+    try:
+        runs += run_engine("base", engine, specs, None, a)
+        compiles += engine.compiles_after_warmup
+    finally:
+        engine.shutdown()
+    del engine  # its KV cache took the plan's share of device memory: free it before the next engine
+    gc.collect()
+    engine = synthetic_engine(model_config, config, tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        names = [f"zipf-{i:04d}" for i in range(a.adapters)]
+        for i, name in enumerate(names):
+            path = write_random_adapter(f"{tmp}/{name}", model_config, r=RANK, alpha=2 * RANK, seed=i)
+            engine.lora_manager.register(name, str(path))
+        engine.start()
+        try:
+            runs += run_engine("adapters", engine, specs, names, a)
+            compiles += engine.compiles_after_warmup
+        finally:
+            engine.shutdown()
+    line, note = headline(runs, a.slo_ttft_s, compiles)
+    print(f"engine in process: {shape} {dtype}, max_batch {a.max_batch}, {a.adapters} rank-{RANK} adapters of "
+          f"Zipf alpha {a.alpha} through {a.slots} device slots, input {a.input_len[0]}-{a.input_len[1]} and output "
+          f"{a.output_len[0]}-{a.output_len[1]} tokens, {a.requests} requests or {a.duration:.0f} s a run")
+    rows = []
+    for r in sorted(runs, key=lambda r: (r.spec.rate, r.system)):
+        s = r.summary
+        rows.append([r.system, r.spec.rate, s.requests, s.errors, s.requests_per_s, s.output_tokens_per_s,
+                     s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms, s.tpot_p99_ms, f"{100 * s.slo_attainment:.0f}%",
+                     r.slot_loads if r.system == "adapters" else "-"])
+    print_table(["system", "rate", "requests", "errors", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                 "TPOT p50 ms", "TPOT p99 ms", "SLO", "slot loads"], rows)
+    print(note)
+    print(line)
+    return line
+
+
+if __name__ == "__main__":
+    main()
