@@ -120,6 +120,17 @@ def run_engine(system: str, engine, specs: Sequence[WorkloadSpec], names: list[s
     return runs
 
 
+def measure(system: str, engine, specs: Sequence[WorkloadSpec], names: list[str] | None,
+            a) -> tuple[list[EngineRun], int]:
+    """run_engine on a started `engine`, shut down after; returns its runs and its compiles after
+    warm-up."""
+    engine.start()
+    try:
+        return run_engine(system, engine, specs, names, a), engine.compiles_after_warmup
+    finally:
+        engine.shutdown()
+
+
 def headline(runs: Sequence[EngineRun], slo_ttft_s: float, compiles: int) -> tuple[str, str]:
     """The last line and a note on the rate it is at."""
     lora = {r.spec.rate: r for r in runs if r.system == "adapters"}
@@ -181,15 +192,8 @@ def main(argv: list[str] | None = None) -> str:
                           async_decode=a.large)
     specs = [WorkloadSpec(a.adapters, a.alpha, rate, a.requests, a.duration, a.input_len, a.output_len, a.seed)
              for rate in a.rates]
-    runs: list[EngineRun] = []
-    compiles = 0
     engine = synthetic_engine(model_config, config.model_copy(update={"max_loras_per_batch": 0}), tokenizer)
-    engine.start()
-    try:
-        runs += run_engine("base", engine, specs, None, a)
-        compiles += engine.compiles_after_warmup
-    finally:
-        engine.shutdown()
+    runs, compiles = measure("base", engine, specs, None, a)
     del engine  # its KV cache took the plan's share of device memory: free it before the next engine
     gc.collect()
     engine = synthetic_engine(model_config, config, tokenizer)
@@ -198,12 +202,8 @@ def main(argv: list[str] | None = None) -> str:
         for i, name in enumerate(names):
             path = write_random_adapter(f"{tmp}/{name}", model_config, r=RANK, alpha=2 * RANK, seed=i)
             engine.lora_manager.register(name, str(path))
-        engine.start()
-        try:
-            runs += run_engine("adapters", engine, specs, names, a)
-            compiles += engine.compiles_after_warmup
-        finally:
-            engine.shutdown()
+        lora_runs, lora_compiles = measure("adapters", engine, specs, names, a)
+    runs, compiles = runs + lora_runs, compiles + lora_compiles
     line, note = headline(runs, a.slo_ttft_s, compiles)
     print(f"engine in process: {shape} {dtype}, max_batch {a.max_batch}, {a.adapters} rank-{RANK} adapters of "
           f"Zipf alpha {a.alpha} through {a.slots} device slots, input {a.input_len[0]}-{a.input_len[1]} and output "
