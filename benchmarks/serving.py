@@ -182,8 +182,11 @@ def run_systems(systems: Mapping[str, str], specs: Sequence[WorkloadSpec], model
 
 
 def _models(base_name: str, names: Sequence[str]) -> dict[str, Callable]:
-    adapters = lambda item: names[item.adapter]  # noqa: E731
-    return {"base": lambda item: base_name, "ours": adapters, "serve-default": adapters, "peft": adapters}
+    """Each system's model name for a work item: the base model's, or the item's adapter."""
+    def adapter(item) -> str:
+        return names[item.adapter]
+
+    return {"base": lambda item: base_name, "ours": adapter, "serve-default": adapter, "peft": adapter}
 
 
 def run_deployments(a, specs, sources: dict[str, str], base_name: str, tmp: str,
