@@ -192,6 +192,8 @@ class Scheduler:
                     continue
             self.waiting.remove(seq)
             self._place(seq, hits)
+            if seq is oldest:
+                draining = None  # it found a slot after all (one preempted for it): nothing to keep
             reserve += self._growth(seq)
             out.placed.append(seq)
             if packed:
