@@ -252,13 +252,14 @@ def test_the_wait_bound_holds_among_the_most_urgent():
 
 
 class _Slots:
-    """The AdapterSlots protocol over `n` device slots of one rank, every adapter fetched: a
-    slot holds one adapter (its name is its content) and counts references; an adapter that
-    is not resident takes the first unreferenced slot."""
+    """The AdapterSlots protocol over `n` device slots of one rank: a slot holds one adapter (its
+    name is its content) and counts references; an adapter that is not resident takes the first
+    unreferenced slot. Every adapter is fetched but those in `fetching`."""
 
     def __init__(self, n: int):
         self.held: list[str | None] = [None] * n
         self.refs = [0] * n
+        self.fetching: set[str] = set()  # adapters still on their way from storage
 
     def is_resident(self, name):
         return name in self.held
@@ -267,7 +268,7 @@ class _Slots:
         return True
 
     def is_ready(self, name):
-        return True
+        return name not in self.fetching
 
     def can_acquire(self, name):
         return name in self.held or 0 in self.refs
@@ -344,3 +345,29 @@ def test_a_starving_request_waiting_for_blocks_still_stops_every_admission():
     short = _lora_seq(range(200, 205), "short", "a", 5)
     sched.add(short)
     assert sched.admit().placed == [] and list(sched.waiting) == [long, short]
+
+
+def test_a_starving_request_that_preempts_for_its_slot_keeps_no_row_back():
+    """A starving urgent request whose slot frees by preempting less urgent holders is placed at
+    once; the requests behind it then take the rows left, none kept back for it."""
+    config = EngineConfig(max_batch=3, max_seq_len=128, max_loras_per_batch=2, max_wait_steps=2,
+                          scheduling_policy="priority")
+    slots = _Slots(2)
+    sched = Scheduler(config, slots, num_blocks=64, block_size=16)
+    a1, b1 = _lora_seq(range(10, 20), "a1", "a", 10), _lora_seq(range(20, 30), "b1", "b", 30)
+    a1.priority = b1.priority = 5
+    for seq in (a1, b1):
+        sched.add(seq)
+    assert sched.admit().placed == [a1, b1]
+    _prefill(sched, [a1, b1])
+    urgent = _lora_seq(range(30, 40), "c", "c", 5)
+    slots.fetching.add("c")  # not preempted for while it is still in storage
+    sched.add(urgent)
+    assert sched.admit().placed == []
+    sched.step += 3
+    slots.fetching.clear()
+    base = _lora_seq(range(60, 70), "base", None, 5)
+    sched.add(base)
+    placed = sched.admit().placed
+    assert placed == [urgent, base] and sched.preemptions == 1 and not sched.free_rows
+    _check_accounting(sched)
