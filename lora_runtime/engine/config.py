@@ -129,8 +129,9 @@ class EngineConfig(BaseModel):
     max_wait_steps: int = Field(
         32,
         ge=1,
-        description="Steps a request for a cold adapter may be passed over before the "
-        "scheduler stops admitting others until it gets a slot.",
+        description="Steps a request for a cold adapter may be passed over before it goes first: "
+        "the scheduler then drains the held adapter slot that frees first (no new request joins it) "
+        "while requests that need no new slot keep joining, until it gets that slot.",
     )
 
     @model_validator(mode="after")
