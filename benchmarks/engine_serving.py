@@ -42,12 +42,26 @@ import threading
 import time
 from collections.abc import Sequence
 
-from benchmarks.common import demo_tokenizer, print_table, synthetic_config, synthetic_engine, write_random_adapter
-from benchmarks.serving_workload import RequestRecord, RunSummary, WorkItem, WorkloadSpec, make_workload, summarize
+from benchmarks.common import (
+    LARGE_SHAPE,
+    demo_tokenizer,
+    print_table,
+    synthetic_config,
+    synthetic_engine,
+    write_random_adapter,
+)
+from benchmarks.serving_workload import (
+    RequestRecord,
+    RunSummary,
+    WorkItem,
+    WorkloadSpec,
+    headline_rate,
+    make_workload,
+    summarize,
+)
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.sampling_params import SamplingParams
 
-LARGE_SHAPE = dict(hidden=4096, layers=8, heads=32, kv_heads=8, intermediate=14336)
 SMALL_SHAPE = dict(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512)
 RANK = 16
 
@@ -135,8 +149,7 @@ def headline(runs: Sequence[EngineRun], slo_ttft_s: float, compiles: int) -> tup
     """The last line and a note on the rate it is at."""
     lora = {r.spec.rate: r for r in runs if r.system == "adapters"}
     base = {r.spec.rate: r for r in runs if r.system == "base"}
-    within = [rate for rate, r in lora.items() if r.summary.ttft_p99_ms < 1e3 * slo_ttft_s]
-    rate = max(within) if within else min(lora)
+    rate, within = headline_rate({rate: r.summary.ttft_p99_ms for rate, r in lora.items()}, slo_ttft_s)
     note = f"last line at {rate} req/s" + ("" if within else f" (no rate kept the LoRA p99 TTFT under {slo_ttft_s} s)")
     ours, ceiling = lora[rate], base[rate]
     ratio = (ours.summary.requests_per_s / ceiling.summary.requests_per_s

@@ -68,6 +68,7 @@ from benchmarks.serving_workload import (
     WorkloadSpec,
     adapter_counters,
     counter_delta,
+    headline_rate,
     load_imbalance,
     make_workload,
     off_holder_share,
@@ -297,8 +298,7 @@ def headline_run(results: Sequence[Result], slo_ttft_s: float) -> tuple[int, flo
     n, alpha = HEADLINE if HEADLINE in settings else settings[-1]
     ttft = {r.spec.rate: r.summary.ttft_p99_ms for r in results
             if r.system == "ours" and (r.spec.num_adapters, r.spec.alpha) == (n, alpha)}
-    within = [rate for rate, ms in ttft.items() if ms < 1e3 * slo_ttft_s]
-    rate = max(within) if within else min(ttft)
+    rate, within = headline_rate(ttft, slo_ttft_s)
     notes = [f"last line: n={n}, alpha={alpha}, rate={rate} req/s"]
     if not within:
         notes.append(f"no swept rate kept our p99 TTFT under {slo_ttft_s} s; the last line is at the lowest rate")

@@ -174,6 +174,13 @@ def summarize(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_tpot_s
     )
 
 
+def headline_rate(ttft_p99_ms: Mapping[float, float], slo_ttft_s: float) -> tuple[float, bool]:
+    """The rate a benchmark's last line is at: the highest whose p99 TTFT (ms, by rate) is under
+    `slo_ttft_s`, else the lowest; and whether any was under it."""
+    within = [rate for rate, ms in ttft_p99_ms.items() if ms < 1e3 * slo_ttft_s]
+    return (max(within), True) if within else (min(ttft_p99_ms), False)
+
+
 def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Samples of Prometheus exposition text: (name, sorted label pairs) -> value."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value

@@ -212,10 +212,7 @@ class Scheduler:
         if seq.adapter is None or self.adapters is None or self.adapters.can_acquire(seq.adapter):
             return None
         held = self.adapters.held_slots_for(seq.adapter)
-        holders: dict[int, list[Sequence]] = {}
-        for s in self.running.values():
-            if s.slot in held:
-                holders.setdefault(s.slot, []).append(s)
+        holders = {slot: users for slot, users in self._slot_holders().items() if slot in held}
         if not holders:
             return None
         slot = min(holders, key=lambda k: (max(s.params.max_tokens - len(s.output_ids) for s in holders[k]), k))
@@ -334,10 +331,7 @@ class Scheduler:
         adapters = self.adapters
         if not any(s.priority > seq.priority for s in self.running.values()) or not adapters.is_ready(seq.adapter):
             return False
-        by_slot: dict[int, list[Sequence]] = {}
-        for s in self.running.values():
-            if s.slot >= 0:
-                by_slot.setdefault(s.slot, []).append(s)
+        by_slot = self._slot_holders()
         options = [users for slot, refs in adapters.held_slots_for(seq.adapter).items()
                    if len(users := by_slot.get(slot, [])) == refs and all(u.priority > seq.priority for u in users)]
         if not options:
@@ -345,6 +339,14 @@ class Scheduler:
         for user in max(options, key=lambda users: (min(u.priority for u in users), -len(users))):
             self.preempt(user)
         return adapters.can_acquire(seq.adapter)
+
+    def _slot_holders(self) -> dict[int, list[Sequence]]:
+        """Adapter slot -> the running sequences holding it."""
+        holders: dict[int, list[Sequence]] = {}
+        for s in self.running.values():
+            if s.slot >= 0:
+                holders.setdefault(s.slot, []).append(s)
+        return holders
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.adapter is not None and self.adapters is not None and seq.slot >= 0:
