@@ -6,9 +6,12 @@ adapter, a refcount on that adapter's device slot, so the distinct adapters in a
 never exceed the slots (`max_loras_per_batch`). Requests whose adapter is already resident
 are admitted first; a request passed over for more than `max_wait_steps` steps stops other
 admissions until it is admitted, which bounds its wait by the longest running request. When
-what it waits for is an adapter slot, every one held by running requests, only requests for
-the held slot that frees first are stopped: that slot drains while requests that need no new
-slot keep joining, one row and the starving prompt's blocks kept free for it.
+what it waits for is its adapter (a slot, every one held by running requests, or the adapter's
+bytes), requests that take no new slot (the base model, or an adapter whose slot running
+requests hold) keep joining, one row and the starving prompt's blocks kept free for it, but
+none joins the held slot that frees first, so that slot drains. The adapters of the requests
+first in line are fetched, padded and staged on the devices ahead of their slots (the
+manager's fetch threads), so a slot, once free, takes only the adapter's write.
 
 A request whose prompt starts with full blocks another request computed (same tokens,
 same adapter content) takes those blocks by reference and computes only the rest. Such
@@ -36,6 +39,7 @@ import collections
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
@@ -64,6 +68,7 @@ class AdapterSlots(Protocol):
     def acquire_slot(self, name: str) -> int: ...
     def release_slot(self, name: str, slot: int) -> None: ...
     def prefetch(self, names: list[str]) -> None: ...
+    def stage_ahead(self, names: Iterable[str]) -> None: ...
     def content_of(self, name: str) -> bytes | None: ...
     def slot_content(self, slot: int) -> bytes | None: ...
 
@@ -137,16 +142,19 @@ class Scheduler:
         packed_budget = budget if packed_budget is None else packed_budget
         oldest = next(s for s in self.waiting if s.priority == top)  # first in line of the most urgent
         starving = only is None and self.step - oldest.arrival > self.config.max_wait_steps
-        # A starving request that waits for an adapter slot drains the held slot that frees first:
-        # nothing new joins that slot, while requests that need no new slot keep joining.
-        draining = self._drain_for(oldest) if starving else None
+        if only is None and self.adapters is not None:
+            self._stage_ahead()
+        # A starving request that waits for its adapter (a slot, or its bytes) lets in only requests
+        # that need no new slot, and drains the held slot that frees first: nothing new joins it.
+        keeping = starving and not self._is_warm(oldest)
         if only is not None:
             candidates = [only] if only in self.waiting else []
         elif starving:
-            candidates = [oldest]  # starving: nothing else joins until it does, but for a drain
-            if draining is not None:
-                candidates += [s for s in self.waiting if s is not oldest and s.priority == top and self._is_warm(s)
-                               and (s.adapter is None or self.adapters.content_of(s.adapter) != draining)]
+            candidates = [oldest]  # starving: nothing else joins until it does, but for what needs no slot
+            if keeping:
+                joinable = self._held_contents() - {None, self._drain_for(oldest)}
+                candidates += [s for s in self.waiting if s is not oldest and s.priority == top and
+                               (s.adapter is None or self.adapters.content_of(s.adapter) in joinable)]
         else:
             candidates = sorted(self.waiting, key=lambda s: (s.priority, not self._is_warm(s), s.arrival, s.order))
         if only is None:
@@ -156,7 +164,7 @@ class Scheduler:
         reserve = sum(self._growth(s) for s in self.running.values())
         for seq in candidates:
             kept = 0  # blocks kept back for the starving request while others join past it
-            if seq is not oldest and draining is not None:
+            if seq is not oldest and keeping:
                 if len(self.free_rows) <= 1:
                     break  # the starving request's row stays free
                 kept = math.ceil(oldest.prefill_len / self.block_size)
@@ -193,7 +201,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self._place(seq, hits)
             if seq is oldest:
-                draining = None  # it found a slot after all (one preempted for it): nothing to keep
+                keeping = False  # it is in: nothing to keep for it
             reserve += self._growth(seq)
             out.placed.append(seq)
             if packed:
@@ -308,6 +316,16 @@ class Scheduler:
                 self.prefix_hit_tokens += seq.computed
             self._pending.update(seq.block_hashes[len(hits):seq.prefill_len // bs])
         self.running[row] = seq
+
+    def _held_contents(self) -> set[bytes | None]:
+        """The contents of the adapter slots running sequences hold: joining them takes no slot."""
+        return {self.adapters.slot_content(slot) for slot in self._slot_holders()}
+
+    def _stage_ahead(self) -> None:
+        """Has the manager stage, off this thread, the adapters of the requests first in line
+        (most urgent, then oldest), so that a slot, once free, takes only its write."""
+        queue = sorted(self.waiting, key=lambda s: (s.priority, s.arrival, s.order))
+        self.adapters.stage_ahead(s.adapter for s in queue if s.adapter is not None and s.suspect_steps == 0)
 
     def _is_warm(self, seq: Sequence) -> bool:
         return seq.adapter is None or self.adapters is None or self.adapters.is_resident(seq.adapter)

@@ -6,7 +6,9 @@ never across a device step. The pool has one owner: the thread that dispatches t
 write asked for on another thread (register or sync of a pinned adapter, set_pinned) is
 handed to the owner and waited for. Fetches, parsing and the padding to the slot layout
 run on fetch threads, one in-flight future per adapter version, so concurrent requests
-for a cold adapter fetch it once and the owner only issues the slot write.
+for a cold adapter fetch it once and the owner only issues the slot write. A few padded
+adapters wait on the devices for their slots (`max_staged`): those the scheduler names as first
+in line (`stage_ahead`), staged before a slot frees for them.
 
 Adapters are identified by content (LoRAAdapter.content_id, a hash of the weights and
 scalings), not by name: the host cache and the device slots are keyed by it, so two names
@@ -271,6 +273,38 @@ class LoRAManager:
             self._staging.add(key)
         self._executor.submit(self._stage, entry)
         return False
+
+    def stage_ahead(self, names: Iterable[str]) -> None:
+        """Fetches, pads and stages on the devices, off the engine thread, the adapters that
+        waiting requests need next: the first `max_staged` distinct ones of `names` (the queue's
+        order) that are not resident. Staged adapters not among them give way (oldest first),
+        so the staging room holds what the next free slots go to, not what other requests
+        asked for earlier. Unregistered names, and those whose fetch failed, are skipped."""
+        entries = []
+        with self._lock:
+            wanted: dict[Key, RegistryEntry] = {}
+            for name in names:
+                entry = self._registry.get(name)
+                if entry is None:
+                    continue
+                key = (name, entry.version)
+                if key in wanted or key in self._fetch_failed or self._resident(key) is not None:
+                    continue
+                wanted[key] = entry
+                if len(wanted) == self.max_staged:
+                    break
+            for key, entry in wanted.items():
+                if key in self._staged or key in self._staging:
+                    continue
+                if len(self._staged) + len(self._staging) >= self.max_staged:
+                    victim = next((k for k in self._staged if k not in wanted), None)
+                    if victim is None:
+                        break  # the room is staging wanted adapters already
+                    del self._staged[victim]
+                self._staging.add(key)
+                entries.append(entry)
+        for entry in entries:
+            self._executor.submit(self._stage, entry)
 
     def check_request(self, name: str) -> None:
         """AdapterNotFoundError unless `name` is registered."""

@@ -260,6 +260,7 @@ class _Slots:
         self.held: list[str | None] = [None] * n
         self.refs = [0] * n
         self.fetching: set[str] = set()  # adapters still on their way from storage
+        self.staged: list[str] = []  # what the scheduler last asked to stage ahead (2 at most)
 
     def is_resident(self, name):
         return name in self.held
@@ -287,6 +288,9 @@ class _Slots:
 
     def prefetch(self, names):
         pass
+
+    def stage_ahead(self, names):
+        self.staged = list(dict.fromkeys(n for n in names if n not in self.held))[:2]
 
     def content_of(self, name):
         return name.encode()
@@ -326,6 +330,36 @@ def test_a_request_starving_for_a_slot_drains_the_slot_that_frees_first_while_ot
     sched.finish(a1)  # "a"'s slot frees
     placed = sched.admit().placed
     assert placed[0] is cold and cold.slot == drained and a2 not in placed
+    _check_accounting(sched)
+
+
+def test_a_starving_request_waiting_for_its_adapters_bytes_lets_in_only_requests_that_take_no_slot():
+    """A starving request whose adapter is still on its way (a slot is free for it) does not stop
+    the batch: requests for the base model and for held slots join, one row kept for it; a
+    request for a resident adapter nobody holds does not (it would take the free slot)."""
+    config = EngineConfig(max_batch=4, max_seq_len=128, max_loras_per_batch=2, max_wait_steps=2)
+    slots = _Slots(2)
+    sched = Scheduler(config, slots, num_blocks=64, block_size=16)
+    x1, a1 = _lora_seq(range(0, 10), "x1", "x", 2), _lora_seq(range(10, 20), "a1", "a", 30)
+    for seq in (x1, a1):
+        sched.add(seq)
+    assert sched.admit().placed == [x1, a1]
+    _prefill(sched, [x1, a1])
+    free = x1.slot
+    sched.finish(x1)  # "x" stays resident, held by nobody
+    cold = _lora_seq(range(30, 40), "c", "c", 5)
+    slots.fetching.add("c")
+    sched.add(cold)
+    assert sched.admit().placed == [] and slots.staged == ["c"]  # staged ahead, first in line
+    sched.step += 3  # "c" starves
+    x2, a2, base = (_lora_seq(range(40, 50), "x2", "x", 5), _lora_seq(range(50, 60), "a2", "a", 5),
+                    _lora_seq(range(60, 70), "base", None, 5))
+    for seq in (x2, a2, base):
+        sched.add(seq)
+    assert sched.admit().placed == [a2, base] and list(sched.waiting) == [cold, x2]
+    slots.fetching.clear()
+    placed = sched.admit().placed
+    assert placed == [cold] and cold.slot == free  # the free slot went to "c"
     _check_accounting(sched)
 
 

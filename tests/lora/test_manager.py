@@ -436,6 +436,36 @@ def test_is_ready_prepares_an_adapter_off_the_calling_thread(manager, adapter_di
     assert manager.is_ready("not-registered")  # acquire_slot names the problem
 
 
+def test_stage_ahead_stages_the_first_in_line_and_earlier_asks_give_way(manager, adapter_dirs, monkeypatch):
+    """stage_ahead pads and stages the first max_staged adapters of the queue that are not
+    resident; adapters staged earlier for others give way to them, and those already staged
+    are not padded again. A staged adapter's slot write then moves no bytes."""
+    manager.sync(entries(adapter_dirs))
+    padded = []
+    pool_weights = LoRAAdapter.pool_weights
+
+    def spy(self, *args):
+        padded.append(self.name)
+        return pool_weights(self, *args)
+
+    monkeypatch.setattr(LoRAAdapter, "pool_weights", spy)
+    assert manager.max_staged == 2
+    use(manager, "r4")  # resident: never staged
+    for name in ("r8_rslora", "r16_pattern"):  # asked for by requests that found a free slot
+        manager.is_ready(name)
+    wait_for(lambda: manager.is_ready("r8_rslora") and manager.is_ready("r16_pattern"))
+    padded.clear()
+    manager.stage_ahead(iter(["not-registered", "r4", "r8_layer1", "r8_layer1", "r16_pattern", "r8_rslora"]))
+    wait_for(lambda: manager.is_ready("r8_layer1"))
+    assert padded == ["r8_layer1"]  # r16_pattern stays staged; r8_rslora (third in line) gave way
+    assert manager.is_ready("r16_pattern") and not manager.is_ready("r8_rslora")  # no room for it now
+    manager.stage_ahead(["r8_layer1", "r16_pattern"])
+    loads = manager.stats().loads
+    slot = manager.acquire_slot("r8_layer1")
+    assert padded == ["r8_layer1"] and manager.stats().loads == loads + 1
+    manager.release_slot("r8_layer1", slot)
+
+
 def test_two_names_for_one_adapter_share_a_slot_and_a_host_copy(manager, adapter_dirs, model_config):
     """Identity is the content: a second name for the same directory loads nothing more, and
     unregistering one name leaves the other's slot and cached copy in place."""
