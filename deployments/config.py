@@ -79,7 +79,10 @@ class AppArgs(BaseModel):
         "fcfs", description="fcfs: requests run in arrival order (warm adapters first) and a request's priority "
         "must be 0. priority: lowest priority first, and a waiting request preempts running ones of a higher "
         "value for a batch row or KV blocks (vLLM's priority scheduling).")
-    max_loras_per_batch: int = Field(4, description="Device adapter slots per replica.")
+    max_loras_per_batch: int = Field(
+        4, description="Device adapter slots per replica: the most distinct adapters in one batch, and beyond "
+        "max_batch, adapters kept on the devices for the batches to come (each slot's bytes come out of the KV "
+        "cache's share of device memory).")
     max_lora_rank: int = Field(
         64, description="Largest adapter rank accepted; each slot is this wide (smaller ranks zero-padded)."
     )
@@ -344,11 +347,6 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
-        if self.max_loras_per_batch > self.max_batch:
-            raise ValueError(
-                f"max_loras_per_batch={self.max_loras_per_batch} exceeds "
-                f"max_batch={self.max_batch}: a batch cannot use more adapters than sequences"
-            )
         if self.ingress_autoscaling is not None and self.ingress_replicas != 1:
             raise ValueError(f"ingress_replicas={self.ingress_replicas} with ingress_autoscaling: give one or the "
                              "other (autoscaling sets the number of ingress replicas)")

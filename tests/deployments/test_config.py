@@ -50,9 +50,8 @@ def test_bad_args_name_the_value(field, value, match):
         AppArgs(**{field: value})
 
 
-def test_more_slots_than_batch_rows_rejected():
-    with pytest.raises(ValidationError, match="max_loras_per_batch=8 exceeds max_batch=4"):
-        AppArgs(max_batch=4, max_loras_per_batch=8)
+def test_more_slots_than_batch_rows_reach_the_engine():
+    assert AppArgs(max_batch=4, max_loras_per_batch=8).engine_config().max_loras_per_batch == 8
 
 
 def test_prefill_and_prefix_cache_args_reach_the_engine_config():

@@ -192,6 +192,21 @@ def test_slot_limit_fairness_and_unknown_adapters(checkpoint, adapters, peft_gre
         engine.shutdown()
 
 
+def test_slots_beyond_the_batch_rows_keep_adapters_resident(checkpoint, adapters, peft_greedy):
+    # 4 slots, 2 rows: each batch uses at most 2 adapters; the other slots keep the rest on the device.
+    engine = _engine(checkpoint, adapters, max_batch=2, max_loras_per_batch=4)
+    try:
+        names = list(adapters)
+        for _ in range(2):
+            outs = engine.generate_batch([PROMPTS[0]] * len(names), GREEDY, names)
+            assert [o.token_ids for o in outs] == [peft_greedy[n, PROMPTS[0]] for n in names]
+        stats = engine.lora_manager.stats()
+        assert stats.loads == len(names) and stats.evictions == 0  # the second round loaded nothing
+        assert engine.counters["max_batch_adapters"] <= 2
+    finally:
+        engine.shutdown()
+
+
 def test_cold_adapter_is_not_starved(checkpoint, adapters):
     # One slot held by a stream of requests for "r4"; a request for "r16" must still get in.
     engine = _engine(checkpoint, adapters, max_loras_per_batch=1, max_wait_steps=3, max_batch=4)
