@@ -16,9 +16,9 @@ output lengths uniform in their ranges, the same requests for both engines:
 
 A driver thread submits each request at its arrival time; the engine's emit callback stamps its
 first and last token. Per run: requests/s and output tokens/s (from the first submission to the
-last token), TTFT and TPOT p50/p99, SLO attainment and, for the LoRA engine, adapter loads into
-device slots per request. The engines run one after the other (each plans its KV cache from the
-device's free memory), each warmed up first on a burst of the first rate's requests and, for the
+last token), TTFT and TPOT p50/p99, SLO attainment, the mean rows of a decode step (how full the
+batches ran) and, for the LoRA engine, adapter loads into device slots. The engines run one after
+the other (each plans its KV cache from the device's free memory), each warmed up first on a burst of the first rate's requests and, for the
 LoRA engine, a request on every adapter, so each adapter has been read from storage into the host
 cache once (a server that has been up a while): the runs measure the device slots' turnover, not
 first reads.
@@ -72,6 +72,7 @@ class EngineRun:
     spec: WorkloadSpec
     summary: RunSummary
     slot_loads: int  # adapter loads into device slots during the run
+    rows_per_step: float = float("nan")  # mean running rows of the run's decode steps (max_batch at most)
 
 
 def send(engine, items: Sequence[WorkItem], adapters: Sequence[str | None], timeout_s: float) -> list[RequestRecord]:
@@ -127,10 +128,12 @@ def run_engine(system: str, engine, specs: Sequence[WorkloadSpec], names: list[s
     for spec in specs:
         items = make_workload(spec)
         loads = engine.lora_manager.stats().loads if engine.lora_manager is not None else 0
+        steps, row_steps = engine.counters["decode_steps"], engine.counters["decode_row_steps"]
         records = send(engine, items, adapters_of(items), timeout_s=a.timeout)
         loads = (engine.lora_manager.stats().loads - loads) if engine.lora_manager is not None else 0
+        steps, row_steps = engine.counters["decode_steps"] - steps, engine.counters["decode_row_steps"] - row_steps
         summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
-        runs.append(EngineRun(system, spec, summary, loads))
+        runs.append(EngineRun(system, spec, summary, loads, row_steps / steps if steps else float("nan")))
     return runs
 
 
@@ -226,9 +229,9 @@ def main(argv: list[str] | None = None) -> str:
         s = r.summary
         rows.append([r.system, r.spec.rate, s.requests, s.errors, s.requests_per_s, s.output_tokens_per_s,
                      s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms, s.tpot_p99_ms, f"{100 * s.slo_attainment:.0f}%",
-                     r.slot_loads if r.system == "adapters" else "-"])
+                     f"{r.rows_per_step:.1f}", r.slot_loads if r.system == "adapters" else "-"])
     print_table(["system", "rate", "requests", "errors", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                 "TPOT p50 ms", "TPOT p99 ms", "SLO", "slot loads"], rows)
+                 "TPOT p50 ms", "TPOT p99 ms", "SLO", "rows/step", "slot loads"], rows)
     print(note)
     print(line)
     return line

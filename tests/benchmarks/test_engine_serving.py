@@ -25,7 +25,8 @@ def test_it_serves_the_workload_on_both_engines(capsys):
                                                          ("base", 32.0)]
     assert all(r[3] == "0" for r in rows), rows  # no errors
     # Four adapters through two slots: the runs load adapters into slots.
-    assert sum(int(r[11]) for r in rows if r[0] == "adapters") > 0
+    assert sum(int(r[12]) for r in rows if r[0] == "adapters") > 0
+    assert all(0 < float(r[11]) <= 4 for r in rows), rows  # mean decode rows, at most max_batch
 
 
 def _run(system: str, rate: float, rps: float, ttft_p99_ms: float, loads: int = 0) -> EngineRun:
