@@ -170,6 +170,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--slots", type=int, default=8, help="device adapter slots (max_loras_per_batch)")
     parser.add_argument("--max-batch", type=int, default=None, help="rows a step (default 32 with --large, else 16)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None,
+                        help="prompt tokens a step (default: a whole batch of the longest prompts, so admission "
+                        "is not held to a few prompts a step by the short max_seq_len)")
     parser.add_argument("--rates", type=float, nargs="+", default=None,
                         help="requests/s, Poisson (default 100 400 1600 with --large, else 16 64 256: the last past "
                         "the engines' capacity)")
@@ -183,6 +186,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args(argv)
     a.max_batch = a.max_batch or (32 if a.large else 16)
+    a.max_prefill_tokens = a.max_prefill_tokens or max(16, a.max_batch * a.input_len[1])
     a.rates = a.rates or ([100.0, 400.0, 1600.0] if a.large else [16.0, 64.0, 256.0])
     a.requests = a.requests or (400 if a.large else 96)
     a.input_len, a.output_len = tuple(a.input_len), tuple(a.output_len)
@@ -204,7 +208,8 @@ def main(argv: list[str] | None = None) -> str:
     tokenizer = demo_tokenizer()
     model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
     config = EngineConfig(max_batch=a.max_batch, max_seq_len=a.input_len[1] + a.output_len[1] + 8,
-                          max_loras_per_batch=a.slots, max_lora_rank=RANK, max_cpu_loras=a.adapters,
+                          max_prefill_tokens=a.max_prefill_tokens, max_loras_per_batch=a.slots,
+                          max_lora_rank=RANK, max_cpu_loras=a.adapters,
                           async_decode=a.large)
     specs = [WorkloadSpec(a.adapters, a.alpha, rate, a.requests, a.duration, a.input_len, a.output_len, a.seed)
              for rate in a.rates]
