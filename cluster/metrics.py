@@ -42,6 +42,9 @@ ENGINE_COUNTERS = {
     "preemptions": "Running sequences whose KV blocks were taken back (recomputed later) when blocks ran out",
     "failed_steps": "Engine steps that raised (the requests that caused it failed, or were run alone to tell)",
     "isolated_steps": "Engine steps run with one suspect request of a failed step alone",
+    "adapter_slot_waits": "Requests admitted once their adapter was loaded into a device slot for them",
+    "adapter_slot_wait_seconds": "Seconds those requests waited in the queue (too few slots for the adapters in "
+    "demand show here)",
 }
 # Engine.stats() gauges exported as they are: the KV cache's blocks and the memory plan (bytes per device).
 ENGINE_GAUGES = {

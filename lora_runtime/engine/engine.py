@@ -547,6 +547,8 @@ class Engine:
             prefix_cache_query_tokens=self.scheduler.prefix_query_tokens,
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
             preemptions=self.scheduler.preemptions,
+            adapter_slot_waits=self.scheduler.adapter_slot_waits,
+            adapter_slot_wait_seconds=self.scheduler.adapter_slot_wait_seconds,
             kv_blocks=self.scheduler.pool.usable,
             kv_blocks_free=self.scheduler.pool.num_free,
             kv_blocks_cached=self.scheduler.pool.num_cached,

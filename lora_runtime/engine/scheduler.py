@@ -5,7 +5,9 @@ tokens it has computed (handed out as it grows, see block_pool.py) and, if it na
 adapter, a refcount on that adapter's device slot, so the distinct adapters in a batch
 never exceed the slots (`max_loras_per_batch`). Requests whose adapter is already resident
 are admitted first; a request passed over for more than `max_wait_steps` steps stops other
-admissions until it is admitted, which bounds its wait by the longest running request. When
+admissions until it is admitted, which bounds its wait by the longest running request (once it
+is in, the rest join in the same step, so an overloaded queue, where every request soon waits
+that long, still fills the free rows). When
 what it waits for is its adapter (a slot, every one held by running requests, or the adapter's
 bytes), requests that take no new slot (the base model, or an adapter whose slot running
 requests hold) keep joining, one row and the starving prompt's blocks kept free for it, but
@@ -39,6 +41,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -104,6 +107,8 @@ class Scheduler:
         self.prefix_query_tokens = 0  # prompt tokens of admissions that looked up the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens found cached
         self.preemptions = 0
+        self.adapter_slot_waits = 0  # admissions that first loaded the request's adapter into a slot
+        self.adapter_slot_wait_seconds = 0.0  # those requests' time in the queue
         self.growth_ratio = GROWTH_RATIO_START
         self.step = 0
 
@@ -111,6 +116,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.arrival = self.step
+        seq.queued_at = time.monotonic()
         seq.order = next(self._order)
         seq.prefill_len = len(seq.prompt_ids)
         self.waiting.append(seq)
@@ -147,16 +153,17 @@ class Scheduler:
         # A starving request that waits for its adapter (a slot, or its bytes) lets in only requests
         # that need no new slot, and drains the held slot that frees first: nothing new joins it.
         keeping = starving and not self._is_warm(oldest)
+        joinable: set[bytes | None] = set()
         if only is not None:
             candidates = [only] if only in self.waiting else []
-        elif starving:
-            candidates = [oldest]  # starving: nothing else joins until it does, but for what needs no slot
-            if keeping:
-                joinable = self._held_contents() - {None, self._drain_for(oldest)}
-                candidates += [s for s in self.waiting if s is not oldest and s.priority == top and
-                               (s.adapter is None or self.adapters.content_of(s.adapter) in joinable)]
         else:
             candidates = sorted(self.waiting, key=lambda s: (s.priority, not self._is_warm(s), s.arrival, s.order))
+            if starving:  # it goes first; the rest follow once it is in (while it waits, only what `keeping` lets in)
+                candidates.remove(oldest)
+                candidates.insert(0, oldest)
+                if keeping:
+                    joinable = self._held_contents() - {None, self._drain_for(oldest)}
+        held_back = starving  # the starving request still waits
         if only is None:
             candidates = [s for s in candidates if s.suspect_steps == 0]
         used = 0
@@ -164,7 +171,12 @@ class Scheduler:
         reserve = sum(self._growth(s) for s in self.running.values())
         for seq in candidates:
             kept = 0  # blocks kept back for the starving request while others join past it
-            if seq is not oldest and keeping:
+            if seq is not oldest and held_back:
+                if not keeping:
+                    break  # it waits for a row, blocks or the step's budget: nobody passes it
+                if seq.priority != top or (seq.adapter is not None and
+                                           self.adapters.content_of(seq.adapter) not in joinable):
+                    continue  # would take a new slot, or the draining one
                 if len(self.free_rows) <= 1:
                     break  # the starving request's row stays free
                 kept = math.ceil(oldest.prefill_len / self.block_size)
@@ -190,6 +202,8 @@ class Scheduler:
             except Exception as err:  # the adapter could not be loaded: fail this request only
                 self.waiting.remove(seq)
                 out.failed.append((seq, err))
+                if seq is oldest:
+                    held_back = False
                 continue
             key = self._slot_key(seq)
             if key != seq.kv_key:  # the adapter's content was unknown or changed: look again
@@ -201,7 +215,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self._place(seq, hits)
             if seq is oldest:
-                keeping = False  # it is in: nothing to keep for it
+                held_back = False  # it is in: the rest join as usual
             reserve += self._growth(seq)
             out.placed.append(seq)
             if packed:
@@ -339,7 +353,11 @@ class Scheduler:
             return False  # every slot is held: wait for one
         if not adapters.is_ready(seq.adapter):
             return False  # fetched and padded off this thread meanwhile; decode goes on
+        loads = not adapters.is_resident(seq.adapter)
         seq.slot = adapters.acquire_slot(seq.adapter)  # the slot write alone
+        if loads:
+            self.adapter_slot_waits += 1
+            self.adapter_slot_wait_seconds += time.monotonic() - seq.queued_at
         return True
 
     def _preempt_for_slot(self, seq: Sequence) -> bool:
@@ -436,6 +454,7 @@ class Scheduler:
         seq.prefill_len = seq.num_tokens
         seq.preemptions += 1
         self.preemptions += 1
+        seq.queued_at = time.monotonic()
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, *, keep_content: bool = True) -> None:

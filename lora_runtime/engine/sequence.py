@@ -60,6 +60,7 @@ class Sequence:
     eos_token_ids: frozenset[int]
     priority: int = 0  # lower is admitted first, and may preempt higher (scheduler.py)
     arrival: int = 0  # engine step at arrival
+    queued_at: float = 0.0  # time.monotonic() when it last joined the queue (arrival, or preemption)
     order: int = 0  # arrival order among all sequences (the newest is preempted first)
     row: int | None = None  # batch row while running (its sampling state and block table row)
     slot: int = -1  # adapter slot while running; -1 = no adapter

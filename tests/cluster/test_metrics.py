@@ -123,6 +123,7 @@ def test_render_aggregates_replicas_in_prometheus_text():
         stats = LoRAStats(loads=3 + i, evictions=1, host_hits=2, host_misses=1)
         engine = {"running": i, "waiting": 2, "prefix_cache_query_tokens": 40 + i, "prefix_cache_hit_tokens": 16 * i,
                   "extend_steps": 3 * i, "decode_steps": 7, "preemptions": 5 * i, "kv_blocks": 100,
+                  "adapter_slot_waits": 2 + i, "adapter_slot_wait_seconds": 0.25 * i,
                   "kv_blocks_free": 60 + i, "kv_capacity_tokens": 1600, "memory_kv_cache_bytes": 1 << 20}
         snaps[rid] = m.snapshot(engine, stats, slots_used=i + 1, slots_total=4, class_slots={8: (i, 3), 64: (1, 1)})
     got = samples(render(lambda: snaps))
@@ -142,6 +143,8 @@ def test_render_aggregates_replicas_in_prometheus_text():
     assert got[("multilora_extend_steps_total", (("replica", "r1"),))] == 3
     assert not any(name.startswith("multilora_decode_steps") for name, _ in got)  # only the listed counters
     assert got[("multilora_preemptions_total", (("replica", "r1"),))] == 5
+    assert got[("multilora_adapter_slot_waits_total", (("replica", "r1"),))] == 3
+    assert got[("multilora_adapter_slot_wait_seconds_total", (("replica", "r1"),))] == 0.25
     assert got[("multilora_kv_blocks", (("replica", "r0"),))] == 100
     assert got[("multilora_kv_blocks_free", (("replica", "r1"),))] == 61
     assert got[("multilora_kv_capacity_tokens", (("replica", "r0"),))] == 1600

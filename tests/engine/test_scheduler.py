@@ -251,6 +251,18 @@ def test_the_wait_bound_holds_among_the_most_urgent():
     assert sched.admit().packed == [urgent]  # ...yet a more urgent one goes first
 
 
+def test_once_a_starving_request_is_in_the_rest_join_in_the_same_step():
+    """Overloaded, every waiting request soon waits past max_wait_steps: the oldest goes first,
+    and the others still fill the free rows in the same step (not one admission a step)."""
+    sched = _sched(CONFIG.model_copy(update={"max_wait_steps": 2, "max_batch": 4}))
+    seqs = [_seq(range(10 * i, 10 * i + 8), f"r{i}") for i in range(6)]
+    for seq in seqs:
+        sched.add(seq)
+    sched.step += 3  # all of them have waited past the bound
+    assert sched.admit().placed == seqs[:4] and list(sched.waiting) == seqs[4:]
+    _check_accounting(sched)
+
+
 class _Slots:
     """The AdapterSlots protocol over `n` device slots of one rank: a slot holds one adapter (its
     name is its content) and counts references; an adapter that is not resident takes the first
@@ -360,6 +372,8 @@ def test_a_starving_request_waiting_for_its_adapters_bytes_lets_in_only_requests
     slots.fetching.clear()
     placed = sched.admit().placed
     assert placed == [cold] and cold.slot == free  # the free slot went to "c"
+    # Three admissions loaded their adapter ("x", "a", then "c"); "c" waited in the queue the longest.
+    assert sched.adapter_slot_waits == 3 and sched.adapter_slot_wait_seconds > 0
     _check_accounting(sched)
 
 

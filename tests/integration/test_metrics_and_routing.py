@@ -171,6 +171,10 @@ def test_affinity_routing_and_prometheus_scrape(two_replicas, prometheus):
     # Scraped after the requests: the adapters they used hold slots of the classes they fit.
     used = _query(prometheus, "sum(multilora_adapter_class_slots_used)")
     assert float(used[0]["value"][1]) >= len(ADAPTERS), used
+    # Requests that waited for their adapter's load were counted, never more than the loads.
+    [waits] = _query(prometheus, "sum(multilora_adapter_slot_waits_total)")
+    [loads] = _query(prometheus, "sum(multilora_adapter_loads_total)")
+    assert 1 <= float(waits["value"][1]) <= float(loads["value"][1]), (waits, loads)
     n = REQUESTS_PER_ADAPTER * len(ADAPTERS)
     _wait_for(prometheus, "sum(multilora_time_to_first_token_seconds_count)", n)
     [tokens] = _query(prometheus, "sum(multilora_generation_tokens_total)")
