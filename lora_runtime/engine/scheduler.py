@@ -7,13 +7,13 @@ never exceed the slots (`max_loras_per_batch`). Requests whose adapter is alread
 are admitted first; a request passed over for more than `max_wait_steps` steps stops other
 admissions until it is admitted, which bounds its wait by the longest running request (once it
 is in, the rest join in the same step, so an overloaded queue, where every request soon waits
-that long, still fills the free rows). When
-what it waits for is its adapter (a slot, every one held by running requests, or the adapter's
-bytes), requests that take no new slot (the base model, or an adapter whose slot running
-requests hold) keep joining, one row and the starving prompt's blocks kept free for it, but
-none joins the held slot that frees first, so that slot drains. The adapters of the requests
-first in line are fetched, padded and staged on the devices ahead of their slots (the
-manager's fetch threads), so a slot, once free, takes only the adapter's write.
+that long, still fills the free rows). When what it waits for is its adapter (a slot, every
+one held by running requests, or the adapter's bytes), requests that take no new slot (the
+base model, or an adapter whose slot running requests hold) keep joining, one row and the
+starving prompt's blocks kept free for it, but none joins the held slot that frees first, so
+that slot drains. The adapters of the requests first in line are fetched, padded and staged
+on the devices ahead of their slots (the manager's fetch threads), so a slot, once free,
+takes only the adapter's write.
 
 A request whose prompt starts with full blocks another request computed (same tokens,
 same adapter content) takes those blocks by reference and computes only the rest. Such

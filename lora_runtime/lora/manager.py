@@ -277,7 +277,8 @@ class LoRAManager:
     def stage_ahead(self, names: Iterable[str]) -> None:
         """Fetches, pads and stages on the devices, off the engine thread, the adapters that
         waiting requests need next: the first `max_staged` distinct ones of `names` (the queue's
-        order) that are not resident. Staged adapters not among them give way (oldest first),
+        order) that are not resident or still on their way from storage. Staged adapters not
+        among them give way (oldest first),
         so the staging room holds what the next free slots go to, not what other requests
         asked for earlier. Unregistered names, and those whose fetch failed, are skipped."""
         entries = []
@@ -288,8 +289,9 @@ class LoRAManager:
                 if entry is None:
                     continue
                 key = (name, entry.version)
-                if key in wanted or key in self._fetch_failed or self._resident(key) is not None:
-                    continue
+                if (key in wanted or key in self._fetch_failed or key in self._inflight
+                        or self._resident(key) is not None):
+                    continue  # a fetch from storage under way is staged once it is in the host cache
                 wanted[key] = entry
                 if len(wanted) == self.max_staged:
                     break

@@ -517,6 +517,26 @@ def test_a_registry_content_id_saves_the_fetch_of_a_known_adapter(manager, adapt
     assert manager.content_of("b") == content and manager.stats().loads == 1
 
 
+def test_stage_ahead_leaves_an_adapter_still_in_storage_to_its_fetch(model_config, adapter_dirs, gcs):
+    """An adapter whose fetch from storage is under way (stalled here) takes no staging place:
+    the adapters behind it in line are staged meanwhile."""
+    url = gcs.upload_dir(adapter_dirs["r8_rslora"], "stage-ahead/stall")
+    with fault_proxy(gcs.endpoint) as proxy:
+        options = {"gs": {"token": "anon", "endpoint_url": proxy.endpoint}}
+        manager = make_manager(model_config, storage_options=options)
+        try:
+            manager.sync([RegistryEntry("remote", url, 1), *entries(adapter_dirs, names=("r4", "r16_pattern"))])
+            proxy.mode = "stall"
+            manager.prefetch(["remote"])
+            assert manager.is_fetching("remote")
+            manager.stage_ahead(["remote", "r4", "r16_pattern"])
+            wait_for(lambda: manager.is_ready("r4") and manager.is_ready("r16_pattern"))
+            assert not manager.is_host_cached("remote")
+        finally:
+            proxy.mode = "pass"
+            manager.close()
+
+
 def _ready_or_unavailable(manager, name: str) -> bool:
     try:
         return manager.is_ready(name)
