@@ -17,7 +17,8 @@ output lengths uniform in their ranges, the same requests for both engines:
 A driver thread submits each request at its arrival time; the engine's emit callback stamps its
 first and last token. Per run: requests/s and output tokens/s (from the first submission to the
 last token), TTFT and TPOT p50/p99, SLO attainment, the mean rows of a decode step (how full the
-batches ran) and, for the LoRA engine, adapter loads into device slots. The engines run one after
+batches ran) and, for the LoRA engine, adapter loads into device slots and the mean queue time of
+the requests whose adapter was loaded for them (`slot wait ms`). The engines run one after
 the other (each plans its KV cache from the device's free memory), each warmed up first on a burst of the first rate's requests and, for the
 LoRA engine, a request on every adapter, so each adapter has been read from storage into the host
 cache once (a server that has been up a while): the runs measure the device slots' turnover, not
@@ -73,6 +74,7 @@ class EngineRun:
     summary: RunSummary
     slot_loads: int  # adapter loads into device slots during the run
     rows_per_step: float = float("nan")  # mean running rows of the run's decode steps (max_batch at most)
+    slot_wait_ms: float = float("nan")  # mean queue time of the requests whose adapter was loaded for them
 
 
 def send(engine, items: Sequence[WorkItem], adapters: Sequence[str | None], timeout_s: float) -> list[RequestRecord]:
@@ -127,14 +129,24 @@ def run_engine(system: str, engine, specs: Sequence[WorkloadSpec], names: list[s
     runs = []
     for spec in specs:
         items = make_workload(spec)
-        loads = engine.lora_manager.stats().loads if engine.lora_manager is not None else 0
-        steps, row_steps = engine.counters["decode_steps"], engine.counters["decode_row_steps"]
+        before = _counts(engine)
         records = send(engine, items, adapters_of(items), timeout_s=a.timeout)
-        loads = (engine.lora_manager.stats().loads - loads) if engine.lora_manager is not None else 0
-        steps, row_steps = engine.counters["decode_steps"] - steps, engine.counters["decode_row_steps"] - row_steps
+        n = {k: v - before[k] for k, v in _counts(engine).items()}
         summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
-        runs.append(EngineRun(system, spec, summary, loads, row_steps / steps if steps else float("nan")))
+        nan = float("nan")
+        runs.append(EngineRun(system, spec, summary, int(n["loads"]),
+                              n["decode_row_steps"] / n["decode_steps"] if n["decode_steps"] else nan,
+                              1e3 * n["adapter_slot_wait_seconds"] / n["adapter_slot_waits"]
+                              if n["adapter_slot_waits"] else nan))
     return runs
+
+
+def _counts(engine) -> dict[str, float]:
+    """The engine's counters a run's figures are differences of (read while it is idle)."""
+    stats = engine.stats()
+    loads = engine.lora_manager.stats().loads if engine.lora_manager is not None else 0
+    keys = ("decode_steps", "decode_row_steps", "adapter_slot_waits", "adapter_slot_wait_seconds")
+    return {"loads": loads, **{k: stats.get(k, 0) for k in keys}}
 
 
 def measure(system: str, engine, specs: Sequence[WorkloadSpec], names: list[str] | None,
@@ -234,9 +246,10 @@ def main(argv: list[str] | None = None) -> str:
         s = r.summary
         rows.append([r.system, r.spec.rate, s.requests, s.errors, s.requests_per_s, s.output_tokens_per_s,
                      s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms, s.tpot_p99_ms, f"{100 * s.slo_attainment:.0f}%",
-                     f"{r.rows_per_step:.1f}", r.slot_loads if r.system == "adapters" else "-"])
+                     f"{r.rows_per_step:.1f}", *([r.slot_loads, f"{r.slot_wait_ms:.0f}"] if r.system == "adapters"
+                                                 else ["-", "-"])])
     print_table(["system", "rate", "requests", "errors", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                 "TPOT p50 ms", "TPOT p99 ms", "SLO", "rows/step", "slot loads"], rows)
+                 "TPOT p50 ms", "TPOT p99 ms", "SLO", "rows/step", "slot loads", "slot wait ms"], rows)
     print(note)
     print(line)
     return line

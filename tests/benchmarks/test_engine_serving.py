@@ -26,6 +26,9 @@ def test_it_serves_the_workload_on_both_engines(capsys):
     assert all(r[3] == "0" for r in rows), rows  # no errors
     # Four adapters through two slots: the runs load adapters into slots.
     assert sum(int(r[12]) for r in rows if r[0] == "adapters") > 0
+    # A run that loaded adapters had requests wait in the queue for those loads (slot wait ms).
+    assert all(float(r[13]) > 0 for r in rows if r[0] == "adapters" and int(r[12]) > 0), rows
+    assert all(r[12:] == ["-", "-"] for r in rows if r[0] == "base"), rows
     assert all(0 < float(r[11]) <= 4 for r in rows), rows  # mean decode rows, at most max_batch
 
 
