@@ -19,10 +19,10 @@ first and last token. Per run: requests/s and output tokens/s (from the first su
 last token), TTFT and TPOT p50/p99, SLO attainment, the mean rows of a decode step (how full the
 batches ran) and, for the LoRA engine, adapter loads into device slots and the mean queue time of
 the requests whose adapter was loaded for them (`slot wait ms`). The engines run one after
-the other (each plans its KV cache from the device's free memory), each warmed up first on a burst of the first rate's requests and, for the
-LoRA engine, a request on every adapter, so each adapter has been read from storage into the host
-cache once (a server that has been up a while): the runs measure the device slots' turnover, not
-first reads.
+the other (each plans its KV cache from the device's free memory), each warmed up first on a
+burst of the first rate's requests and, for the LoRA engine, a request on every adapter, so each
+adapter has been read from storage into the host cache once (a server that has been up a
+while): the runs measure the device slots' turnover, not first reads.
 
 Default shape: a small random Llama for CPU. `--large`: 8 layers of Llama-3-8B widths in bfloat16
 on the demo tokenizer's vocabulary, async decode, for an accelerator.
