@@ -149,7 +149,7 @@ class Scheduler:
         oldest = next(s for s in self.waiting if s.priority == top)  # first in line of the most urgent
         starving = only is None and self.step - oldest.arrival > self.config.max_wait_steps
         if only is None and self.adapters is not None:
-            self._stage_ahead()
+            self._stage_ahead(oldest)
         # A starving request that waits for its adapter (a slot, or its bytes) lets in only requests
         # that need no new slot, and drains the held slot that frees first: nothing new joins it.
         keeping = starving and not self._is_warm(oldest)
@@ -335,10 +335,11 @@ class Scheduler:
         """The contents of the adapter slots running sequences hold: joining them takes no slot."""
         return {self.adapters.slot_content(slot) for slot in self._slot_holders()}
 
-    def _stage_ahead(self) -> None:
+    def _stage_ahead(self, first: Sequence) -> None:
         """Has the manager stage, off this thread, the adapters of the requests first in line
-        (most urgent, then oldest), so that a slot, once free, takes only its write."""
-        queue = sorted(self.waiting, key=lambda s: (s.priority, s.arrival, s.order))
+        (`first`, the one the wait bound protects, then the most urgent and oldest), so that a
+        slot, once free, takes only its write."""
+        queue = sorted(self.waiting, key=lambda s: (s is not first, s.priority, s.arrival, s.order))
         self.adapters.stage_ahead(s.adapter for s in queue if s.adapter is not None and s.suspect_steps == 0)
 
     def _is_warm(self, seq: Sequence) -> bool:

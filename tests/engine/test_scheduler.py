@@ -377,6 +377,23 @@ def test_a_starving_request_waiting_for_its_adapters_bytes_lets_in_only_requests
     _check_accounting(sched)
 
 
+def test_the_first_in_line_is_staged_first_though_it_arrived_later():
+    """A preempted request waits at the front of the queue, though others arrived before it: its
+    adapter is the first the scheduler asks to stage (the wait bound protects it first)."""
+    config = EngineConfig(max_batch=4, max_seq_len=128, max_loras_per_batch=1, max_wait_steps=2)
+    slots = _Slots(1)
+    slots.held, slots.refs = ["z"], [1]  # the only slot, held
+    sched = Scheduler(config, slots, num_blocks=64, block_size=16)
+    early = [_lora_seq(range(10 * i, 10 * i + 5), f"e{i}", f"e{i}", 5) for i in range(3)]
+    for seq in early:
+        sched.add(seq)
+    sched.step += 1
+    late = _lora_seq(range(50, 55), "late", "late", 5)
+    sched.add(late)
+    sched.waiting.rotate(1)  # at the front, as preempt() puts a request
+    assert sched.admit().placed == [] and slots.staged == ["late", "e0"]
+
+
 def test_a_starving_request_waiting_for_blocks_still_stops_every_admission():
     """A starving request that waits for KV blocks, not a slot, drains nothing: no other
     request joins past it."""
