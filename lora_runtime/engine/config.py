@@ -129,9 +129,10 @@ class EngineConfig(BaseModel):
     max_wait_steps: int = Field(
         32,
         ge=1,
-        description="Steps a request for a cold adapter may be passed over before it goes first: "
-        "the scheduler then drains the held adapter slot that frees first (no new request joins it) "
-        "while requests that need no new slot keep joining, until it gets that slot.",
+        description="Steps a waiting request may be passed over before it goes first: nothing is admitted "
+        "ahead of it, and the rest join once it is in. While it waits for its adapter (a slot, or the "
+        "adapter's bytes), requests that take no new slot keep joining and the held slot that frees first "
+        "drains (no new request joins it).",
     )
 
     @model_validator(mode="after")
