@@ -118,8 +118,9 @@ def ingress_admitted(url: str) -> dict[str, float]:
 class ReplicaKiller:
     """Kills the replicas of `deployment` (the model server by default) of Serve application
     `app` (ray.kill, no restart: Serve replaces them) the moment `kill()` is called: a driver
-    process connected ahead of time, so the kill lands when the test says, not seconds later.
-    Every replica alive then goes, the one serving and any an earlier redeploy left draining
+    process connected ahead of time, with the replicas' handles resolved, so the kill lands when
+    the test says, not after a listing of every actor (a stream can end meanwhile). Every replica
+    alive then goes (those started since are listed and killed next), the one serving and any an earlier redeploy left draining
     (killing only the first by name could hit an idle one)."""
 
     def __init__(self, cluster: Cluster, app: str, deployment: str = "LoRAModelServer"):
@@ -129,16 +130,26 @@ class ReplicaKiller:
             "def replicas():\n"
             "    return sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)\n"
             f"                  if a['namespace'] == 'serve' and '::{app}#{deployment}#' in a['name'])\n"
-            "assert replicas(), 'no replica to kill'\n"
-            "print('ready', flush=True)\n"
-            "sys.stdin.readline()\n"
-            "names = replicas()\n"
-            "for name in names:\n"
+            "def kill(names):\n"
+            "    for name in names:\n"
+            "        try:\n"
+            "            ray.kill(handles.get(name) or ray.get_actor(name, namespace='serve'), no_restart=True)\n"
+            "        except ValueError:  # it stopped meanwhile\n"
+            "            pass\n"
+            "first = replicas()\n"
+            "assert first, 'no replica to kill'\n"
+            "handles = {}\n"
+            "for name in first:\n"
             "    try:\n"
-            "        ray.kill(ray.get_actor(name, namespace='serve'), no_restart=True)\n"
+            "        handles[name] = ray.get_actor(name, namespace='serve')\n"
             "    except ValueError:  # it stopped meanwhile\n"
             "        pass\n"
-            "print(','.join(names), flush=True)\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "kill(first)  # resolved ahead: the kill lands at once\n"
+            "later = [name for name in replicas() if name not in handles]  # started since\n"
+            "kill(later)\n"
+            "print(','.join(first + later), flush=True)\n"
         )
         self._proc = subprocess.Popen([sys.executable, "-c", code], env=cluster.env, cwd=REPO, text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
