@@ -17,7 +17,8 @@ output lengths uniform in their ranges, the same requests for both engines:
 A driver thread submits each request at its arrival time; the engine's emit callback stamps its
 first and last token. Per run: requests/s and output tokens/s (from the first submission to the
 last token), TTFT and TPOT p50/p99, SLO attainment, the mean rows of a decode step (how full the
-batches ran) and, for the LoRA engine, adapter loads into device slots and the mean queue time of
+batches ran), the mean wall time of a decode step and of a step that ran prompts, and the count of
+those (TPOT holds both: a prompt step stalls the rows decoding beside it) and, for the LoRA engine, adapter loads into device slots and the mean queue time of
 the requests whose adapter was loaded for them (`slot wait ms`). The engines run one after
 the other (each plans its KV cache from the device's free memory), each warmed up first on a
 burst of the first rate's requests and, for the LoRA engine, a request on every adapter, so each
@@ -75,6 +76,9 @@ class EngineRun:
     slot_loads: int  # adapter loads into device slots during the run
     rows_per_step: float = float("nan")  # mean running rows of the run's decode steps (max_batch at most)
     slot_wait_ms: float = float("nan")  # mean queue time of the requests whose adapter was loaded for them
+    decode_ms: float = float("nan")  # mean wall time of a decode step (host work included)
+    prefill_steps: int = 0  # steps that ran prompts (a prefill's time is the device's and the host's both)
+    prefill_ms: float = float("nan")  # mean wall time of those steps
 
 
 def send(engine, items: Sequence[WorkItem], adapters: Sequence[str | None], timeout_s: float) -> list[RequestRecord]:
@@ -133,11 +137,13 @@ def run_engine(system: str, engine, specs: Sequence[WorkloadSpec], names: list[s
         records = send(engine, items, adapters_of(items), timeout_s=a.timeout)
         n = {k: v - before[k] for k, v in _counts(engine).items()}
         summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
-        nan = float("nan")
-        runs.append(EngineRun(system, spec, summary, int(n["loads"]),
-                              n["decode_row_steps"] / n["decode_steps"] if n["decode_steps"] else nan,
-                              1e3 * n["adapter_slot_wait_seconds"] / n["adapter_slot_waits"]
-                              if n["adapter_slot_waits"] else nan))
+        def mean(total: str, count: str, scale: float = 1.0) -> float:
+            return scale * n[total] / n[count] if n[count] else float("nan")
+
+        runs.append(EngineRun(system, spec, summary, int(n["loads"]), mean("decode_row_steps", "decode_steps"),
+                              mean("adapter_slot_wait_seconds", "adapter_slot_waits", 1e3),
+                              mean("decode_seconds", "decode_steps", 1e3), int(n["prefill_steps"]),
+                              mean("prefill_seconds", "prefill_steps", 1e3)))
     return runs
 
 
@@ -145,7 +151,8 @@ def _counts(engine) -> dict[str, float]:
     """The engine's counters a run's figures are differences of (read while it is idle)."""
     stats = engine.stats()
     loads = engine.lora_manager.stats().loads if engine.lora_manager is not None else 0
-    keys = ("decode_steps", "decode_row_steps", "adapter_slot_waits", "adapter_slot_wait_seconds")
+    keys = ("decode_steps", "decode_row_steps", "decode_seconds", "prefill_steps", "prefill_seconds",
+            "adapter_slot_waits", "adapter_slot_wait_seconds")
     return {"loads": loads, **{k: stats.get(k, 0) for k in keys}}
 
 
@@ -246,10 +253,11 @@ def main(argv: list[str] | None = None) -> str:
         s = r.summary
         rows.append([r.system, r.spec.rate, s.requests, s.errors, s.requests_per_s, s.output_tokens_per_s,
                      s.ttft_p50_ms, s.ttft_p99_ms, s.tpot_p50_ms, s.tpot_p99_ms, f"{100 * s.slo_attainment:.0f}%",
-                     f"{r.rows_per_step:.1f}", *([r.slot_loads, f"{r.slot_wait_ms:.0f}"] if r.system == "adapters"
+                     f"{r.rows_per_step:.1f}", f"{r.decode_ms:.2f}", r.prefill_steps, f"{r.prefill_ms:.2f}",
+                     *([r.slot_loads, f"{r.slot_wait_ms:.0f}"] if r.system == "adapters"
                                                  else ["-", "-"])])
     print_table(["system", "rate", "requests", "errors", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                 "TPOT p50 ms", "TPOT p99 ms", "SLO", "rows/step", "slot loads", "slot wait ms"], rows)
+                 "TPOT p50 ms", "TPOT p99 ms", "SLO", "rows/step", "decode ms", "prefills", "prefill ms", "slot loads", "slot wait ms"], rows)
     print(note)
     print(line)
     return line

@@ -1,8 +1,8 @@
 """Where a decode step's time goes: the device's own op times against the step's wall time.
 
-    python -m benchmarks.step_profile [--large] [--adapters N] [--new-tokens T] [--top K] [--out DIR]
+    python -m benchmarks.step_profile [--large] [--batch B] [--adapters N] [--new-tokens T] [--top K] [--out DIR]
 
-Builds the engine `benchmarks.multi_lora` measures (a batch of 8 on the demo tokenizer's
+Builds the engine `benchmarks.multi_lora` measures (a batch of 8, or `--batch`, on the demo tokenizer's
 vocabulary; `--large`: 8 layers of Llama-3-8B widths in bfloat16), decodes one batch to warm
 it, then decodes another under `jax.profiler.trace` and reads the trace back with
 `jax.profiler.ProfileData`. XLA's op events (the device's "XLA Ops" line on an accelerator,
@@ -184,12 +184,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--large", action="store_true", help="8 layers of Llama-3-8B widths, bfloat16")
     parser.add_argument("--layers", type=int, default=None, help="layers (default 8, or 2 without --large)")
-    parser.add_argument("--adapters", type=int, default=0, help="distinct rank-16 adapters in the batch of 8")
+    parser.add_argument("--batch", type=int, default=8, help="rows decoded a step")
+    parser.add_argument("--adapters", type=int, default=0, help="distinct rank-16 adapters in the batch (rows take "
+                        "them in turn)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=None, help="keep the trace and a JSON summary here")
     args = parser.parse_args(argv)
-    batch, rank = 8, 16
+    if args.batch < 1 or not 0 <= args.adapters <= args.batch:
+        parser.error(f"--batch={args.batch} --adapters={args.adapters}: need 1 <= batch and 0 <= adapters <= batch")
+    batch, rank = args.batch, 16
     if args.large:
         shape = dict(hidden=4096, layers=args.layers or 8, heads=32, kv_heads=8, intermediate=14336)
         dtype = "bfloat16"

@@ -23,6 +23,7 @@
 #   restarts     only the 8-layer cold and cached pair of `starts` (about 4 minutes)
 #   profile      where a decode step's device time goes, at Llama-3-8B layer widths (8 layers,
 #                bfloat16), base traffic and 8 adapters (benchmarks/step_profile.py; about 4 minutes)
+#   profile-rows the same at the serving benchmark's batch of 32 rows, base traffic and 16 adapters
 #   serving      the serving benchmark's workload (64 Zipf adapters through 8 slots, Poisson arrivals)
 #                sent in process to a LoRA-off engine and to the LoRA engine at 8 layers of Llama-3-8B
 #                widths (benchmarks/engine_serving.py --large; about 5 minutes)
@@ -91,6 +92,11 @@ for mode in "${@:-check}"; do
         timeout 150 python3 -m benchmarks.step_profile --large --adapters $adapters --out "$OUT/step_profile_$adapters" \
           2>&1 | tee "$OUT/step_profile_$adapters.log" | grep -v Warn | tail -26
       done ;;
+    profile-rows)
+      for adapters in 0 16; do
+        timeout 170 python3 -m benchmarks.step_profile --large --batch 32 --adapters $adapters \
+          --out "$OUT/step_profile_32_$adapters" 2>&1 | tee "$OUT/step_profile_32_$adapters.log" | grep -v Warn | tail -26
+      done ;;
     serving)
       timeout 500 python3 -m benchmarks.engine_serving --large 2>&1 | tee "$OUT/engine_serving.log" | grep -v Warn \
         | tail -14 ;;
@@ -104,7 +110,7 @@ for mode in "${@:-check}"; do
         --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
       echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, async, long, starts, restarts, profile," \
-        "serving, serving-slots, load, smoke)" >&2
+        "profile-rows, serving, serving-slots, load, smoke)" >&2
       exit 2 ;;
   esac
 done

@@ -25,11 +25,14 @@ def test_it_serves_the_workload_on_both_engines(capsys):
                                                          ("base", 32.0)]
     assert all(r[3] == "0" for r in rows), rows  # no errors
     # Four adapters through two slots: the runs load adapters into slots.
-    assert sum(int(r[12]) for r in rows if r[0] == "adapters") > 0
+    assert sum(int(r[15]) for r in rows if r[0] == "adapters") > 0
     # A run that loaded adapters had requests wait in the queue for those loads (slot wait ms).
-    assert all(float(r[13]) > 0 for r in rows if r[0] == "adapters" and int(r[12]) > 0), rows
-    assert all(r[12:] == ["-", "-"] for r in rows if r[0] == "base"), rows
+    assert all(float(r[16]) > 0 for r in rows if r[0] == "adapters" and int(r[15]) > 0), rows
+    assert all(r[15:] == ["-", "-"] for r in rows if r[0] == "base"), rows
     assert all(0 < float(r[11]) <= 4 for r in rows), rows  # mean decode rows, at most max_batch
+    # Every run decoded and ran prompts (8 requests of 4-6 prompt tokens: at least two prompt steps
+    # at 4 rows), and its steps took time.
+    assert all(float(r[12]) > 0 and int(r[13]) >= 2 and float(r[14]) > 0 for r in rows), rows
 
 
 def _run(system: str, rate: float, rps: float, ttft_p99_ms: float, loads: int = 0) -> EngineRun:

@@ -8,7 +8,7 @@ from benchmarks import step_profile
 
 
 def test_it_profiles_a_tiny_engines_decode_step(tmp_path, capsys):
-    step_profile.main(["--new-tokens", "6", "--out", str(tmp_path)])
+    step_profile.main(["--batch", "4", "--adapters", "2", "--new-tokens", "6", "--out", str(tmp_path)])
     out = capsys.readouterr().out.strip().splitlines()
     values = dict(re.findall(r"(\w+)=(\S+)", out[-1]))
     assert set(values) == {"step_ms", "device_ms", "device_share", "top_op", "top_op_share"}
@@ -16,7 +16,7 @@ def test_it_profiles_a_tiny_engines_decode_step(tmp_path, capsys):
     # so a loop's event and its body's ops are not both counted.
     assert float(values["step_ms"]) > 0 and 0 < float(values["device_share"]) <= 1.05
     assert 0 < float(values["top_op_share"]) <= 1
-    assert "decode steps=" in out[0] and "the sampler's program" in out[0]
+    assert "batch=4 adapters=2 decode steps=" in out[0] and "the sampler's program" in out[0]
     summary = json.loads((tmp_path / "step_profile.json").read_text())
     # The engine thread's side of the steps, from the Python tracer: every part of a step seen.
     assert set(summary["host_us"]) == {*step_profile.HOST_PARTS.values(), step_profile.OTHER_PART}
