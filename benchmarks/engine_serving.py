@@ -3,6 +3,7 @@ many adapters comes to serving the base model alone where the model's steps have
 themselves (an accelerator host's case).
 
     python -m benchmarks.engine_serving [--large] [--adapters 64] [--alpha 1.0] [--slots 8]
+        [--adapter-memory-fraction F]
         [--rates R ...] [--requests N] [--duration S] [--input-len LO HI] [--output-len LO HI]
 
 The workload is benchmarks/serving_workload.py's (the one `benchmarks.serving` sends over HTTP):
@@ -188,6 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--adapters", type=int, default=64)
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--slots", type=int, default=8, help="device adapter slots (max_loras_per_batch)")
+    parser.add_argument("--adapter-memory-fraction", type=float, default=None,
+                        help="size the slots from the device's memory (adapter_memory_fraction; at least --slots)")
     parser.add_argument("--max-batch", type=int, default=None, help="rows a step (default 32 with --large, else 16)")
     parser.add_argument("--max-prefill-tokens", type=int, default=None,
                         help="prompt tokens a step (default: a whole batch of the longest prompts, so admission "
@@ -209,6 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.rates = a.rates or ([100.0, 400.0, 1600.0] if a.large else [16.0, 64.0, 256.0])
     a.requests = a.requests or (400 if a.large else 96)
     a.input_len, a.output_len = tuple(a.input_len), tuple(a.output_len)
+    if a.adapter_memory_fraction is not None and not 0 < a.adapter_memory_fraction < 1:
+        parser.error(f"--adapter-memory-fraction={a.adapter_memory_fraction} must be in (0, 1)")
     for name in ("adapters", "slots", "max_batch", "requests"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be at least 1")
@@ -229,14 +234,17 @@ def main(argv: list[str] | None = None) -> str:
     config = EngineConfig(max_batch=a.max_batch, max_seq_len=a.input_len[1] + a.output_len[1] + 8,
                           max_prefill_tokens=a.max_prefill_tokens, max_loras_per_batch=a.slots,
                           max_lora_rank=RANK, max_cpu_loras=a.adapters,
+                          adapter_memory_fraction=a.adapter_memory_fraction,
                           async_decode=a.large)
     specs = [WorkloadSpec(a.adapters, a.alpha, rate, a.requests, a.duration, a.input_len, a.output_len, a.seed)
              for rate in a.rates]
-    engine = synthetic_engine(model_config, config.model_copy(update={"max_loras_per_batch": 0}), tokenizer)
+    base_config = config.model_copy(update={"max_loras_per_batch": 0, "adapter_memory_fraction": None})
+    engine = synthetic_engine(model_config, base_config, tokenizer)
     runs, compiles = measure("base", engine, specs, None, a)
     del engine  # its KV cache took the plan's share of device memory: free it before the next engine
     gc.collect()
     engine = synthetic_engine(model_config, config, tokenizer)
+    slots = engine.lora_manager.num_slots  # --slots, or what --adapter-memory-fraction sized
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"zipf-{i:04d}" for i in range(a.adapters)]
         for i, name in enumerate(names):
@@ -246,7 +254,7 @@ def main(argv: list[str] | None = None) -> str:
     runs, compiles = runs + lora_runs, compiles + lora_compiles
     line, note = headline(runs, a.slo_ttft_s, compiles)
     print(f"engine in process: {shape} {dtype}, max_batch {a.max_batch}, {a.adapters} rank-{RANK} adapters of "
-          f"Zipf alpha {a.alpha} through {a.slots} device slots, input {a.input_len[0]}-{a.input_len[1]} and output "
+          f"Zipf alpha {a.alpha} through {slots} device slots, input {a.input_len[0]}-{a.input_len[1]} and output "
           f"{a.output_len[0]}-{a.output_len[1]} tokens, {a.requests} requests or {a.duration:.0f} s a run")
     rows = []
     for r in sorted(runs, key=lambda r: (r.spec.rate, r.system)):

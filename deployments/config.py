@@ -86,6 +86,11 @@ class AppArgs(BaseModel):
     max_lora_rank: int = Field(
         64, description="Largest adapter rank accepted; each slot is this wide (smaller ranks zero-padded)."
     )
+    adapter_memory_fraction: float | None = Field(
+        None, description="Size the device adapter slots from memory: as many max_lora_rank slots as fit in this "
+        "share of the replica's memory budget (kv_cache_memory_fraction of each device's memory), never fewer than "
+        "max_loras_per_batch; the KV cache gets the rest. Fixed at start; the adapter_slots metric shows the "
+        "count. On CPU (no memory limit) max_loras_per_batch stands. Null: max_loras_per_batch slots.")
     lora_rank_classes: list[int] | dict[int, float] | None = Field(
         None, description="Rank-aware slots, e.g. [8, 16, 32, 64] (widest = max_lora_rank): the bytes of "
         "max_loras_per_batch padded slots split among the classes (equally, or {rank: share}), each in slots of "
@@ -252,6 +257,13 @@ class AppArgs(BaseModel):
             raise ValueError(f"kv_cache_memory_fraction={v} must be in (0, 1]")
         return v
 
+    @field_validator("adapter_memory_fraction")
+    @classmethod
+    def _adapter_fraction(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 < v < 1.0:
+            raise ValueError(f"adapter_memory_fraction={v} must be in (0, 1) or null")
+        return v
+
     @field_validator("attention_backend")
     @classmethod
     def _attention(cls, v: str) -> str:
@@ -351,7 +363,7 @@ class AppArgs(BaseModel):
             raise ValueError(f"ingress_replicas={self.ingress_replicas} with ingress_autoscaling: give one or the "
                              "other (autoscaling sets the number of ingress replicas)")
         self.placement(None)  # contradictions refused at deploy time (auto never contradicts the cluster)
-        if self.lora_rank_classes is not None:
+        if self.lora_rank_classes is not None or self.adapter_memory_fraction is not None:
             from pydantic import ValidationError
 
             try:
@@ -399,6 +411,7 @@ class AppArgs(BaseModel):
             prefix_cache_min_tokens=self.prefix_cache_min_tokens,
             max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_lora_rank,
+            adapter_memory_fraction=self.adapter_memory_fraction,
             lora_rank_classes=self.lora_rank_classes,
             lora_dora=self.lora_dora,
             lora_bias=self.lora_bias,

@@ -11,7 +11,7 @@ from kernels.common import default_platform, page_head_dim
 from lora_runtime.engine import compile_events
 from lora_runtime.engine.config import EngineConfig
 from lora_runtime.engine.engine import Engine
-from lora_runtime.engine.memory_plan import MemoryPlan, device_memory_bytes, plan_memory, pool_classes
+from lora_runtime.engine.memory_plan import MemoryPlan, device_memory_bytes, plan_memory, pool_classes, with_slots
 from lora_runtime.engine.runner import ModelRunner
 from lora_runtime.model.config import ModelConfig
 from lora_runtime.model.generation_defaults import read_generation_defaults
@@ -85,6 +85,7 @@ def assemble_engine(
     if cache_dir:
         logger.info("persistent compilation cache: %s", cache_dir)
     plan = plan or make_plan(model_config, config, mesh)
+    config = with_slots(config, plan.adapter_slots)  # the plan's count (adapter_memory_fraction sizes it)
     platform, interpret = attention or (config.attention_platform(plan.platform), False)
     backend = manager = None
     if config.max_loras_per_batch > 0:

@@ -55,6 +55,12 @@ class EngineConfig(BaseModel):
         4, ge=0, description="Device adapter slots, so distinct adapters in one batch; 0 disables LoRA."
     )
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank a slot can hold.")
+    adapter_memory_fraction: float | None = Field(
+        None, gt=0.0, lt=1.0, description="Size the device adapter slots from memory: as many slots of "
+        "max_lora_rank as fit in this share of the replica's memory budget (kv_cache_memory_fraction of the "
+        "device's memory limit), never fewer than max_loras_per_batch; the KV cache gets what is left. The count "
+        "is fixed when the engine starts (the memory plan's log line and the adapter_slots metric show it). On "
+        "CPU, which reports no memory limit, max_loras_per_batch stands. None: max_loras_per_batch slots.")
     lora_rank_classes: list[int] | dict[int, float] | None = Field(
         None, description="Slot widths of a rank-aware pool, e.g. [8, 16, 32, 64] (the widest is max_lora_rank): "
         "the bytes of max_loras_per_batch slots of max_lora_rank are split among the classes (equally, or by the "
@@ -152,6 +158,10 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"lora_rank_classes {self.lora_rank_classes} repeats a rank")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+        if self.adapter_memory_fraction is not None and self.max_loras_per_batch == 0:
+            raise ValueError(f"adapter_memory_fraction={self.adapter_memory_fraction} sizes the adapter slots, but "
+                             f"max_loras_per_batch=0 turns adapters off; set max_loras_per_batch to the fewest "
+                             f"slots (at least 1)")
         return self
 
     def rank_class_shares(self) -> dict[int, float] | None:

@@ -53,6 +53,7 @@ class MemoryPlan:
     budget_bytes: int | None  # the fraction of it the replica may use
     weights_bytes: int
     adapter_pool_bytes: int
+    adapter_slots: int  # max_loras_per_batch, or as many as adapter_memory_fraction holds
     staging_bytes: int  # adapters staged on the devices for their slot writes
     workspace_bytes: int
     kv_cache_bytes: int  # num_blocks * block bytes
@@ -69,7 +70,8 @@ class MemoryPlan:
         """One log line: bytes per part, blocks, tokens that fit."""
         budget = "" if self.budget_bytes is None else f" of {_gib(self.budget_bytes)} budget"
         return (f"memory plan per device ({self.devices} x {self.platform}{budget}): weights "
-                f"{_gib(self.weights_bytes)}, adapter pool {_gib(self.adapter_pool_bytes)}, staged adapters "
+                f"{_gib(self.weights_bytes)}, adapter pool {_gib(self.adapter_pool_bytes)} "
+                f"({self.adapter_slots} slots), staged adapters "
                 f"{_gib(self.staging_bytes)}, workspace "
                 f"{_gib(self.workspace_bytes)}, KV cache {_gib(self.kv_cache_bytes)} = {self.num_blocks - 1} "
                 f"blocks of {self.block_size} tokens ({self.kv_tokens} tokens)")
@@ -218,10 +220,32 @@ def device_memory_bytes(devices) -> int | None:
     return min(limits) if limits else None
 
 
+def adapter_slots(model_config: ModelConfig, config: EngineConfig, tp: int, *, platform: str,
+                  device_bytes: int | None) -> int:
+    """The device adapter slots: max_loras_per_batch, or with adapter_memory_fraction and a known
+    memory limit, as many slots of max_lora_rank (as `platform` lays them out) as that share of
+    the budget holds, if more."""
+    slots = config.max_loras_per_batch
+    if config.adapter_memory_fraction is None or device_bytes is None or not slots:
+        return slots
+    budget = config.kv_cache_memory_fraction * device_bytes
+    one = adapter_pool_bytes(model_config, tp, 1, config.max_lora_rank, **pool_options(config), platform=platform)
+    return max(slots, int(config.adapter_memory_fraction * budget) // one)
+
+
+def with_slots(config: EngineConfig, slots: int) -> EngineConfig:
+    """`config` with `slots` device adapter slots (the memory plan's count)."""
+    if slots == config.max_loras_per_batch:
+        return config
+    return config.model_copy(update={"max_loras_per_batch": slots})
+
+
 def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.sharding.Mesh, *, platform: str,
                 block_size: int, device_bytes: int | None) -> MemoryPlan:
-    """Sizes the KV cache; raises MemoryPlanError (before anything is allocated) if it cannot fit."""
+    """Sizes the adapter slots (adapter_slots) and the KV cache; raises MemoryPlanError (before
+    anything is allocated) if it cannot fit."""
     tp = mesh.shape.get(TENSOR_AXIS, 1)
+    config = with_slots(config, adapter_slots(model_config, config, tp, platform=platform, device_bytes=device_bytes))
     # Bytes as the device lays them out (on TPU, whole tiles: a small rank's B takes more).
     weights = weights_bytes(model_config, mesh, platform)
     pool = adapter_pool_bytes(model_config, tp, config.max_loras_per_batch, config.max_lora_rank,
@@ -251,7 +275,10 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
     num_blocks = max(kv // per_block, 0)
     needed = (blocks_per_seq + 1) * per_block
     if num_blocks < blocks_per_seq + 1:
-        parts = {"weights": weights, "adapter pool (max_loras_per_batch x max_lora_rank)": pool,
+        sized_by = ("adapter_memory_fraction" if config.adapter_memory_fraction is not None
+                    and device_bytes is not None else "max_loras_per_batch")
+        pool_part = f"adapter pool ({config.max_loras_per_batch} slots: {sized_by}, max_lora_rank)"
+        parts = {"weights": weights, pool_part: pool,
                  "staged adapters (max_lora_rank)": staging,
                  "step workspace (max_prefill_tokens, max_batch)": workspace}
         largest = max(parts, key=parts.get)
@@ -267,6 +294,7 @@ def plan_memory(model_config: ModelConfig, config: EngineConfig, mesh: jax.shard
             f"sequence; the largest part is the {largest} ({_gib(parts[largest])})")
     return MemoryPlan(
         platform=platform, devices=mesh.size, device_bytes=device_bytes, budget_bytes=budget,
-        weights_bytes=weights, adapter_pool_bytes=pool, staging_bytes=staging, workspace_bytes=workspace,
+        weights_bytes=weights, adapter_pool_bytes=pool, adapter_slots=config.max_loras_per_batch,
+        staging_bytes=staging, workspace_bytes=workspace,
         kv_cache_bytes=num_blocks * per_block, block_size=block_size, block_bytes=per_block, num_blocks=num_blocks,
     )

@@ -40,6 +40,7 @@ def test_defaults_are_the_demo():
         ("kv_block_size", 0, "kv_block_size=0"),
         ("kv_cache_bytes", -5, "kv_cache_bytes=-5"),
         ("kv_cache_memory_fraction", 1.5, "kv_cache_memory_fraction=1.5"),
+        ("adapter_memory_fraction", 1.0, r"adapter_memory_fraction=1.0 must be in \(0, 1\)"),
         ("attention_backend", "flash", "attention_backend='flash'"),
         ("api_keys_url", " ", "api_keys_url=''"),
         ("api_keys_refresh_s", 0.0, "api_keys_refresh_s=0.0"),
@@ -52,6 +53,13 @@ def test_bad_args_name_the_value(field, value, match):
 
 def test_more_slots_than_batch_rows_reach_the_engine():
     assert AppArgs(max_batch=4, max_loras_per_batch=8).engine_config().max_loras_per_batch == 8
+
+
+def test_adapter_memory_fraction_reaches_the_engine_and_needs_adapters_on():
+    assert AppArgs().engine_config().adapter_memory_fraction is None
+    assert AppArgs(adapter_memory_fraction=0.1).engine_config().adapter_memory_fraction == 0.1
+    with pytest.raises(ValidationError, match="max_loras_per_batch=0 turns adapters off"):
+        AppArgs(adapter_memory_fraction=0.1, max_loras_per_batch=0)
 
 
 def test_prefill_and_prefix_cache_args_reach_the_engine_config():

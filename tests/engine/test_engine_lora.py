@@ -207,6 +207,40 @@ def test_slots_beyond_the_batch_rows_keep_adapters_resident(checkpoint, adapters
         engine.shutdown()
 
 
+def test_adapter_memory_fraction_gives_the_engine_the_slots_its_plan_sized(checkpoint, adapters, peft_greedy):
+    # The plan of a device with a memory limit (CPU reports none: the plan is made for one here)
+    # sizes the pool at 6 slots where max_loras_per_batch says 1: the engine, its manager and its
+    # scheduler take the plan's count, so the four adapters stay resident between rounds.
+    from lora_runtime.engine.memory_plan import adapter_pool_bytes, plan_memory, pool_options
+    from lora_runtime.model.config import ModelConfig
+    from lora_runtime.model.sharding import make_mesh
+
+    config = EngineConfig(max_batch=4, max_seq_len=64, max_loras_per_batch=1, max_lora_rank=16,
+                          lora_backend="reference", max_prefill_tokens=16, kv_cache_bytes=1 << 20)
+    model_config = ModelConfig.from_pretrained(str(checkpoint), dtype=config.dtype)
+    one = adapter_pool_bytes(model_config, 1, 1, 16, **pool_options(config), platform="cpu")
+    device_bytes = 1 << 30
+    config = config.model_copy(update={"adapter_memory_fraction": 6.5 * one / (0.9 * device_bytes)})
+    plan = plan_memory(model_config, config, make_mesh(1), platform="cpu", block_size=config.block_size("cpu"),
+                       device_bytes=device_bytes)
+    assert plan.adapter_slots == 6
+    engine = Engine.from_pretrained(str(checkpoint), config, plan=plan)
+    try:
+        for name, path in adapters.items():
+            engine.lora_manager.register(name, str(path))
+        engine.start()
+        assert engine.config.max_loras_per_batch == engine.lora_manager.num_slots == 6
+        names = list(adapters)
+        for _ in range(2):
+            outs = engine.generate_batch([PROMPTS[0]] * len(names), GREEDY, names)
+            assert [o.token_ids for o in outs] == [peft_greedy[n, PROMPTS[0]] for n in names]
+        stats = engine.lora_manager.stats()
+        assert stats.loads == len(names) and stats.evictions == 0  # one slot would have loaded 8 times
+        assert engine.counters["max_batch_adapters"] == len(names)
+    finally:
+        engine.shutdown()
+
+
 def test_cold_adapter_is_not_starved(checkpoint, adapters):
     # One slot held by a stream of requests for "r4"; a request for "r16" must still get in.
     engine = _engine(checkpoint, adapters, max_loras_per_batch=1, max_wait_steps=3, max_batch=4)

@@ -181,6 +181,48 @@ def test_the_cache_takes_what_the_budget_leaves():
     assert given.num_blocks == 100
 
 
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_adapter_memory_fraction_sizes_the_slots_from_the_budget(platform):
+    """With adapter_memory_fraction the pool takes as many max_lora_rank slots as that share of
+    the budget holds (as the platform lays them out), never fewer than max_loras_per_batch, and
+    the KV cache gets what is left; without a memory limit (CPU) max_loras_per_batch stands."""
+    mesh = make_mesh(2)
+    fixed = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=4, max_lora_rank=16,
+                         kv_cache_memory_fraction=0.5)
+    sized = fixed.model_copy(update={"adapter_memory_fraction": 0.2})
+    one = adapter_pool_bytes(MODEL, 2, 1, 16, **pool_options(fixed), platform=platform)
+    plan = plan_memory(MODEL, sized, mesh, platform=platform, block_size=16, device_bytes=GIB)
+    share = 0.2 * plan.budget_bytes
+    assert plan.adapter_slots > 4 and share - one < plan.adapter_slots * one <= share
+    assert plan.adapter_pool_bytes == adapter_pool_bytes(MODEL, 2, plan.adapter_slots, 16, **pool_options(fixed),
+                                                         platform=platform)
+    assert f"({plan.adapter_slots} slots)" in plan.describe()
+    base = plan_memory(MODEL, fixed, mesh, platform=platform, block_size=16, device_bytes=GIB)
+    assert base.adapter_slots == 4
+    # The extra slots' bytes come out of the KV cache (the staged adapters take the same room).
+    assert plan.staging_bytes == base.staging_bytes
+    freed = plan.adapter_pool_bytes - base.adapter_pool_bytes
+    assert abs(plan.kv_cache_bytes - (base.kv_cache_bytes - freed)) < plan.block_bytes  # both in whole blocks
+    # A share too small for max_loras_per_batch slots keeps them; no memory limit: max_loras_per_batch.
+    tiny = fixed.model_copy(update={"adapter_memory_fraction": one / GIB})
+    assert plan_memory(MODEL, tiny, mesh, platform=platform, block_size=16, device_bytes=GIB).adapter_slots == 4
+    assert plan_memory(MODEL, sized, mesh, platform="cpu", block_size=16, device_bytes=None).adapter_slots == 4
+    # Rank classes split the sized pool's bytes as they split max_loras_per_batch slots' bytes.
+    classes = sized.model_copy(update={"lora_rank_classes": [8, 16]})
+    split = plan_memory(MODEL, classes, mesh, platform=platform, block_size=16, device_bytes=GIB)
+    assert split.adapter_slots == plan.adapter_slots
+    assert plan.adapter_pool_bytes - 2 * one < split.adapter_pool_bytes <= plan.adapter_pool_bytes
+
+
+def test_adapter_memory_fraction_needs_adapters_on():
+    with pytest.raises(ValueError, match="adapter_memory_fraction=0.1 sizes the adapter slots, but "
+                                         "max_loras_per_batch=0 turns adapters off"):
+        EngineConfig(max_loras_per_batch=0, adapter_memory_fraction=0.1)
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="adapter_memory_fraction"):
+            EngineConfig(adapter_memory_fraction=bad)
+
+
 def test_on_tpu_a_page_counts_its_tiled_bytes():
     """A TPU stores a page [bs, head_dim] in (sublane, 128-lane) tiles: head_dim 32 takes 4x its
     bytes. The plan sizes the cache by what the chip allocates; counting the logical bytes, a
