@@ -223,14 +223,27 @@ def device_memory_bytes(devices) -> int | None:
 def adapter_slots(model_config: ModelConfig, config: EngineConfig, tp: int, *, platform: str,
                   device_bytes: int | None) -> int:
     """The device adapter slots: max_loras_per_batch, or with adapter_memory_fraction and a known
-    memory limit, as many slots of max_lora_rank (as `platform` lays them out) as that share of
-    the budget holds, if more."""
+    memory limit, as many slots of max_lora_rank as that share of the budget holds, if more. The
+    pool's bytes are counted as `platform` lays them out, for the whole count (on TPU the f32
+    per-output terms of a few slots take a whole tile: one slot alone costs more than its share)."""
     slots = config.max_loras_per_batch
     if config.adapter_memory_fraction is None or device_bytes is None or not slots:
         return slots
-    budget = config.kv_cache_memory_fraction * device_bytes
-    one = adapter_pool_bytes(model_config, tp, 1, config.max_lora_rank, **pool_options(config), platform=platform)
-    return max(slots, int(config.adapter_memory_fraction * budget) // one)
+    share = int(config.adapter_memory_fraction * config.kv_cache_memory_fraction * device_bytes)
+    kw = dict(pool_options(config), platform=platform)
+
+    def fits(n: int) -> bool:
+        return adapter_pool_bytes(model_config, tp, n, config.max_lora_rank, **kw) <= share
+
+    if not fits(slots + 1):
+        return slots
+    lo, hi = slots + 1, 2 * (slots + 1)  # fits(lo); find a hi that does not
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def with_slots(config: EngineConfig, slots: int) -> EngineConfig:

@@ -190,12 +190,17 @@ def test_adapter_memory_fraction_sizes_the_slots_from_the_budget(platform):
     fixed = EngineConfig(max_batch=8, max_seq_len=512, max_loras_per_batch=4, max_lora_rank=16,
                          kv_cache_memory_fraction=0.5)
     sized = fixed.model_copy(update={"adapter_memory_fraction": 0.2})
-    one = adapter_pool_bytes(MODEL, 2, 1, 16, **pool_options(fixed), platform=platform)
+    def pool(n: int) -> int:
+        return adapter_pool_bytes(MODEL, 2, n, 16, **pool_options(fixed), platform=platform)
+
     plan = plan_memory(MODEL, sized, mesh, platform=platform, block_size=16, device_bytes=GIB)
     share = 0.2 * plan.budget_bytes
-    assert plan.adapter_slots > 4 and share - one < plan.adapter_slots * one <= share
-    assert plan.adapter_pool_bytes == adapter_pool_bytes(MODEL, 2, plan.adapter_slots, 16, **pool_options(fixed),
-                                                         platform=platform)
+    n = plan.adapter_slots
+    assert n > 4 and pool(n) <= share < pool(n + 1)  # the most slots the share holds
+    assert plan.adapter_pool_bytes == pool(n)
+    one = pool(1)
+    if platform == "tpu":  # one slot's f32 terms fill a whole tile: slots in number cost less each
+        assert n * one > share
     assert f"({plan.adapter_slots} slots)" in plan.describe()
     base = plan_memory(MODEL, fixed, mesh, platform=platform, block_size=16, device_bytes=GIB)
     assert base.adapter_slots == 4
