@@ -178,7 +178,7 @@ def tiles_from_segments(
     """Cuts each segment into tiles of at most `tm` tokens (static count `max_tiles`)."""
     # searchsorted by compare_all: one fused [n, S] comparison, no sequential loop on device.
     num_tokens = order.shape[0]
-    num_grid = max_tiles(num_tokens, num_slots, tm)
+    num_grid = max_tiles(num_tokens, min(num_slots, segment_slots.shape[0]), tm)  # segments bound the slots
     seg_len = segment_starts[1:] - segment_starts[:-1]
     seg_tiles = (seg_len + tm - 1) // tm
     tile_base = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seg_tiles, dtype=jnp.int32)])

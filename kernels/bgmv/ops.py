@@ -20,7 +20,6 @@ from kernels import dispatch, xla
 from kernels.bgmv.tuned_block_sizes import BlockSizes, gpu_block_sizes, tpu_block_sizes
 from kernels.bgmv.validate import static_validate_expand, static_validate_inputs, static_validate_shrink
 from kernels.common import default_platform, per_layer_aval, stacked_pool
-from kernels.dispatch import LoRAMetadata
 
 
 def block_sizes(platform: str, num_tokens: int, in_features: int, dtype) -> BlockSizes:
@@ -40,7 +39,7 @@ def bgmv_metadata(
     *,
     block: BlockSizes,
     platform: str | None = None,
-) -> LoRAMetadata:
+) -> dispatch.LoRAMetadata:
     """The slot-sorted metadata bgmv cuts on `platform` with `block` (GPU tiles, TPU visits),
     for callers that apply many projections to one batch and sort it once (`bgmv(meta=)`)."""
     return dispatch.metadata_from_slots(_resolve(platform), token_slots, num_slots, block.tm)
@@ -115,7 +114,7 @@ def bgmv(
     platform: str | None = None,
     interpret: bool = False,
     block: BlockSizes | None = None,
-    meta: LoRAMetadata | None = None,
+    meta: dispatch.LoRAMetadata | None = None,
 ) -> tuple[jax.Array, ...]:  # n × [T, out_i]
     """y_i[t] = base_i[t] + scaling[s] * (x[t] @ A_i[s]ᵀ) @ B_i[s], s = slot[t] (fused).
 

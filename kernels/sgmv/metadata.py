@@ -37,7 +37,8 @@ class GroupMetadata:
 
 
 def max_visits(num_tokens: int, num_slots: int, tm: int) -> int:
-    """Each segment adds at most one visit beyond the m-tile count."""
+    """Each segment adds at most one visit beyond the m-tile count (`num_slots`: the most
+    distinct slots the tokens can use)."""
     return cdiv(num_tokens, tm) + max(min(num_slots, num_tokens) - 1, 0)
 
 
@@ -57,7 +58,9 @@ def group_metadata(
     seg_visits = jnp.where(nonempty, last_tile - first_tile + 1, 0).astype(jnp.int32)
     base = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(seg_visits, dtype=jnp.int32)])
     num_visits = base[-1]
-    num_grid = max_visits(num_tokens, num_slots, tm)
+    # The segments bound the distinct slots (a step's info has at most max_batch of them): a
+    # pool wider than the batch adds no visits.
+    num_grid = max_visits(num_tokens, min(num_slots, segment_slots.shape[0]), tm)
     last_seg = seg_visits.shape[0] - 1
 
     v = jnp.arange(num_grid, dtype=jnp.int32)
