@@ -19,7 +19,9 @@ A driver thread submits each request at its arrival time; the engine's emit call
 first and last token. Per run: requests/s and output tokens/s (from the first submission to the
 last token), TTFT and TPOT p50/p99, SLO attainment, the mean rows of a decode step (how full the
 batches ran), the mean wall time of a decode step and of a step that ran prompts, and the count of
-those (TPOT holds both: a prompt step stalls the rows decoding beside it) and, for the LoRA engine, adapter loads into device slots and the mean queue time of
+those (TPOT holds both: a prompt step stalls the rows decoding beside it; with async decode a
+packed prompt step runs between two decode steps without a pause for the host, and its time, from
+its dispatch to its first tokens on the host, overlaps theirs) and, for the LoRA engine, adapter loads into device slots and the mean queue time of
 the requests whose adapter was loaded for them (`slot wait ms`). The engines run one after
 the other (each plans its KV cache from the device's free memory), each warmed up first on a
 burst of the first rate's requests and, for the LoRA engine, a request on every adapter, so each

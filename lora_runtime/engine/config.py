@@ -125,7 +125,9 @@ class EngineConfig(BaseModel):
     async_decode: bool = Field(
         True, description="Dispatch each decode step before the tokens of the step before reach the host "
         "(each row reads its last token on the device), so the host's work of a step (settling tokens, "
-        "text, stream items, the next step's inputs) runs while the device computes the next one. A "
+        "text, stream items, the next step's inputs) runs while the device computes the next one; a packed "
+        "prefill joining decoding rows is dispatched behind the decode step in flight and its first tokens "
+        "read once the next decode step is dispatched behind it (its rows decode from the step after). A "
         "sequence that ends on a token computes one more step, which is dropped. Rows with a grammar or "
         "bad_words wait for their tokens. False: each step's tokens are read before the next is built.")
     scheduling_policy: Literal["fcfs", "priority"] = Field(

@@ -110,6 +110,9 @@ class Engine:
         # for the next decode step to be dispatched, so that host work overlaps the device's.
         self._text_pending: list[Sequence] = []
         self._in_flight: _DecodeStep | None = None  # the decode step dispatched but not settled (async_decode)
+        # A packed prefill dispatched but not settled (async_decode): its first tokens are read
+        # once the step's decode is dispatched behind it, so the device never waits for the host.
+        self._prefill_in_flight: _PrefillStep | None = None
         # Where the next settled decode step's time starts: the last decode step's settling or
         # the end of a prefill step since (None: idle since); see _settle_step.
         self._decode_clock: float | None = None
@@ -633,14 +636,16 @@ class Engine:
         if alone is None:
             admission = self._admit(budget - reserved)
         if admission.packed:
-            self._prefill(admission.packed)
+            self._prefill(admission.packed, overlap=alone is None)
         extended = self._extend_chunks(budget - sum(s.prefill_len for s in admission.packed), alone)
         scheduler.reserve_decode_blocks()
         decoding = [s for s in scheduler.decoding() if alone is None or s is alone]
         if decoding:
-            self._decode(decoding)
+            self._decode(decoding)  # settles the prefill in flight once it is dispatched
+            self._settle_prefill()  # (unless its rows all ended on tokens settled first)
         else:
             self._settle_in_flight()
+            self._settle_prefill()
             self._catch_up_text()  # no device step to hide it behind
         if alone is not None and (admission.packed or extended or decoding):
             alone.suspect_steps -= 1  # a step it passed alone
@@ -671,7 +676,7 @@ class Engine:
         err = self.runner.failure_cause(err)
         involved = [s for s in self._phase if not s.finished] or list(self.scheduler.running.values())
         self._phase = []
-        self._in_flight = None  # its tokens are lost with the step: the sequences redo them
+        self._in_flight = self._prefill_in_flight = None  # their tokens are lost with the step: redone
         for seq in self.scheduler.running.values():
             seq.ahead = 0
         self._catch_up_text()
@@ -708,9 +713,17 @@ class Engine:
             if not seq.closed:  # else its last output was handed over before the failure
                 self._fail(seq, err)
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        """Computes fresh sequences packed back to back (each attends to itself only)."""
-        self._settle_in_flight()
+    def _prefill(self, seqs: list[Sequence], overlap: bool = True) -> None:
+        """Computes fresh sequences packed back to back (each attends to itself only). With
+        async_decode and rows decoding, it is dispatched behind the decode step in flight,
+        whose tokens are then settled while it computes, and its own first tokens are read once
+        the next decode step is dispatched behind it (_settle_prefill): the device goes from
+        one step to the next without waiting for the host. Prompt log-probabilities, read from
+        its hidden states, keep it synchronous."""
+        overlap = (overlap and self.config.async_decode and not any(s.wants_prompt_logprobs for s in seqs)
+                   and (self._in_flight is not None or bool(self.scheduler.decoding())))
+        if not overlap:
+            self._settle_in_flight()
         self._phase = list(seqs)
         total = sum(s.prefill_len for s in seqs)
         bucket = next(b for b in self.config.prefill_buckets() if b >= total)
@@ -741,13 +754,43 @@ class Engine:
             SamplingBatch.from_rows(sampling_rows, self._eos), last_index, self._lora_info(slots), seq_rows,
         )
         start = time.perf_counter()
-        sampled = self.runner.prefill(inputs, self._pool(), lambda: self._masks(list(enumerate(seqs)), b))
+        host_work = lambda: self._masks(list(enumerate(seqs)), b)  # noqa: E731
+        if overlap:
+            pending = self.runner.dispatch_prefill(inputs, self._pool(), host_work)
+            self._prefill_in_flight = _PrefillStep(pending, [(seq, seq.preemptions) for seq in seqs], start, total)
+            if self._in_flight is not None:  # a failure read now may be either step's
+                self._phase = list(seqs) + [seq for seq, _ in self._in_flight.members]
+            self._settle_in_flight()  # the decode step before it: its tokens, while the prefill computes
+            return
+        sampled = self.runner.prefill(inputs, self._pool(), host_work)
         if any(seq.wants_prompt_logprobs for seq in seqs):
             self._read_prompt_logprobs(seqs, tokens)
         self._count_prefill(start)
+        self._prefilled(seqs, sampled, total)
+
+    def _prefilled(self, seqs: list[Sequence], sampled: Sampled, total: int) -> None:
+        """A packed prefill's first tokens, each added to its sequence."""
         self.counters["prefill_steps"] += 1
         self.counters["prompt_tokens"] += total
         for i, seq in enumerate(seqs):
+            self.scheduler.computed(seq, seq.prefill_len)
+            self._settle(seq, self._first_token, seq, sampled, i)
+
+    def _settle_prefill(self) -> None:
+        """Reads the first tokens of the prefill in flight, if any, and adds them; a sequence
+        preempted since its dispatch recomputes from its tokens on the host instead. Its time
+        runs from its dispatch: the decode steps around it overlap it, so their wall clock goes
+        on through it."""
+        step, self._prefill_in_flight = self._prefill_in_flight, None
+        if step is None:
+            return
+        self._phase = self._phase + [seq for seq, _ in step.members if seq not in self._phase]
+        sampled = step.pending.get()
+        self.counters["prefill_seconds"] += time.perf_counter() - step.dispatched
+        kept = [(i, seq) for i, (seq, preemptions) in enumerate(step.members) if seq.preemptions == preemptions]
+        self.counters["prefill_steps"] += 1
+        self.counters["prompt_tokens"] += step.tokens
+        for i, seq in kept:
             self.scheduler.computed(seq, seq.prefill_len)
             self._settle(seq, self._first_token, seq, sampled, i)
 
@@ -911,6 +954,8 @@ class Engine:
             if not active:
                 return
         self._phase = list(active) + ([m[0] for m in prev.members] if prev is not None else [])
+        if self._prefill_in_flight is not None:  # a failure of this step may be that prefill's
+            self._phase += [seq for seq, _ in self._prefill_in_flight.members]
         b = self.config.max_batch
         sampling_rows: list = [None] * b
         members = []
@@ -920,9 +965,11 @@ class Engine:
         inputs = self._paged_inputs(b, 1, members, sampling_rows)
 
         def while_forward() -> np.ndarray | None:
-            # While the device runs this step's forward: the text of the step before (a sequence
-            # that a stop string finishes there is in this step too; its token from it is
-            # dropped when settled), then the grammars' masks for this step's sampling.
+            # While the device runs this step's forward: the first tokens of a prefill dispatched
+            # before it, the text of the step before (a sequence that a stop string finishes
+            # there is in this step too; its token from it is dropped when settled), then the
+            # grammars' masks for this step's sampling.
+            self._settle_prefill()
             self._catch_up_text()
             return self._masks([(seq.row, seq) for seq in active], b)
 
@@ -1047,6 +1094,17 @@ class Engine:
                               self._lora_info(none, lora), np.full(p, -1, np.int32))
         return self._paged_inputs(groups, n // groups, [], [None] * groups, np.zeros(groups, np.int32),
                                   np.full(groups, -1, np.int32), lora)
+
+
+@dataclasses.dataclass
+class _PrefillStep:
+    """A dispatched packed prefill: its first tokens (on the device), each sequence with its
+    preemption count then, when it was dispatched, and its prompt tokens."""
+
+    pending: PendingSample
+    members: list[tuple[Sequence, int]]
+    dispatched: float
+    tokens: int
 
 
 @dataclasses.dataclass

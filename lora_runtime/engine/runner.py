@@ -335,10 +335,18 @@ class ModelRunner:
         see AttentionMetadata); a sequence's last chunk samples its next token."""
         return self._run_prefill("extend", inputs, pool, host_work)
 
+    def dispatch_prefill(self, inputs: StepInputs, pool, host_work: HostWork | None = None) -> "PendingSample":
+        """Starts a packed prefill step (as `prefill`) and returns; the PendingSample's get()
+        waits for its first tokens."""
+        return self._dispatch_prefill("prefill", inputs, pool, host_work)
+
     def _run_prefill(self, kind: str, inputs: StepInputs, pool, host_work: HostWork | None) -> Sampled:
+        return self._dispatch_prefill(kind, inputs, pool, host_work).get()
+
+    def _dispatch_prefill(self, kind: str, inputs: StepInputs, pool, host_work: HostWork | None) -> "PendingSample":
         self._op("forward", kind, _without_sampling(inputs), pool)
         mask = host_work() if host_work is not None else None
-        return self._op("sample", inputs.sampling, inputs.seq_rows, mask).get()
+        return self._op("sample", inputs.sampling, inputs.seq_rows, mask)
 
     def _host_args(self, name: str, host: tuple, compiling: bool) -> tuple:
         """A step's host inputs as its program takes them: the device copies DeviceInputs keeps

@@ -167,3 +167,109 @@ def test_a_decode_step_resends_only_what_moved(engine, monkeypatch):
     engine.runner.inputs = DeviceInputs(engine.runner.mesh)
     again = engine.generate_batch(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in want]
+
+
+def _join_running(engine, long_prompt, prompt, long_params, params) -> tuple:
+    """Submits a long request, then, once it streams, a second one: (the long output, the
+    second's output)."""
+    import threading
+
+    streaming, done = threading.Event(), {}
+    finished = threading.Semaphore(0)
+
+    def collect(name):
+        def emit(out):
+            if out.token_ids:
+                streaming.set()
+            if out.finished:
+                done[name] = out
+                finished.release()
+        return emit
+
+    parts = {"long": [], "new": []}
+
+    def gather(name):
+        emit = collect(name)
+
+        def on(out):
+            parts[name].extend(out.token_ids)
+            emit(out)
+        return on
+
+    engine.submit(long_prompt, long_params, gather("long"))
+    assert streaming.wait(60)
+    engine.submit(prompt, params, gather("new"))
+    for _ in range(2):
+        assert finished.acquire(timeout=60)
+    return parts["long"], parts["new"]
+
+
+def test_a_prompt_joining_running_streams_goes_to_the_device_behind_their_step(engine, monkeypatch):
+    """async_decode: a prompt that arrives while others decode is dispatched behind the decode
+    step in flight, that step's tokens are read while it computes, and its own first token is
+    read once the next decode step is dispatched behind it; the outputs are those of each
+    request alone."""
+    long_prompt, prompt = _prompts(engine)[:2]
+    long_params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    alone = [engine.generate_batch([p], q)[0].token_ids for p, q in ((long_prompt, long_params),
+                                                                     (prompt, _greedy()))]
+    events: list[str] = []
+    runner = engine.runner
+    dispatch_decode, dispatch_prefill = runner.dispatch_decode, runner.dispatch_prefill
+
+    def traced(kind, dispatch):
+        def spy(inputs, pool, host_work=None):
+            def work():
+                events.append(f"{kind} dispatched")
+                return host_work() if host_work is not None else None
+
+            pending = dispatch(inputs, pool, work)
+            get = pending.get
+
+            def read():
+                events.append(f"{kind} read")
+                return get()
+
+            pending.get = read
+            return pending
+        return spy
+
+    monkeypatch.setattr(runner, "dispatch_decode", traced("decode", dispatch_decode))
+    monkeypatch.setattr(runner, "dispatch_prefill", traced("prefill", dispatch_prefill))
+    long_out, new_out = _join_running(engine, long_prompt, prompt, long_params, _greedy())
+    monkeypatch.undo()
+    assert [long_out, new_out] == alone
+    at = events.index("prefill dispatched")
+    # The long request's decode step was in flight (dispatched, not read) when the prompt went
+    # to the device; then its tokens were read, the next decode dispatched, then the prompt's.
+    assert events[:at].count("decode dispatched") - events[:at].count("decode read") == 1, events
+    assert events[at + 1: at + 4] == ["decode read", "decode dispatched", "prefill read"], events
+
+
+def test_a_sequence_preempted_before_its_prefill_is_read_recomputes(engine, monkeypatch):
+    """A sequence preempted for blocks after its prefill was dispatched (the decode step's block
+    reservation) gives up that prefill's token and recomputes from its tokens: its output is the
+    one it has alone, and the stream beside it is untouched."""
+    long_prompt, prompt = _prompts(engine)[:2]
+    long_params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    alone = [engine.generate_batch([p], q)[0].token_ids for p, q in ((long_prompt, long_params),
+                                                                     (prompt, _greedy()))]
+    scheduler = engine.scheduler
+    reserve = scheduler.reserve_decode_blocks
+    preempted = []
+
+    def reserve_under_pressure():
+        step = engine._prefill_in_flight
+        if step is not None and not preempted:  # as if no block were free: the newest goes
+            seq = step.members[0][0]
+            scheduler.preempt(seq)
+            preempted.append(seq)
+        return reserve()
+
+    monkeypatch.setattr(scheduler, "reserve_decode_blocks", reserve_under_pressure)
+    before = scheduler.preemptions
+    long_out, new_out = _join_running(engine, long_prompt, prompt, long_params, _greedy())
+    monkeypatch.undo()
+    assert len(preempted) == 1 and scheduler.preemptions == before + 1
+    assert [long_out, new_out] == alone
+    assert scheduler.pool.num_free == scheduler.pool.usable
