@@ -754,7 +754,9 @@ class Engine:
             SamplingBatch.from_rows(sampling_rows, self._eos), last_index, self._lora_info(slots), seq_rows,
         )
         start = time.perf_counter()
-        host_work = lambda: self._masks(list(enumerate(seqs)), b)  # noqa: E731
+        def host_work() -> np.ndarray | None:
+            return self._masks(list(enumerate(seqs)), b)
+
         if overlap:
             pending = self.runner.dispatch_prefill(inputs, self._pool(), host_work)
             self._prefill_in_flight = _PrefillStep(pending, [(seq, seq.preemptions) for seq in seqs], start, total)
@@ -766,13 +768,13 @@ class Engine:
         if any(seq.wants_prompt_logprobs for seq in seqs):
             self._read_prompt_logprobs(seqs, tokens)
         self._count_prefill(start)
-        self._prefilled(seqs, sampled, total)
+        self._prefilled(list(enumerate(seqs)), sampled, total)
 
-    def _prefilled(self, seqs: list[Sequence], sampled: Sampled, total: int) -> None:
-        """A packed prefill's first tokens, each added to its sequence."""
+    def _prefilled(self, members: list[tuple[int, Sequence]], sampled: Sampled, total: int) -> None:
+        """A packed prefill's first tokens added to its sequences (sequence i's is token i)."""
         self.counters["prefill_steps"] += 1
         self.counters["prompt_tokens"] += total
-        for i, seq in enumerate(seqs):
+        for i, seq in members:
             self.scheduler.computed(seq, seq.prefill_len)
             self._settle(seq, self._first_token, seq, sampled, i)
 
@@ -788,11 +790,7 @@ class Engine:
         sampled = step.pending.get()
         self.counters["prefill_seconds"] += time.perf_counter() - step.dispatched
         kept = [(i, seq) for i, (seq, preemptions) in enumerate(step.members) if seq.preemptions == preemptions]
-        self.counters["prefill_steps"] += 1
-        self.counters["prompt_tokens"] += step.tokens
-        for i, seq in kept:
-            self.scheduler.computed(seq, seq.prefill_len)
-            self._settle(seq, self._first_token, seq, sampled, i)
+        self._prefilled(kept, sampled, step.tokens)
 
     def _count_prefill(self, start: float) -> None:
         """Adds a prompt step's wall time since `start`; the next decode step's time starts after it."""
