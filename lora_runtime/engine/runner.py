@@ -235,8 +235,11 @@ class ModelRunner:
         anything; a program of its own)."""
         logits, self._logits = self._logits, None
         with jax.set_mesh(self.mesh):
+            # Decode steps keep their own device copies of the sampling inputs: a prompt step's
+            # between two of them does not make the next one send its unchanged rows again.
+            copies = "sample" if self._decode_logits else "sample_prompt"
             tokens, logprobs, self.token_counts = self.programs.call(
-                "sample", self._sample, self._sample_args(logits, sampling, seq_rows, mask))
+                "sample", self._sample, self._sample_args(logits, sampling, seq_rows, mask, copies=copies))
         if self._decode_logits:
             self.decode_tokens = tokens
         # Their copy to the host starts when they are computed, not when get() asks: by then the
@@ -363,8 +366,8 @@ class ModelRunner:
                 *self._host_args("decode", host, compiling))
 
     def _sample_args(self, logits, sampling: SamplingBatch, seq_rows: np.ndarray, mask: np.ndarray | None,
-                     compiling: bool = False) -> tuple:
-        host = self._host_args("sample", (sampling, seq_rows, mask), compiling)
+                     compiling: bool = False, copies: str = "sample") -> tuple:
+        host = self._host_args(copies, (sampling, seq_rows, mask), compiling)
         return (logits, self.token_counts, self.prompt_seen, *host)
 
     # ---- ahead-of-time compilation (warm-up) ----------------------------------------------

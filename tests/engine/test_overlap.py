@@ -273,3 +273,27 @@ def test_a_sequence_preempted_before_its_prefill_is_read_recomputes(engine, monk
     assert len(preempted) == 1 and scheduler.preemptions == before + 1
     assert [long_out, new_out] == alone
     assert scheduler.pool.num_free == scheduler.pool.usable
+
+
+def test_a_prompt_step_between_decode_steps_leaves_their_sampling_copies(engine, monkeypatch):
+    """The decode steps keep their own device copies of the sampling inputs: the decode step
+    after a prompt step, its rows unchanged (the new ones join the step after), sends what a
+    steady step sends, not the sampling rows the prompt step's sampler replaced."""
+    long_prompt, prompt = _prompts(engine)[:2]
+    long_params = SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    dispatch = engine.runner.dispatch_decode
+    per_step = []
+
+    def counted(inputs, pool, host_work=None):
+        sent = engine.runner.inputs.sent
+        pending = dispatch(inputs, pool, host_work)
+        per_step.append((tuple(inputs.rows.tolist()), engine.runner.inputs.sent - sent))
+        return pending
+
+    monkeypatch.setattr(engine.runner, "dispatch_decode", counted)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.5, seed=1, ignore_eos=True)
+    _join_running(engine, long_prompt, prompt, long_params, params)
+    monkeypatch.undo()
+    joined = next(i for i, (rows, _) in enumerate(per_step) if rows[1] >= 0)
+    rows, sent = per_step[joined - 1]  # the decode step dispatched behind the prompt step
+    assert rows == per_step[joined - 2][0] and sent <= 5, per_step
