@@ -16,17 +16,17 @@ output lengths uniform in their ranges, the same requests for both engines:
   from local disk).
 
 A driver thread submits each request at its arrival time; the engine's emit callback stamps its
-first and last token. Per run: requests/s and output tokens/s (from the first submission to the
-last token), TTFT and TPOT p50/p99, SLO attainment, the mean rows of a decode step (how full the
-batches ran), the mean wall time of a decode step and of a step that ran prompts, and the count of
-those (TPOT holds both: a prompt step stalls the rows decoding beside it; with async decode a
-packed prompt step runs between two decode steps without a pause for the host, and its time, from
-its dispatch to its first tokens on the host, overlaps theirs) and, for the LoRA engine, adapter loads into device slots and the mean queue time of
-the requests whose adapter was loaded for them (`slot wait ms`). The engines run one after
-the other (each plans its KV cache from the device's free memory), each warmed up first on a
-burst of the first rate's requests and, for the LoRA engine, a request on every adapter, so each
-adapter has been read from storage into the host cache once (a server that has been up a
-while): the runs measure the device slots' turnover, not first reads.
+first and last token. Per run: requests/s and output tokens/s (from the first submission to the last
+token), TTFT and TPOT p50/p99, SLO attainment, the mean rows of a decode step (how full the batches
+ran), the mean wall time of a decode step and of a step that ran prompts, and the count of those
+(TPOT holds both: a prompt step stalls the rows decoding beside it; with async decode a packed
+prompt step runs between two decode steps without a pause for the host, and its time, from its
+dispatch to its first tokens on the host, overlaps theirs) and, for the LoRA engine, adapter loads
+into device slots and the mean queue time of the requests whose adapter was loaded for them
+(`slot wait ms`). The engines run one after the other (each plans its KV cache from the device's free
+memory), each warmed up first on a burst of the first rate's requests and, for the LoRA engine, a
+request on every adapter, so each adapter has been read from storage into the host cache once (a
+server that has been up a while): the runs measure the device slots' turnover, not first reads.
 
 Default shape: a small random Llama for CPU. `--large`: 8 layers of Llama-3-8B widths in bfloat16
 on the demo tokenizer's vocabulary, async decode, for an accelerator.
@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> str:
                      *([r.slot_loads, f"{r.slot_wait_ms:.0f}"] if r.system == "adapters"
                                                  else ["-", "-"])])
     print_table(["system", "rate", "requests", "errors", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                 "TPOT p50 ms", "TPOT p99 ms", "SLO", "rows/step", "decode ms", "prefills", "prefill ms", "slot loads", "slot wait ms"], rows)
+                 "TPOT p50 ms", "TPOT p99 ms", "SLO", "rows/step", "decode ms", "prefills", "prefill ms",
+                 "slot loads", "slot wait ms"], rows)
     print(note)
     print(line)
     return line

@@ -220,18 +220,18 @@ def main(argv: list[str] | None = None) -> dict:
                 engine.lora_manager.register(f"a{i}", str(path))
             names = [f"a{i % args.adapters}" for i in range(batch)]
         engine.start()
+        def decode_batch() -> tuple[int, float]:  # its decode steps and their mean wall time
+            before = dict(engine.counters)
+            engine.generate_batch([prompt] * batch, params, names)
+            n = engine.counters["decode_steps"] - before["decode_steps"]
+            return n, (engine.counters["decode_seconds"] - before["decode_seconds"]) / n
+
         try:
             engine.generate_batch([prompt] * batch, params, names)  # warm: adapters resident
-            before = dict(engine.counters)
-            engine.generate_batch([prompt] * batch, params, names)  # the step time without the tracer's cost
-            plain_s = ((engine.counters["decode_seconds"] - before["decode_seconds"])
-                       / (engine.counters["decode_steps"] - before["decode_steps"]))
-            before = dict(engine.counters)
+            _, plain_s = decode_batch()  # the step time without the tracer's cost
             trace_dir = os.path.join(out_dir, "trace")
             with jax.profiler.trace(trace_dir):
-                engine.generate_batch([prompt] * batch, params, names)
-            steps = engine.counters["decode_steps"] - before["decode_steps"]
-            step_s = (engine.counters["decode_seconds"] - before["decode_seconds"]) / steps
+                steps, step_s = decode_batch()
         finally:
             engine.shutdown()
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
         host_ns = sum(host.values())
         print_table(["part", "us per step", "share"],
                     [(part, f"{ns / 1e3:.1f}", f"{ns / host_ns:.3f}") for part, ns in host.items()])
-    result = {"step_ms": 1e3 * step_s, "untraced_step_ms": 1e3 * plain_s, "device_ms": device_ns / 1e6, "device_share": device_ns / 1e9 / step_s,
+    result = {"step_ms": 1e3 * step_s, "untraced_step_ms": 1e3 * plain_s, "device_ms": device_ns / 1e6,
+              "device_share": device_ns / 1e9 / step_s,
               "top_op": kinds[0][0], "top_op_share": kinds[0][1] / op_ns}
     with open(os.path.join(out_dir, "step_profile.json"), "w") as f:
         json.dump({**result, "sampler_ms": sampler_ns / 1e6, "steps": steps, "shape": shape,

@@ -174,27 +174,17 @@ def _join_running(engine, long_prompt, prompt, long_params, params) -> tuple:
     second's output)."""
     import threading
 
-    streaming, done = threading.Event(), {}
-    finished = threading.Semaphore(0)
-
-    def collect(name):
-        def emit(out):
-            if out.token_ids:
-                streaming.set()
-            if out.finished:
-                done[name] = out
-                finished.release()
-        return emit
-
+    streaming, finished = threading.Event(), threading.Semaphore(0)
     parts = {"long": [], "new": []}
 
     def gather(name):
-        emit = collect(name)
-
-        def on(out):
+        def emit(out):
             parts[name].extend(out.token_ids)
-            emit(out)
-        return on
+            if out.token_ids:
+                streaming.set()
+            if out.finished:
+                finished.release()
+        return emit
 
     engine.submit(long_prompt, long_params, gather("long"))
     assert streaming.wait(60)

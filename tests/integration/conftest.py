@@ -120,8 +120,8 @@ class ReplicaKiller:
     `app` (ray.kill, no restart: Serve replaces them) the moment `kill()` is called: a driver
     process connected ahead of time, with the replicas' handles resolved, so the kill lands when
     the test says, not after a listing of every actor (a stream can end meanwhile). Every replica
-    alive then goes (those started since are listed and killed next), the one serving and any an earlier redeploy left draining
-    (killing only the first by name could hit an idle one)."""
+    alive then goes (those started since are listed and killed next), the one serving and any an
+    earlier redeploy left draining (killing only the first by name could hit an idle one)."""
 
     def __init__(self, cluster: Cluster, app: str, deployment: str = "LoRAModelServer"):
         code = (
