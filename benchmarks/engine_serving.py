@@ -5,6 +5,7 @@ themselves (an accelerator host's case).
     python -m benchmarks.engine_serving [--large] [--adapters 64] [--alpha 1.0] [--slots 8]
         [--adapter-memory-fraction F]
         [--rates R ...] [--requests N] [--duration S] [--input-len LO HI] [--output-len LO HI]
+        [--trace-rate R [--trace-dir DIR]]
 
 The workload is benchmarks/serving_workload.py's (the one `benchmarks.serving` sends over HTTP):
 `--adapters` adapters of Zipf(`--alpha`) popularity, Poisson arrivals at each rate, prompt and
@@ -28,6 +29,10 @@ memory), each warmed up first on a burst of the first rate's requests and, for t
 request on every adapter, so each adapter has been read from storage into the host cache once (a
 server that has been up a while): the runs measure the device slots' turnover, not first reads.
 
+`--trace-rate R`: the run at rate R of each engine is traced by JAX's profiler (without its Python
+tracer), and a table per engine splits the device's time over the run by program: runs, device time,
+and the idle time just before its runs (benchmarks/serving_trace.py), per decode step.
+
 Default shape: a small random Llama for CPU. `--large`: 8 layers of Llama-3-8B widths in bfloat16
 on the demo tokenizer's vocabulary, async decode, for an accelerator.
 
@@ -40,8 +45,10 @@ requests; compiles after warm-up over both engines, from JAX's compile events).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
+import os
 import tempfile
 import threading
 import time
@@ -55,6 +62,7 @@ from benchmarks.common import (
     synthetic_engine,
     write_random_adapter,
 )
+from benchmarks.serving_trace import TraceSummary, read_trace, table_rows, traced
 from benchmarks.serving_workload import (
     RequestRecord,
     RunSummary,
@@ -82,6 +90,8 @@ class EngineRun:
     decode_ms: float = float("nan")  # mean wall time of a decode step (host work included)
     prefill_steps: int = 0  # steps that ran prompts (a prefill's time is the device's and the host's both)
     prefill_ms: float = float("nan")  # mean wall time of those steps
+    decode_steps: int = 0
+    trace: TraceSummary | None = None  # the device's time by program, with --trace-rate
 
 
 def send(engine, items: Sequence[WorkItem], adapters: Sequence[str | None], timeout_s: float) -> list[RequestRecord]:
@@ -137,7 +147,9 @@ def run_engine(system: str, engine, specs: Sequence[WorkloadSpec], names: list[s
     for spec in specs:
         items = make_workload(spec)
         before = _counts(engine)
-        records = send(engine, items, adapters_of(items), timeout_s=a.timeout)
+        trace_dir = os.path.join(a.trace_dir, system) if spec.rate == a.trace_rate else None
+        with traced(trace_dir) if trace_dir else contextlib.nullcontext():
+            records = send(engine, items, adapters_of(items), timeout_s=a.timeout)
         n = {k: v - before[k] for k, v in _counts(engine).items()}
         summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
         def mean(total: str, count: str, scale: float = 1.0) -> float:
@@ -146,7 +158,8 @@ def run_engine(system: str, engine, specs: Sequence[WorkloadSpec], names: list[s
         runs.append(EngineRun(system, spec, summary, int(n["loads"]), mean("decode_row_steps", "decode_steps"),
                               mean("adapter_slot_wait_seconds", "adapter_slot_waits", 1e3),
                               mean("decode_seconds", "decode_steps", 1e3), int(n["prefill_steps"]),
-                              mean("prefill_seconds", "prefill_steps", 1e3)))
+                              mean("prefill_seconds", "prefill_steps", 1e3), int(n["decode_steps"]),
+                              read_trace(trace_dir) if trace_dir else None))
     return runs
 
 
@@ -208,6 +221,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slo-tpot-s", type=float, default=0.2)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take to finish")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace-rate", type=float, default=None,
+                        help="trace each engine's run at this rate (one of --rates) and split its device time by program")
+    parser.add_argument("--trace-dir", default=None, help="where the traces go (default: a temporary directory)")
     a = parser.parse_args(argv)
     a.max_batch = a.max_batch or (32 if a.large else 16)
     a.max_prefill_tokens = a.max_prefill_tokens or max(16, a.max_batch * a.input_len[1])
@@ -221,6 +237,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be at least 1")
     if any(rate <= 0 for rate in a.rates):
         parser.error(f"--rates={a.rates} must be positive")
+    if a.trace_rate is not None and a.trace_rate not in a.rates:
+        parser.error(f"--trace-rate={a.trace_rate} is not one of --rates {a.rates}")
     for name in ("input_len", "output_len"):
         lo, hi = getattr(a, name)
         if not 2 <= lo <= hi:
@@ -230,6 +248,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> str:
     a = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        a.trace_dir = a.trace_dir or tmp
+        return _main(a)
+
+
+def _main(a: argparse.Namespace) -> str:
     shape, dtype = (LARGE_SHAPE, "bfloat16") if a.large else (SMALL_SHAPE, "float32")
     tokenizer = demo_tokenizer()
     model_config = synthetic_config(vocab=tokenizer.vocab_size, dtype=dtype, **shape)
@@ -269,6 +293,14 @@ def main(argv: list[str] | None = None) -> str:
     print_table(["system", "rate", "requests", "errors", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
                  "TPOT p50 ms", "TPOT p99 ms", "SLO", "rows/step", "decode ms", "prefills", "prefill ms",
                  "slot loads", "slot wait ms"], rows)
+    for r in runs:
+        if r.trace is not None:
+            t = r.trace
+            print(f"\nthe trace of the {r.system} run at {r.spec.rate} req/s: {t.window_ns / 1e9:.2f} s, the device busy "
+                  f"{100 * t.busy_ns / t.window_ns:.0f}% of it, {r.decode_steps} decode steps (ms a decode step: "
+                  f"its wall time {r.decode_ms:.2f})")
+            print_table(["program", "runs", "a step", "ms a run", "ms a step", "idle before ms a step"],
+                        table_rows(t, r.decode_steps))
     print(note)
     print(line)
     return line

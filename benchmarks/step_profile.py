@@ -62,9 +62,10 @@ def _leaves(events: list) -> list:
 
 
 def op_events(profile: ProfileData) -> list[dict]:
-    """Every leaf XLA op execution in the trace: {program, kind, text, ns, start, end}. The
+    """Every leaf XLA op execution in the trace: {program, run, kind, text, ns, start, end}. The
     program is the device's "XLA Modules" event the op ran within (its name carries the program
-    id) on an accelerator, the op's module and program id on CPU."""
+    id) on an accelerator, the op's module and program id on CPU; `run` tells the program's
+    executions apart (the module event's start on an accelerator, XLA's run id on CPU)."""
     out = []
     for plane in profile.planes:
         on_device = plane.name.startswith("/device:")
@@ -84,10 +85,12 @@ def op_events(profile: ProfileData) -> list[dict]:
                     while m + 1 < len(modules) and modules[m].end_ns <= event.start_ns:
                         m += 1
                     program = modules[m].name if modules else "?"
+                    run = modules[m].start_ns if modules else 0
                 else:
                     program = f"{stats.get('hlo_module', '?')}({stats.get('program_id', '?')})"
+                    run = stats.get("run_id", 0)
                 text = str(stats.get("hlo_op", event.name))
-                out.append({"program": program, "kind": op_kind(text), "text": text, "ns": float(event.duration_ns),
+                out.append({"program": program, "run": run, "kind": op_kind(text), "text": text, "ns": float(event.duration_ns),
                             "start": event.start_ns, "end": event.end_ns})
     return out
 

@@ -29,6 +29,9 @@
 #                widths (benchmarks/engine_serving.py --large; about 5 minutes)
 #   serving-slots  the same at 16 slots, and with the slots sized from memory (adapter_memory_fraction 0.1:
 #                about 70 rank-16 slots of these 8 layers), at 100 and 400 req/s (about 5 minutes)
+#   serving-trace  the slots sized from memory (adapter_memory_fraction 0.1) at 100 and 400 req/s, each
+#                engine's run at 400 traced by the profiler and its device time split by program
+#                (benchmarks/serving_trace.py; about 5 minutes)
 #   load         a checkpoint of 8 layers of Llama-3-8B widths in bfloat16 read onto the chip
 #                (benchmarks/checkpoint_load.py; about a minute)
 #   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
@@ -107,12 +110,15 @@ for mode in "${@:-check}"; do
         timeout 260 python3 -m benchmarks.engine_serving --large $slots --rates 100 400 2>&1 \
           | tee "$OUT/engine_serving_$name.log" | grep -v Warn | tail -8
       done ;;
+    serving-trace)
+      timeout 400 python3 -m benchmarks.engine_serving --large --adapter-memory-fraction 0.1 --rates 100 400 \
+        --trace-rate 400 2>&1 | tee "$OUT/engine_serving_trace.log" | grep -v Warn | tail -34 ;;
     load)
       timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \
         --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
       echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, async, long, starts, restarts, profile," \
-        "profile-rows, serving, serving-slots, load, smoke)" >&2
+        "profile-rows, serving, serving-slots, serving-trace, load, smoke)" >&2
       exit 2 ;;
   esac
 done

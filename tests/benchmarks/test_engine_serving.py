@@ -12,7 +12,7 @@ from benchmarks.serving_workload import RunSummary, WorkloadSpec
 def test_it_serves_the_workload_on_both_engines(capsys):
     line = engine_serving.main(["--adapters", "4", "--slots", "2", "--max-batch", "4", "--requests", "8",
                                 "--rates", "8", "32", "--duration", "2", "--input-len", "4", "6",
-                                "--output-len", "2", "4"])
+                                "--output-len", "2", "4", "--trace-rate", "32"])
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == line
     values = dict(re.findall(r"(\w+)=(\S+)", line))
@@ -33,6 +33,18 @@ def test_it_serves_the_workload_on_both_engines(capsys):
     # Every run decoded and ran prompts (8 requests of 4-6 prompt tokens: at least two prompt steps
     # at 4 rows), and its steps took time.
     assert all(float(r[12]) > 0 and int(r[13]) >= 2 and float(r[14]) > 0 for r in rows), rows
+    # The runs at 32 req/s were traced: each engine's table counts one decode program run a decode
+    # step, and the LoRA engine's one slot write a slot load.
+    traced = [i for i, row in enumerate(out) if row.startswith("the trace of the ")]
+    assert [out[i].split()[4] for i in traced] == ["base", "adapters"], out
+    for i, (system, rate) in zip(traced, [("base", 32.0), ("adapters", 32.0)]):
+        end = next(j for j in range(i + 2, len(out)) if not out[j].strip() or out[j].startswith(("the ", "last ")))
+        table = {row.split()[0]: row.split() for row in out[i + 2:end]}
+        run = next(r for r in rows if (r[0], float(r[1])) == (system, rate))
+        steps = int(re.search(r"(\d+) decode steps", out[i]).group(1))
+        assert steps > 0 and int(table["jit_decode"][1]) == steps, (out[i], table)
+        if system == "adapters":
+            assert int(table["jit__set_slot"][1]) == int(run[15]), table
 
 
 def _run(system: str, rate: float, rps: float, ttft_p99_ms: float, loads: int = 0) -> EngineRun:

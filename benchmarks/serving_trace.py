@@ -1,0 +1,119 @@
+"""Where the device's time goes while an engine serves: a profiler trace of a whole serving run read
+back as programs, the time each kept the device busy, and the time the device sat idle before each.
+
+A decode step's wall time in serving can exceed the same step's alone (benchmarks/step_profile.py)
+for three reasons: other programs run between decode steps (prompt steps, adapter slot writes,
+input copies), the decode program itself runs longer (more distinct adapters, longer contexts), or
+the device waits for the host. This splits the traced window into those: per program, its runs,
+its device time (the union of its ops' intervals) and the idle time just before its runs (the
+device had nothing queued: it waited for the host to launch that program).
+
+Used by `benchmarks.engine_serving --trace-rate R`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import jax
+from jax.profiler import ProfileData
+
+from benchmarks.step_profile import busy_ns, op_events
+
+_PROGRAM_ID = re.compile(r"\(\d+\)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTime:
+    name: str  # the jitted function's name, e.g. `jit_decode`
+    runs: int
+    busy_ns: float  # the union of its ops' intervals over the window
+    idle_before_ns: float  # device idle time just before its runs (nothing else ran in between)
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSummary:
+    window_ns: float  # from the first op's start to the last op's end
+    busy_ns: float  # the union of every op's interval
+    programs: tuple[ProgramTime, ...]  # most busy first
+
+    @property
+    def idle_ns(self) -> float:
+        return self.window_ns - self.busy_ns
+
+
+def program_name(program: str) -> str:
+    """A program's name without its id: `jit_decode(12)` -> `jit_decode`."""
+    return _PROGRAM_ID.sub("", program)
+
+
+def summarize_ops(events: list[dict]) -> TraceSummary:
+    """The trace's op events (step_profile.op_events) per program. A run's idle-before is the gap
+    between the end of every op that started before the run's first op and that first op."""
+    if not events:
+        raise ValueError("the trace holds no XLA op events")
+    runs: dict[tuple[str, object], list[dict]] = {}
+    for e in events:
+        runs.setdefault((program_name(e["program"]), e["run"]), []).append(e)
+    firsts = sorted((min(ops, key=lambda e: e["start"])["start"], name) for (name, _), ops in runs.items())
+    ends = sorted((e["start"], e["end"]) for e in events)
+    idle: dict[str, float] = {}
+    reach, i = float("-inf"), 0
+    for start, name in firsts:  # reach: the latest end of the ops that started before this run
+        while i < len(ends) and ends[i][0] < start:
+            reach = max(reach, ends[i][1])
+            i += 1
+        idle[name] = idle.get(name, 0.0) + (max(0.0, start - reach) if reach > float("-inf") else 0.0)
+    names = {name for name, _ in runs}
+    programs = [ProgramTime(name, sum(1 for n, _ in runs if n == name),
+                            busy_ns([e for (n, _), ops in runs.items() if n == name for e in ops]), idle[name])
+                for name in names]
+    window = max(e["end"] for e in events) - min(e["start"] for e in events)
+    return TraceSummary(float(window), busy_ns(events), tuple(sorted(programs, key=lambda p: -p.busy_ns)))
+
+
+def trace_options() -> jax.profiler.ProfileOptions:
+    """Device and runtime events without the Python tracer (it slows the host's side of a step
+    2-3x on the TPU host, which would change what is measured)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    return options
+
+
+@contextmanager
+def traced(directory: str) -> Iterator[None]:
+    """Runs the body under the profiler, writing the trace under `directory`."""
+    with jax.profiler.trace(directory, profiler_options=trace_options()):
+        yield
+
+
+def read_trace(directory: str) -> TraceSummary:
+    """The newest trace written under `directory`, summarized."""
+    files = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no trace written under {directory}")
+    return summarize_ops(op_events(ProfileData.from_file(files[-1])))
+
+
+def table_rows(summary: TraceSummary, decode_steps: int, top: int = 8) -> list[list]:
+    """Rows of [program, runs, runs a decode step, device ms a run, device ms a decode step, idle ms
+    before it a decode step]: the `top` busiest programs, the rest together, and the idle time not
+    before any run."""
+    n = max(1, decode_steps)
+    rows = [[p.name, p.runs, f"{p.runs / n:.2f}", f"{p.busy_ns / p.runs / 1e6:.3f}", f"{p.busy_ns / n / 1e6:.3f}",
+             f"{p.idle_before_ns / n / 1e6:.3f}"] for p in summary.programs[:top]]
+    rest = summary.programs[top:]
+    if rest:
+        runs = sum(p.runs for p in rest)
+        busy, idle = sum(p.busy_ns for p in rest), sum(p.idle_before_ns for p in rest)
+        rows.append([f"{len(rest)} others", runs, f"{runs / n:.2f}", f"{busy / max(1, runs) / 1e6:.3f}",
+                     f"{busy / n / 1e6:.3f}", f"{idle / n / 1e6:.3f}"])
+    overlap = sum(p.busy_ns for p in summary.programs) - summary.busy_ns  # programs that ran at once
+    rows.append(["(window)", "", "", "", f"{summary.window_ns / n / 1e6:.3f}",
+                 f"{summary.idle_ns / n / 1e6:.3f}" + (f" ({overlap / n / 1e6:.3f} overlapped)" if overlap > 0 else "")])
+    return rows

@@ -1,0 +1,39 @@
+"""A serving trace split by program: device time and the idle time before each program's runs."""
+
+import pytest
+
+from benchmarks.serving_trace import ProgramTime, program_name, summarize_ops, table_rows
+
+
+def _op(program, run, start, end):
+    return {"program": program, "run": run, "kind": "op", "text": "op", "ns": float(end - start), "start": start,
+            "end": end}
+
+
+def test_programs_get_their_runs_busy_time_and_the_idle_time_before_them():
+    events = [
+        _op("jit_decode(3)", 1, 0, 100), _op("jit_decode(3)", 1, 0, 80),  # two threads at once
+        _op("jit_sample(4)", 2, 100, 110),
+        _op("jit__set_slot(9)", 3, 150, 160),  # 40 idle before it
+        _op("jit_decode(3)", 4, 160, 250), _op("jit_decode(3)", 4, 270, 300),  # 20 idle inside the run
+        _op("jit_sample(4)", 5, 310, 320),  # 10 idle before it
+        _op("jit_decode(7)", 6, 400, 500),  # the same function recompiled: 80 idle before it
+    ]
+    s = summarize_ops(events)
+    assert s.window_ns == 500 and s.busy_ns == 100 + 10 + 10 + 90 + 30 + 10 + 100 and s.idle_ns == 150
+    by_name = {p.name: p for p in s.programs}
+    assert by_name == {"jit_decode": ProgramTime("jit_decode", 3, 320.0, 80.0),
+                       "jit_sample": ProgramTime("jit_sample", 2, 20.0, 10.0),
+                       "jit__set_slot": ProgramTime("jit__set_slot", 1, 10.0, 40.0)}
+    assert [p.name for p in s.programs] == ["jit_decode", "jit_sample", "jit__set_slot"]  # most busy first
+    rows = table_rows(s, decode_steps=2, top=2)
+    assert rows[0] == ["jit_decode", 3, "1.50", "0.000", "0.000", "0.000"]
+    assert rows[2][0] == "1 others" and rows[2][1] == 1
+    assert rows[-1][0] == "(window)"
+
+
+def test_program_names_drop_the_id_and_an_empty_trace_is_an_error():
+    assert program_name("jit_decode(12)") == "jit_decode"
+    assert program_name("jit__lambda") == "jit__lambda"
+    with pytest.raises(ValueError, match="no XLA op events"):
+        summarize_ops([])
