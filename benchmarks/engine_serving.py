@@ -62,7 +62,7 @@ from benchmarks.common import (
     synthetic_engine,
     write_random_adapter,
 )
-from benchmarks.serving_trace import TraceSummary, read_trace, table_rows, traced
+from benchmarks.serving_trace import TraceSummary, op_lines, read_trace, table_rows, traced
 from benchmarks.serving_workload import (
     RequestRecord,
     RunSummary,
@@ -301,6 +301,7 @@ def _main(a: argparse.Namespace) -> str:
                   f"its wall time {r.decode_ms:.2f})")
             print_table(["program", "runs", "a step", "ms a run", "ms a step", "idle before ms a step"],
                         table_rows(t, r.decode_steps))
+            print("\n".join(op_lines(t)))
     print(note)
     print(line)
     return line

@@ -23,9 +23,10 @@ from contextlib import contextmanager
 import jax
 from jax.profiler import ProfileData
 
-from benchmarks.step_profile import busy_ns, op_events
+from benchmarks.step_profile import busy_ns, op_events, per_step
 
 _PROGRAM_ID = re.compile(r"\(\d+\)$")
+TOP_OPS = 8  # op kinds kept per program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ProgramTime:
     runs: int
     busy_ns: float  # the union of its ops' intervals over the window
     idle_before_ns: float  # device idle time just before its runs (nothing else ran in between)
+    top_ops: tuple[tuple[str, float], ...] = ()  # (op kind, ns summed over its runs), most first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +71,11 @@ def summarize_ops(events: list[dict]) -> TraceSummary:
             reach = max(reach, ends[i][1])
             i += 1
         idle[name] = idle.get(name, 0.0) + (max(0.0, start - reach) if reach > float("-inf") else 0.0)
-    names = {name for name, _ in runs}
-    programs = [ProgramTime(name, sum(1 for n, _ in runs if n == name),
-                            busy_ns([e for (n, _), ops in runs.items() if n == name for e in ops]), idle[name])
-                for name in names]
+    programs = []
+    for name in {name for name, _ in runs}:
+        ops = [e for (n, _), run_ops in runs.items() if n == name for e in run_ops]
+        programs.append(ProgramTime(name, sum(1 for n, _ in runs if n == name), busy_ns(ops), idle[name],
+                                    tuple(per_step(ops, "kind", 1)[:TOP_OPS])))
     window = max(e["end"] for e in events) - min(e["start"] for e in events)
     return TraceSummary(float(window), busy_ns(events), tuple(sorted(programs, key=lambda p: -p.busy_ns)))
 
@@ -98,6 +101,13 @@ def read_trace(directory: str) -> TraceSummary:
     if not files:
         raise FileNotFoundError(f"no trace written under {directory}")
     return summarize_ops(op_events(ProfileData.from_file(files[-1])))
+
+
+def op_lines(summary: TraceSummary, top: int = 2) -> list[str]:
+    """For the `top` busiest programs, their busiest op kinds in ms a run (op times add up past the
+    program's busy time where ops run at once)."""
+    return [f"{p.name}, ms a run: " + ", ".join(f"{kind} {ns / p.runs / 1e6:.3f}" for kind, ns in p.top_ops)
+            for p in summary.programs[:top]]
 
 
 def table_rows(summary: TraceSummary, decode_steps: int, top: int = 8) -> list[list]:

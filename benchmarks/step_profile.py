@@ -1,6 +1,7 @@
 """Where a decode step's time goes: the device's own op times against the step's wall time.
 
-    python -m benchmarks.step_profile [--large] [--batch B] [--adapters N] [--new-tokens T] [--top K] [--out DIR]
+    python -m benchmarks.step_profile [--large] [--batch B] [--adapters N] [--slots S] [--new-tokens T] [--top K]
+        [--out DIR]
 
 Builds the engine `benchmarks.multi_lora` measures (a batch of 8, or `--batch`, on the demo tokenizer's
 vocabulary; `--large`: 8 layers of Llama-3-8B widths in bfloat16), decodes one batch to warm
@@ -192,12 +193,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=8, help="rows decoded a step")
     parser.add_argument("--adapters", type=int, default=0, help="distinct rank-16 adapters in the batch (rows take "
                         "them in turn)")
+    parser.add_argument("--slots", type=int, default=None, help="the pool's device slots (default --batch; at least "
+                        "--adapters): a serving pool holds more adapters than one step uses")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=None, help="keep the trace and a JSON summary here")
     args = parser.parse_args(argv)
     if args.batch < 1 or not 0 <= args.adapters <= args.batch:
         parser.error(f"--batch={args.batch} --adapters={args.adapters}: need 1 <= batch and 0 <= adapters <= batch")
+    if args.slots is not None and args.slots < max(1, args.adapters):
+        parser.error(f"--slots={args.slots} must be at least --adapters ({args.adapters}) and 1")
     batch, rank = args.batch, 16
     if args.large:
         shape = dict(hidden=4096, layers=args.layers or 8, heads=32, kv_heads=8, intermediate=14336)
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     # The batch's prompts in one prefill step, so every decode step profiled is a steady one (a
     # prefill between decode steps would take the device time of the step in flight as its own).
     config = EngineConfig(max_batch=batch, max_seq_len=64 + args.new_tokens, max_lora_rank=rank,
-                          max_loras_per_batch=batch if args.adapters else 0, max_prefill_tokens=batch * len(prompt))
+                          max_loras_per_batch=(args.slots or batch) if args.adapters else 0, max_prefill_tokens=batch * len(prompt))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     engine = synthetic_engine(model_config, config, tokenizer)
     out_dir = args.out or tempfile.mkdtemp(prefix="step-profile-")
@@ -254,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append((f"({len(kinds) - args.top} more)", f"{rest / 1e3:.1f}",
                      f"{sum(calls[k] for k, _ in kinds[args.top:]):.0f}", f"{rest / op_ns:.3f}"))
     print(f"device={jax.devices()[0].platform} model={shape} dtype={dtype} batch={batch} adapters={args.adapters} "
+          f"slots={engine.lora_manager.num_slots if engine.lora_manager is not None else 0} "
           f"decode steps={steps}; the forward's ops, per step (the sampler's program: {sampler_ns / 1e3:.1f} us)")
     print_table(["op", "us per step", "runs per step", "share"], rows)
     host_steps, host = host_parts(profile)

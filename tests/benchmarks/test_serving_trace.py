@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.serving_trace import ProgramTime, program_name, summarize_ops, table_rows
+from benchmarks.serving_trace import ProgramTime, op_lines, program_name, summarize_ops, table_rows
 
 
 def _op(program, run, start, end):
@@ -22,14 +22,15 @@ def test_programs_get_their_runs_busy_time_and_the_idle_time_before_them():
     s = summarize_ops(events)
     assert s.window_ns == 500 and s.busy_ns == 100 + 10 + 10 + 90 + 30 + 10 + 100 and s.idle_ns == 150
     by_name = {p.name: p for p in s.programs}
-    assert by_name == {"jit_decode": ProgramTime("jit_decode", 3, 320.0, 80.0),
-                       "jit_sample": ProgramTime("jit_sample", 2, 20.0, 10.0),
-                       "jit__set_slot": ProgramTime("jit__set_slot", 1, 10.0, 40.0)}
+    assert by_name == {"jit_decode": ProgramTime("jit_decode", 3, 320.0, 80.0, (("op", 400.0),)),
+                       "jit_sample": ProgramTime("jit_sample", 2, 20.0, 10.0, (("op", 20.0),)),
+                       "jit__set_slot": ProgramTime("jit__set_slot", 1, 10.0, 40.0, (("op", 10.0),))}
     assert [p.name for p in s.programs] == ["jit_decode", "jit_sample", "jit__set_slot"]  # most busy first
     rows = table_rows(s, decode_steps=2, top=2)
     assert rows[0] == ["jit_decode", 3, "1.50", "0.000", "0.000", "0.000"]
     assert rows[2][0] == "1 others" and rows[2][1] == 1
     assert rows[-1][0] == "(window)"
+    assert op_lines(s, top=1) == ["jit_decode, ms a run: op 0.000"]
 
 
 def test_program_names_drop_the_id_and_an_empty_trace_is_an_error():

@@ -17,7 +17,7 @@ def test_it_profiles_a_tiny_engines_decode_step(tmp_path, capsys):
     assert float(values["step_ms"]) > 0 and float(values["untraced_step_ms"]) > 0
     assert 0 < float(values["device_share"]) <= 1.05
     assert 0 < float(values["top_op_share"]) <= 1
-    assert "batch=4 adapters=2 decode steps=" in out[0] and "the sampler's program" in out[0]
+    assert "batch=4 adapters=2 slots=4 decode steps=" in out[0] and "the sampler's program" in out[0]
     summary = json.loads((tmp_path / "step_profile.json").read_text())
     # The engine thread's side of the steps, from the Python tracer: every part of a step seen.
     assert set(summary["host_us"]) == {*step_profile.HOST_PARTS.values(), step_profile.OTHER_PART}
