@@ -62,7 +62,7 @@ from benchmarks.common import (
     synthetic_engine,
     write_random_adapter,
 )
-from benchmarks.serving_trace import TraceSummary, op_lines, read_trace, table_rows, traced
+from benchmarks.serving_trace import TraceSummary, op_lines, read_trace, table_rows, traced, write_summary
 from benchmarks.serving_workload import (
     RequestRecord,
     RunSummary,
@@ -159,8 +159,14 @@ def run_engine(system: str, engine, specs: Sequence[WorkloadSpec], names: list[s
                               mean("adapter_slot_wait_seconds", "adapter_slot_waits", 1e3),
                               mean("decode_seconds", "decode_steps", 1e3), int(n["prefill_steps"]),
                               mean("prefill_seconds", "prefill_steps", 1e3), int(n["decode_steps"]),
-                              read_trace(trace_dir) if trace_dir else None))
+                              _trace_summary(trace_dir) if trace_dir else None))
     return runs
+
+
+def _trace_summary(trace_dir: str) -> TraceSummary:
+    summary = read_trace(trace_dir)
+    write_summary(summary, os.path.join(trace_dir, "summary.json"))
+    return summary
 
 
 def _counts(engine) -> dict[str, float]:
@@ -223,7 +229,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace-rate", type=float, default=None,
                         help="trace each engine's run at this rate (one of --rates) and split its device time by program")
-    parser.add_argument("--trace-dir", default=None, help="where the traces go (default: a temporary directory)")
+    parser.add_argument("--trace-dir", default=None, help="where the traces go, each engine's under its system's name "
+                        "with its summary.json (program times, busiest ops' HLO text); default: a temporary directory")
     a = parser.parse_args(argv)
     a.max_batch = a.max_batch or (32 if a.large else 16)
     a.max_prefill_tokens = a.max_prefill_tokens or max(16, a.max_batch * a.input_len[1])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from benchmarks.step_profile import busy_ns, op_events, per_step
 
 _PROGRAM_ID = re.compile(r"\(\d+\)$")
 TOP_OPS = 8  # op kinds kept per program
+TOP_TEXTS = 24  # ops kept per program by their HLO text (a TPU trace's text holds the shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ class ProgramTime:
     busy_ns: float  # the union of its ops' intervals over the window
     idle_before_ns: float  # device idle time just before its runs (nothing else ran in between)
     top_ops: tuple[tuple[str, float], ...] = ()  # (op kind, ns summed over its runs), most first
+    top_texts: tuple[tuple[str, float], ...] = ()  # (op's HLO text, ns summed over its runs), most first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +78,8 @@ def summarize_ops(events: list[dict]) -> TraceSummary:
     for name in {name for name, _ in runs}:
         ops = [e for (n, _), run_ops in runs.items() if n == name for e in run_ops]
         programs.append(ProgramTime(name, sum(1 for n, _ in runs if n == name), busy_ns(ops), idle[name],
-                                    tuple(per_step(ops, "kind", 1)[:TOP_OPS])))
+                                    tuple(per_step(ops, "kind", 1)[:TOP_OPS]),
+                                    tuple(per_step(ops, "text", 1)[:TOP_TEXTS])))
     window = max(e["end"] for e in events) - min(e["start"] for e in events)
     return TraceSummary(float(window), busy_ns(events), tuple(sorted(programs, key=lambda p: -p.busy_ns)))
 
@@ -101,6 +105,12 @@ def read_trace(directory: str) -> TraceSummary:
     if not files:
         raise FileNotFoundError(f"no trace written under {directory}")
     return summarize_ops(op_events(ProfileData.from_file(files[-1])))
+
+
+def write_summary(summary: TraceSummary, path: str) -> None:
+    """The summary as JSON (program times, top op kinds and HLO texts)."""
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(summary), f, indent=1)
 
 
 def op_lines(summary: TraceSummary, top: int = 2) -> list[str]:

@@ -32,8 +32,11 @@
 #   serving-trace  the slots sized from memory (adapter_memory_fraction 0.1) at 100 and 400 req/s, each
 #                engine's run at 400 traced by the profiler and its device time split by program
 #                (benchmarks/serving_trace.py; about 5 minutes)
-#   serving-pool the serving trace at 400 req/s with 8 slots and with the slots sized from memory, and a
-#                decode step alone at 32 rows of 16 adapters through a 64-slot pool (about 7 minutes)
+#   serving-pool the serving trace at 400 req/s (200 requests) with 8 slots and with the slots sized from
+#                memory, and a decode step alone at 32 rows of 16 adapters through a 64-slot pool (about 8 minutes)
+#   serving-ops  a decode step alone at 32 rows of 16 adapters through a 63-slot pool (the serving pool's
+#                count), then the serving trace at 400 req/s with the slots sized from memory; each
+#                trace's summary.json (programs, busiest ops with their HLO text) lands in $OUT (about 5 minutes)
 #   load         a checkpoint of 8 layers of Llama-3-8B widths in bfloat16 read onto the chip
 #                (benchmarks/checkpoint_load.py; about a minute)
 #   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
@@ -118,17 +121,28 @@ for mode in "${@:-check}"; do
     serving-pool)
       for slots in "--slots 8" "--adapter-memory-fraction 0.1"; do
         name=$(echo $slots | tr -d ' -')
-        timeout 230 python3 -m benchmarks.engine_serving --large $slots --rates 400 --trace-rate 400 2>&1 \
-          | tee "$OUT/engine_serving_trace_$name.log" | grep -v Warn | tail -22
+        timeout 300 python3 -m benchmarks.engine_serving --large $slots --rates 400 --requests 200 --trace-rate 400 \
+          2>&1 | tee "$OUT/engine_serving_trace_$name.log" | grep -v Warn | tail -22
       done
       timeout 120 python3 -m benchmarks.step_profile --large --batch 32 --adapters 16 --slots 64 \
         --out "$OUT/step_profile_32_16_slots64" 2>&1 | tee "$OUT/step_profile_32_16_slots64.log" | grep -v Warn | tail -26 ;;
+    serving-ops)
+      timeout 120 python3 -m benchmarks.step_profile --large --batch 32 --adapters 16 --slots 63 --top 10 \
+        --out "$OUT/step_profile_32_16_slots63" 2>&1 | tee "$OUT/step_profile_32_16_slots63.log" | grep -v Warn \
+        | head -14
+      rm -rf "$OUT/step_profile_32_16_slots63/trace" /tmp/serving_trace
+      timeout 300 python3 -m benchmarks.engine_serving --large --adapter-memory-fraction 0.1 --rates 400 \
+        --requests 200 --trace-rate 400 --trace-dir /tmp/serving_trace 2>&1 | tee "$OUT/engine_serving_ops.log" \
+        | grep -v Warn | tail -22
+      for system in base adapters; do
+        cp /tmp/serving_trace/$system/summary.json "$OUT/serving_trace_$system.json"
+      done ;;
     load)
       timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \
         --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
       echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, async, long, starts, restarts, profile," \
-        "profile-rows, serving, serving-slots, serving-trace, serving-pool, load, smoke)" >&2
+        "profile-rows, serving, serving-slots, serving-trace, serving-pool, serving-ops, load, smoke)" >&2
       exit 2 ;;
   esac
 done

@@ -1,5 +1,6 @@
 """The serving workload sent to engines in process, at a tiny setting."""
 
+import json
 import re
 
 import pytest
@@ -9,8 +10,8 @@ from benchmarks.engine_serving import EngineRun
 from benchmarks.serving_workload import RunSummary, WorkloadSpec
 
 
-def test_it_serves_the_workload_on_both_engines(capsys):
-    line = engine_serving.main(["--adapters", "4", "--slots", "2", "--max-batch", "4", "--requests", "8",
+def test_it_serves_the_workload_on_both_engines(capsys, tmp_path):
+    line = engine_serving.main(["--trace-dir", str(tmp_path), "--adapters", "4", "--slots", "2", "--max-batch", "4", "--requests", "8",
                                 "--rates", "8", "32", "--duration", "2", "--input-len", "4", "6",
                                 "--output-len", "2", "4", "--trace-rate", "32"])
     out = capsys.readouterr().out.strip().splitlines()
@@ -45,6 +46,9 @@ def test_it_serves_the_workload_on_both_engines(capsys):
         assert steps > 0 and int(table["jit_decode"][1]) == steps, (out[i], table)
         if system == "adapters":
             assert int(table["jit__set_slot"][1]) == int(run[15]), table
+        summary = json.loads((tmp_path / system / "summary.json").read_text())
+        decode = next(p for p in summary["programs"] if p["name"] == "jit_decode")
+        assert decode["runs"] == steps and decode["top_texts"] and decode["busy_ns"] <= summary["window_ns"]
 
 
 def _run(system: str, rate: float, rps: float, ttft_p99_ms: float, loads: int = 0) -> EngineRun:

@@ -22,9 +22,9 @@ def test_programs_get_their_runs_busy_time_and_the_idle_time_before_them():
     s = summarize_ops(events)
     assert s.window_ns == 500 and s.busy_ns == 100 + 10 + 10 + 90 + 30 + 10 + 100 and s.idle_ns == 150
     by_name = {p.name: p for p in s.programs}
-    assert by_name == {"jit_decode": ProgramTime("jit_decode", 3, 320.0, 80.0, (("op", 400.0),)),
-                       "jit_sample": ProgramTime("jit_sample", 2, 20.0, 10.0, (("op", 20.0),)),
-                       "jit__set_slot": ProgramTime("jit__set_slot", 1, 10.0, 40.0, (("op", 10.0),))}
+    assert by_name == {"jit_decode": ProgramTime("jit_decode", 3, 320.0, 80.0, (("op", 400.0),), (("op", 400.0),)),
+                       "jit_sample": ProgramTime("jit_sample", 2, 20.0, 10.0, (("op", 20.0),), (("op", 20.0),)),
+                       "jit__set_slot": ProgramTime("jit__set_slot", 1, 10.0, 40.0, (("op", 10.0),), (("op", 10.0),))}
     assert [p.name for p in s.programs] == ["jit_decode", "jit_sample", "jit__set_slot"]  # most busy first
     rows = table_rows(s, decode_steps=2, top=2)
     assert rows[0] == ["jit_decode", 3, "1.50", "0.000", "0.000", "0.000"]
