@@ -194,10 +194,11 @@ def make_case(t, s, r, outs, in_f, dtype, seed, slots=None, ranks=None):
 
 
 def correctness_cases(smoke: bool, platform: str = "gpu"):
-    """(name, T, S, R, outs, in, dtype, op, extra) — a compact pairwise matrix (the GPU's
-    one-launch variant only where it exists)."""
+    """(name, T, S, R, outs, in, dtype, op, extra) — a compact pairwise matrix (each platform's
+    own kernel variant only there: the GPU's one launch, the TPU's slot loop)."""
     cases = _correctness_cases(smoke)
-    return cases if platform == "gpu" else [c for c in cases if not c[-1].get("block", BlockSizes(1, 1, 1)).single_launch]
+    other = "slot_loop" if platform == "gpu" else "single_launch"
+    return [c for c in cases if not getattr(c[-1].get("block", BlockSizes(1, 1, 1)), other)]
 
 
 def _correctness_cases(smoke: bool):
@@ -212,6 +213,7 @@ def _correctness_cases(smoke: bool):
             ("backend_qkv", 12, 4, 8, qkv, hid, bf, "backend", {}),
             ("no_adapter", 16, 4, 8, (64,), hid, bf, "bgmv", {"slots": [-1] * 16}),
             ("single_launch", 12, 4, 8, qkv, hid, bf, "bgmv", {"block": BlockSizes(16, 32, 32, single_launch=True)}),
+            ("slot_loop", 12, 4, 8, qkv, hid, bf, "bgmv", {"block": BlockSizes(16, 1 << 16, 128, slot_loop=2)}),
         ]
     qkv, hid, inter = (4096, 1024, 1024), 4096, 14336
     return [
@@ -235,6 +237,11 @@ def _correctness_cases(smoke: bool):
          {"block": BlockSizes(16, 256, 256, single_launch=True)}),
         ("single_launch_T37_f32_mixed", 37, 8, 16, (4096, 512, 512), 3584, f32, "bgmv",
          {"block": BlockSizes(16, 256, 512, single_launch=True), "ranks": [16, 1, 8, 4, 2, 16, 3, 0]}),
+        ("slot_loop_T64_S64_qkv", 64, 64, 16, qkv, hid, bf, "bgmv", {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=4)}),
+        ("slot_loop_T37_f32_mixed", 37, 8, 16, (4096, 512, 512), 3584, f32, "bgmv",
+         {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=2), "ranks": [16, 1, 8, 4, 2, 16, 3, 0]}),
+        ("slot_loop_T256_S256_r64_gateup", 256, 256, 64, (inter, inter), hid, bf, "bgmv",
+         {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=4)}),
     ]
 
 
@@ -471,9 +478,11 @@ def sweep_configs(smoke: bool, platform: str = "gpu") -> list[BlockSizes]:
     if platform == "tpu":
         # Token blocks of one or two bf16 sublane tiles; the expand's output block of 1024 lanes
         # or the whole 4096 (the shrink reads an adapter's A whole, one DMA: bk is not swept).
+        # Then the kernels walking the batch's distinct slots (kernels.bgmv.tpu), 2 and 4 blocks in flight.
         if smoke:
-            return [BlockSizes(16, 1 << 16, 128), BlockSizes(32, 1 << 16, 256)]
-        return [BlockSizes(tm, 1 << 16, bn) for tm in (16, 32) for bn in (1024, 4096)]
+            return [BlockSizes(16, 1 << 16, 128), BlockSizes(32, 1 << 16, 256), BlockSizes(16, 1 << 16, 128, slot_loop=2)]
+        return ([BlockSizes(tm, 1 << 16, bn) for tm in (16, 32) for bn in (1024, 4096)]
+                + [BlockSizes(16, 1 << 16, 4096, slot_loop=d) for d in (2, 4)])
     if smoke:
         return [BlockSizes(16, 64, 64, 2), BlockSizes(16, 128, 128, 1, num_warps=2),
                 BlockSizes(16, 64, 64, single_launch=True)]

@@ -11,6 +11,9 @@ here with the platform's metadata (`metadata`):
        row of a shared tile rather than a padded tile of its own. On TPU v5e, decode batches
        of 16 to 256 tokens over 8 to 256 slots ran 4-35% faster this way than through one
        padded tile per slot (benchmarks/results/2026-12-06-tpu-v5e-decode-visits.md).
+A TPU decode batch with `BlockSizes.slot_loop` skips the metadata: kernels.bgmv.tpu walks its
+distinct slots with the rows in token order (`slot_loop_shrink`, `slot_loop_expand`,
+`slot_loop_lora`).
 A and B are stacked over layers ([L, S, ...], see kernels.common.stacked_pool) and
 `layer` (i32[1]) says which layer the kernels read.
 """
@@ -23,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.bgmv import gpu
+from kernels.bgmv import tpu as slot_loop
 from kernels.bgmv.tuned_block_sizes import BlockSizes
 from kernels.common import TileMetadata, gather_tile_rows, segments_from_slots, tiles_from_segments
 from kernels.sgmv import tpu
@@ -80,6 +84,27 @@ def _tpu_expand(v_sorted, b, layer, base_outputs, meta: GroupMetadata, bs: Block
                        interpret=interpret)
         outs.append((yi.astype(jnp.float32) + gather_tile_rows(d, meta.token_row)).astype(yi.dtype))
     return tuple(outs)
+
+
+def slot_loop_shrink(x, a, layer, token_slots, slot_scalings, *, bs: BlockSizes, interpret: bool) -> jax.Array:
+    """Shrink through kernels.bgmv.tpu: f32[T, n*R], scaled, zero for slot -1."""
+    v = slot_loop.shrink(x, a, layer, token_slots, depth=bs.slot_loop, interpret=interpret)
+    return v * _token_scale(token_slots, slot_scalings)[:, None]
+
+
+def slot_loop_expand(v, b, layer, base_outputs, token_slots, *, bs: BlockSizes, interpret: bool) -> tuple:
+    """Expand through kernels.bgmv.tpu into the base outputs."""
+    rank = b[0].shape[2]
+    return tuple((yi.astype(jnp.float32) + slot_loop.expand(v[:, i * rank:(i + 1) * rank], bi, layer, token_slots,
+                                                            depth=bs.slot_loop, interpret=interpret)).astype(yi.dtype)
+                 for i, (bi, yi) in enumerate(zip(b, base_outputs)))
+
+
+def slot_loop_lora(x, a, b, layer, base_outputs, token_slots, slot_scalings, *, bs: BlockSizes,
+                   interpret: bool) -> tuple:
+    """Fused shrink + expand through kernels.bgmv.tpu."""
+    v = slot_loop_shrink(x, a, layer, token_slots, slot_scalings, bs=bs, interpret=interpret)
+    return slot_loop_expand(v, b, layer, base_outputs, token_slots, bs=bs, interpret=interpret)
 
 
 def shrink(

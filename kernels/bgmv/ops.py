@@ -3,7 +3,8 @@
 `bgmv` is the public op (fused shrink + expand); `bgmv_shrink` and `bgmv_expand` are its
 two halves for callers that need v in between. Platform dispatch: "gpu" Triton kernel,
 "tpu" the Mosaic kernels of kernels.sgmv.tpu (visits of shared m-tiles, see
-kernels.dispatch), "cpu" the XLA formulation measured fastest there
+kernels.dispatch) or, with `BlockSizes.slot_loop`, those of kernels.bgmv.tpu (a loop over the
+batch's distinct slots), "cpu" the XLA formulation measured fastest there
 (kernels.xla.CPU_FORMULATION; Pallas runs on CPU only in
 interpret mode: pass platform="gpu"/"tpu" with interpret=True to test a kernel there).
 
@@ -67,6 +68,9 @@ def bgmv_shrink(
         return xla.shrink(x, a, token_slots, slot_scalings,
                           xla.CPU_FORMULATION, layer=lyr)
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
+    if platform == "tpu" and bs.slot_loop:
+        return dispatch.slot_loop_shrink(x.astype(a.dtype), a, lyr, token_slots, slot_scalings, bs=bs,
+                                         interpret=interpret)
     meta = dispatch.metadata_from_slots(platform, token_slots, num_slots, bs.tm)
     return dispatch.shrink(
         x, a, lyr, token_slots, slot_scalings, slot_ranks, meta,
@@ -95,6 +99,8 @@ def bgmv_expand(
     if platform == "cpu":
         return xla.expand(v, b, base_outputs, token_slots, xla.CPU_FORMULATION, layer=lyr)
     bs = block or block_sizes(platform, v.shape[0], b[0].shape[3], b[0].dtype)
+    if platform == "tpu" and bs.slot_loop:
+        return dispatch.slot_loop_expand(v, b, lyr, base_outputs, token_slots, bs=bs, interpret=interpret)
     meta = dispatch.metadata_from_slots(platform, token_slots, num_slots, bs.tm)
     return dispatch.expand(
         v, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
@@ -134,6 +140,9 @@ def bgmv(
     if meta is not None and block is None:
         raise ValueError("meta was given without the block sizes it was cut with (block=None)")
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
+    if platform == "tpu" and bs.slot_loop:  # walks the batch's slots: no metadata to cut
+        return dispatch.slot_loop_lora(x, a, b, lyr, base_outputs, token_slots, slot_scalings, bs=bs,
+                                       interpret=interpret)
     if meta is None:
         meta = dispatch.metadata_from_slots(platform, token_slots, num_slots, bs.tm)
     return dispatch.lora(

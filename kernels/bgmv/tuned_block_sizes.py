@@ -25,6 +25,9 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     single_launch: bool = False  # GPU fused op: shrink and expand in one kernel (no split-K)
+    # TPU decode: 0, the visits kernels (kernels.sgmv.tpu); d > 0, the kernels walking the batch's
+    # distinct slots with d weight blocks in flight (kernels.bgmv.tpu)
+    slot_loop: int = 0
 
 
 def gpu_block_sizes(num_tokens: int, in_features: int, *, prefill: bool) -> BlockSizes:
@@ -56,6 +59,12 @@ TPU_WHOLE_K = 1 << 16
 TPU_DECODE_BN = 16384
 
 
+# The TPU decode kernels: 0, the visits kernels; d > 0, the kernels walking the batch's distinct
+# slots with d weight blocks in flight (kernels.bgmv.tpu). The visits kernels stay the default
+# until the chip has timed the other (benchmarks/device_check.py sweeps both).
+TPU_DECODE_SLOT_LOOP = 0
+
+
 def tpu_block_sizes(dtype, *, prefill: bool) -> BlockSizes:
     """Mosaic sizes: one sublane tile of tokens (more for prefill), whole K, wide out blocks.
 
@@ -68,4 +77,6 @@ def tpu_block_sizes(dtype, *, prefill: bool) -> BlockSizes:
     tokens: 16.0 against 8.2; benchmarks/results/2026-12-07-tpu-v5e-long-decode.md). Prefill
     keeps 4096: its 128-row f32 output block of a 14336-wide pass would take 14 MiB."""
     sub = 16 if jnp.dtype(dtype).itemsize < 4 else 8
-    return BlockSizes(tm=sub * (8 if prefill else 1), bk=TPU_WHOLE_K, bn=4096 if prefill else TPU_DECODE_BN)
+    if prefill:
+        return BlockSizes(tm=sub * 8, bk=TPU_WHOLE_K, bn=4096)
+    return BlockSizes(tm=sub, bk=TPU_WHOLE_K, bn=TPU_DECODE_BN, slot_loop=TPU_DECODE_SLOT_LOOP)
