@@ -102,3 +102,11 @@ def test_it_lowers_for_tpu_at_real_shapes(tp):
     assert text.count("tpu_custom_call") == 4 + 7
     assert "lora_bgmv_shrink" in text and "lora_bgmv_expand" in text and "lora_sgmv" not in text
     assert text.count("input_memory_space_colors") == 4 + 7
+
+
+def test_decode_takes_the_tuned_choice_and_prefill_keeps_the_visits(monkeypatch):
+    from kernels.bgmv import tuned_block_sizes as tuned
+    assert tuned.tpu_block_sizes(BF16, prefill=False).slot_loop == tuned.TPU_DECODE_SLOT_LOOP
+    monkeypatch.setattr(tuned, "TPU_DECODE_SLOT_LOOP", 4)
+    assert tuned.tpu_block_sizes(BF16, prefill=False).slot_loop == 4
+    assert tuned.tpu_block_sizes(BF16, prefill=True).slot_loop == 0  # long prompts: rows past VMEM

@@ -97,6 +97,26 @@ def test_backend_matches_naive_loop(kind, group, prefill, tp, num_tokens):
     assert np.all(np.asarray(v)[slots < 0] == 0)
 
 
+@pytest.mark.parametrize("group,tp,num_tokens", [("qkv", 4, 12), ("down", 4, 7), ("gate_up", 1, 16)])
+def test_tpu_decode_through_the_slot_loop_kernels(monkeypatch, group, tp, num_tokens):
+    """The TPU decode kernels that walk the batch's distinct slots (kernels.bgmv.tpu), chosen by
+    the tuned table, under the backend's tensor-parallel layouts (column and row groups)."""
+    from kernels.bgmv import tuned_block_sizes
+    monkeypatch.setattr(tuned_block_sizes, "TPU_DECODE_SLOT_LOOP", 2)
+    x, a, b, base, slots, scalings, ranks, parallel = make_case(group, num_tokens, seed=num_tokens * 5 + tp)
+    backend = make_backend("tpu", mesh_of(tp))
+    info = backend.prepare_lora_batch(slots, scalings, ranks)
+
+    @jax.jit
+    def fused(x, a, b, base, info):
+        return backend.run_lora(x, a, b, base, info, prefill=False, parallel=parallel)
+
+    text = str(jax.make_jaxpr(fused)(x, a, b, base, info))
+    assert "lora_bgmv_shrink" in text and "lora_sgmv" not in text  # the slot loop, not the visits
+    for w, g in zip(naive(x, a, b, base, slots, scalings), fused(x, a, b, base, info)):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-3)
+
+
 def test_qkv_and_gate_up_entry_points_on_four_devices():
     backend = KernelLoRABackend(mesh_of(4), platform="gpu", interpret=True)
     for group, run in (("qkv", backend.run_qkv_lora), ("gate_up", backend.run_gate_up_lora)):
