@@ -72,6 +72,13 @@ def _walk(n, depth: int, limit: int, copy, use) -> None:
     jax.lax.fori_loop(0, n, body, 0)
 
 
+def _rows_of(tok_ref, slot, shape) -> jax.Array:
+    """The rows of `slot`, as a mask of `shape`: the token slots [T, 1] are broadcast over the
+    lanes as integers before the compare (a lane broadcast of a boolean vector is not one
+    Mosaic is sure to lower)."""
+    return jnp.broadcast_to(tok_ref[...], shape) == slot
+
+
 def _shrink_kernel(slots_ref, count_ref, layer_ref, tok_ref, x_ref, a_hbm, o_ref, buf, sem, *, depth, limit):
     def copy(k):
         b = k % depth
@@ -81,7 +88,7 @@ def _shrink_kernel(slots_ref, count_ref, layer_ref, tok_ref, x_ref, a_hbm, o_ref
 
     def use(k, b):  # x is read from VMEM each time: held across the loop it would not fit the registers
         d = mxu_dot(x_ref[...], buf[b], _NT)
-        o_ref[...] = jnp.where(tok_ref[...] == slots_ref[k], d, o_ref[...])
+        o_ref[...] = jnp.where(_rows_of(tok_ref, slots_ref[k], d.shape), d, o_ref[...])
 
     _walk(count_ref[0], depth, limit, copy, use)
 
@@ -99,7 +106,7 @@ def _expand_kernel(slots_ref, count_ref, layer_ref, tok_ref, v_ref, b_hbm, o_ref
     def use(k, b):
         blk = buf[b]
         d = mxu_dot(v_ref[...].astype(blk.dtype), blk, _NN)
-        o_ref[...] = jnp.where(tok_ref[...] == slots_ref[k], d, o_ref[...])
+        o_ref[...] = jnp.where(_rows_of(tok_ref, slots_ref[k], d.shape), d, o_ref[...])
 
     _walk(count_ref[0], depth, limit, copy, use)
 
