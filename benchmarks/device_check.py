@@ -237,7 +237,8 @@ def _correctness_cases(smoke: bool):
          {"block": BlockSizes(16, 256, 256, single_launch=True)}),
         ("single_launch_T37_f32_mixed", 37, 8, 16, (4096, 512, 512), 3584, f32, "bgmv",
          {"block": BlockSizes(16, 256, 512, single_launch=True), "ranks": [16, 1, 8, 4, 2, 16, 3, 0]}),
-        ("slot_loop_T64_S64_qkv", 64, 64, 16, qkv, hid, bf, "bgmv", {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=4)}),
+        ("slot_loop_T64_S64_qkv", 64, 64, 16, qkv, hid, bf, "bgmv",
+         {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=4)}),
         ("slot_loop_T37_f32_mixed", 37, 8, 16, (4096, 512, 512), 3584, f32, "bgmv",
          {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=2), "ranks": [16, 1, 8, 4, 2, 16, 3, 0]}),
         ("slot_loop_T256_S256_r64_gateup", 256, 256, 64, (inter, inter), hid, bf, "bgmv",
@@ -480,7 +481,8 @@ def sweep_configs(smoke: bool, platform: str = "gpu") -> list[BlockSizes]:
         # or the whole 4096 (the shrink reads an adapter's A whole, one DMA: bk is not swept).
         # Then the kernels walking the batch's distinct slots (kernels.bgmv.tpu), 2 and 4 blocks in flight.
         if smoke:
-            return [BlockSizes(16, 1 << 16, 128), BlockSizes(32, 1 << 16, 256), BlockSizes(16, 1 << 16, 128, slot_loop=2)]
+            return [BlockSizes(16, 1 << 16, 128), BlockSizes(32, 1 << 16, 256),
+                    BlockSizes(16, 1 << 16, 128, slot_loop=2)]
         return ([BlockSizes(tm, 1 << 16, bn) for tm in (16, 32) for bn in (1024, 4096)]
                 + [BlockSizes(16, 1 << 16, 4096, slot_loop=d) for d in (2, 4)])
     if smoke:

@@ -228,7 +228,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take to finish")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace-rate", type=float, default=None,
-                        help="trace each engine's run at this rate (one of --rates) and split its device time by program")
+                        help="trace each engine's run at this rate (one of --rates) and split its device time "
+                        "by program")
     parser.add_argument("--trace-dir", default=None, help="where the traces go, each engine's under its system's name "
                         "with its summary.json (program times, busiest ops' HLO text); default: a temporary directory")
     a = parser.parse_args(argv)
@@ -303,7 +304,8 @@ def _main(a: argparse.Namespace) -> str:
     for r in runs:
         if r.trace is not None:
             t = r.trace
-            print(f"\nthe trace of the {r.system} run at {r.spec.rate} req/s: {t.window_ns / 1e9:.2f} s, the device busy "
+            print(f"\nthe trace of the {r.system} run at {r.spec.rate} req/s: {t.window_ns / 1e9:.2f} s, "
+                  f"the device busy "
                   f"{100 * t.busy_ns / t.window_ns:.0f}% of it, {r.decode_steps} decode steps (ms a decode step: "
                   f"its wall time {r.decode_ms:.2f})")
             print_table(["program", "runs", "a step", "ms a run", "ms a step", "idle before ms a step"],

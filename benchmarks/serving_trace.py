@@ -134,6 +134,6 @@ def table_rows(summary: TraceSummary, decode_steps: int, top: int = 8) -> list[l
         rows.append([f"{len(rest)} others", runs, f"{runs / n:.2f}", f"{busy / max(1, runs) / 1e6:.3f}",
                      f"{busy / n / 1e6:.3f}", f"{idle / n / 1e6:.3f}"])
     overlap = sum(p.busy_ns for p in summary.programs) - summary.busy_ns  # programs that ran at once
-    rows.append(["(window)", "", "", "", f"{summary.window_ns / n / 1e6:.3f}",
-                 f"{summary.idle_ns / n / 1e6:.3f}" + (f" ({overlap / n / 1e6:.3f} overlapped)" if overlap > 0 else "")])
+    idle = f"{summary.idle_ns / n / 1e6:.3f}" + (f" ({overlap / n / 1e6:.3f} overlapped)" if overlap > 0 else "")
+    rows.append(["(window)", "", "", "", f"{summary.window_ns / n / 1e6:.3f}", idle])
     return rows

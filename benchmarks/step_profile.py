@@ -91,8 +91,8 @@ def op_events(profile: ProfileData) -> list[dict]:
                     program = f"{stats.get('hlo_module', '?')}({stats.get('program_id', '?')})"
                     run = stats.get("run_id", 0)
                 text = str(stats.get("hlo_op", event.name))
-                out.append({"program": program, "run": run, "kind": op_kind(text), "text": text, "ns": float(event.duration_ns),
-                            "start": event.start_ns, "end": event.end_ns})
+                out.append({"program": program, "run": run, "kind": op_kind(text), "text": text,
+                            "ns": float(event.duration_ns), "start": event.start_ns, "end": event.end_ns})
     return out
 
 
@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     # The batch's prompts in one prefill step, so every decode step profiled is a steady one (a
     # prefill between decode steps would take the device time of the step in flight as its own).
     config = EngineConfig(max_batch=batch, max_seq_len=64 + args.new_tokens, max_lora_rank=rank,
-                          max_loras_per_batch=(args.slots or batch) if args.adapters else 0, max_prefill_tokens=batch * len(prompt))
+                          max_loras_per_batch=(args.slots or batch) if args.adapters else 0,
+                          max_prefill_tokens=batch * len(prompt))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     engine = synthetic_engine(model_config, config, tokenizer)
     out_dir = args.out or tempfile.mkdtemp(prefix="step-profile-")

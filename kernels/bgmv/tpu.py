@@ -111,10 +111,15 @@ def _expand_kernel(slots_ref, count_ref, layer_ref, tok_ref, v_ref, b_hbm, o_ref
     _walk(count_ref[0], depth, limit, copy, use)
 
 
-def _params(grid_dims: int, buffer_bytes: int) -> pltpu.CompilerParams:
+def _launch(kernel, spec, out_cols: int, buffer_bytes: int, interpret: bool, name: str, *args) -> jax.Array:
+    """The kernel over `spec`'s one-axis grid, its f32 output [Tp, out_cols] (Tp: the token block
+    of `args[3]`), with a VMEM limit when its buffers and the headroom pass Mosaic's default."""
     need = buffer_bytes + VMEM_HEADROOM
-    return pltpu.CompilerParams(dimension_semantics=("arbitrary",) * grid_dims,
-                                vmem_limit_bytes=need if need > DEFAULT_SCOPED_VMEM else None)
+    params = pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                  vmem_limit_bytes=need if need > DEFAULT_SCOPED_VMEM else None)
+    out_shape = jax.ShapeDtypeStruct((args[3].shape[0], out_cols), jnp.float32)
+    return pl.pallas_call(kernel, grid_spec=spec, out_shape=out_shape, compiler_params=params,
+                          interpret=interpret_params(interpret), name=name)(*args)
 
 
 def _rows(x: jax.Array, token_slots: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -151,15 +156,9 @@ def shrink(
     )
     item = jnp.dtype(a.dtype).itemsize
     buffers = 2 * (tp * 128 * 4 + tp * in_features * item + tp * nr * 4) + depth * nr * in_features * item
-    out = pl.pallas_call(
-        functools.partial(_shrink_kernel, depth=depth, limit=slots.shape[0]),
-        grid_spec=spec,
-        out_shape=jax.ShapeDtypeStruct((tp, nr), jnp.float32),
-        compiler_params=_params(1, buffers),
-        interpret=interpret_params(interpret),
-        name="lora_bgmv_shrink",
-    )(slots, count, layer, tok, xp, in_hbm(a))
-    return out[:t]
+    kernel = functools.partial(_shrink_kernel, depth=depth, limit=slots.shape[0])
+    return _launch(kernel, spec, nr, buffers, interpret, "lora_bgmv_shrink", slots, count, layer, tok, xp,
+                   in_hbm(a))[:t]
 
 
 def expand_block(tp: int, rank: int, out_features: int, depth: int, itemsize: int) -> int:
@@ -201,12 +200,6 @@ def expand(
         scratch_shapes=[pltpu.VMEM((depth, rank, bn), b.dtype), pltpu.SemaphoreType.DMA((depth,))],
     )
     buffers = 2 * (tp * 128 * 4 + tp * max(rank, 128) * 4 + tp * bn * 4) + depth * rank * bn * item
-    out = pl.pallas_call(
-        functools.partial(_expand_kernel, depth=depth, limit=slots.shape[0], bn=bn),
-        grid_spec=spec,
-        out_shape=jax.ShapeDtypeStruct((tp, out_features), jnp.float32),
-        compiler_params=_params(1, buffers),
-        interpret=interpret_params(interpret),
-        name="lora_bgmv_expand",
-    )(slots, count, layer, tok, vp, in_hbm(b))
-    return out[:t]
+    kernel = functools.partial(_expand_kernel, depth=depth, limit=slots.shape[0], bn=bn)
+    return _launch(kernel, spec, out_features, buffers, interpret, "lora_bgmv_expand", slots, count, layer, tok, vp,
+                   in_hbm(b))[:t]

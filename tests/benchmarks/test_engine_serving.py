@@ -11,7 +11,8 @@ from benchmarks.serving_workload import RunSummary, WorkloadSpec
 
 
 def test_it_serves_the_workload_on_both_engines(capsys, tmp_path):
-    line = engine_serving.main(["--trace-dir", str(tmp_path), "--adapters", "4", "--slots", "2", "--max-batch", "4", "--requests", "8",
+    line = engine_serving.main(["--trace-dir", str(tmp_path), "--adapters", "4", "--slots", "2", "--max-batch", "4",
+                                "--requests", "8",
                                 "--rates", "8", "32", "--duration", "2", "--input-len", "4", "6",
                                 "--output-len", "2", "4", "--trace-rate", "32"])
     out = capsys.readouterr().out.strip().splitlines()
