@@ -28,7 +28,10 @@ from benchmarks.step_profile import busy_ns, op_events, per_step
 
 _PROGRAM_ID = re.compile(r"\(\d+\)$")
 TOP_OPS = 8  # op kinds kept per program
-TOP_TEXTS = 24  # ops kept per program by their HLO text (a TPU trace's text holds the shapes)
+TEXTS_PER_KIND = 3  # ops kept by their HLO text (a TPU trace's text holds the shapes) for each kind kept
+# Op kinds whose texts are kept whatever their time: data movement an XLA program schedules itself
+# (asynchronous slices and copies: what they move is in their text).
+MOVES = re.compile(r"slice|copy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +41,9 @@ class ProgramTime:
     busy_ns: float  # the union of its ops' intervals over the window
     idle_before_ns: float  # device idle time just before its runs (nothing else ran in between)
     top_ops: tuple[tuple[str, float], ...] = ()  # (op kind, ns summed over its runs), most first
-    top_texts: tuple[tuple[str, float], ...] = ()  # (op's HLO text, ns summed over its runs), most first
+    # (op's HLO text, ns summed over its runs): the busiest few of each top kind and of every kind
+    # that moves data (MOVES), most first
+    top_texts: tuple[tuple[str, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +84,19 @@ def summarize_ops(events: list[dict]) -> TraceSummary:
         ops = [e for (n, _), run_ops in runs.items() if n == name for e in run_ops]
         programs.append(ProgramTime(name, sum(1 for n, _ in runs if n == name), busy_ns(ops), idle[name],
                                     tuple(per_step(ops, "kind", 1)[:TOP_OPS]),
-                                    tuple(per_step(ops, "text", 1)[:TOP_TEXTS])))
+                                    kept_texts(ops)))
     window = max(e["end"] for e in events) - min(e["start"] for e in events)
     return TraceSummary(float(window), busy_ns(events), tuple(sorted(programs, key=lambda p: -p.busy_ns)))
+
+
+def kept_texts(ops: list[dict]) -> tuple[tuple[str, float], ...]:
+    """The op texts a program's summary keeps (ProgramTime.top_texts)."""
+    kinds = [kind for kind, _ in per_step(ops, "kind", 1)]
+    keep = set(kinds[:TOP_OPS]) | {kind for kind in kinds if MOVES.search(kind)}
+    texts = []
+    for kind in keep:
+        texts += per_step([e for e in ops if e["kind"] == kind], "text", 1)[:TEXTS_PER_KIND]
+    return tuple(sorted(texts, key=lambda kv: -kv[1]))
 
 
 def trace_options() -> jax.profiler.ProfileOptions:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.serving_trace import ProgramTime, op_lines, program_name, summarize_ops, table_rows
+from benchmarks.serving_trace import ProgramTime, kept_texts, op_lines, program_name, summarize_ops, table_rows
 
 
 def _op(program, run, start, end):
@@ -31,6 +31,21 @@ def test_programs_get_their_runs_busy_time_and_the_idle_time_before_them():
     assert rows[2][0] == "1 others" and rows[2][1] == 1
     assert rows[-1][0] == "(window)"
     assert op_lines(s, top=1) == ["jit_decode, ms a run: op 0.000"]
+
+
+def test_the_summary_keeps_the_texts_of_the_busiest_kinds_and_of_every_data_move():
+    def op(kind, text, start, end):
+        return {"program": "jit_decode(1)", "run": 1, "kind": kind, "text": text, "ns": float(end - start),
+                "start": start, "end": end}
+
+    ops = [op(f"fusion{i}", f"%fusion{i}.1 = f32[8]", 10 * i, 10 * i + 9) for i in range(12)]
+    ops += [op("fusion0", f"%fusion0.{i} = f32[{i}]", 200 + i, 201 + i) for i in range(2, 6)]
+    ops.append(op("slice-done", "%slice-done.3 = bf16[63,48,4096] slice-done(%slice-start.3)", 300, 301))
+    texts = [t for t, _ in kept_texts(ops)]
+    assert "%slice-done.3 = bf16[63,48,4096] slice-done(%slice-start.3)" in texts  # a move, however short
+    assert sum(t.startswith("%fusion0.") for t in texts) == 3  # three texts of a kind
+    assert len(texts) == 3 + 7 + 1  # fusion0's 3, one each of the 7 next busiest kinds, the move
+    assert [ns for _, ns in kept_texts(ops)] == sorted((ns for _, ns in kept_texts(ops)), reverse=True)
 
 
 def test_program_names_drop_the_id_and_an_empty_trace_is_an_error():
