@@ -1,4 +1,4 @@
-"""TPU (Mosaic) decode LoRA that walks the batch's distinct slots: one grid step, no sort.
+"""TPU (Mosaic) decode LoRA that walks the batch's distinct slots: one grid step, rows in place.
 
 The visits kernels (kernels.sgmv.tpu) cut the slot-sorted rows into m-tiles and give each
 (tile, slot) visit a grid step of its own. Their grid is static, so a decode batch pays for
@@ -40,7 +40,8 @@ VMEM_BUDGET = 32 << 20
 
 def distinct_slots(token_slots: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
     """(slots i32[G], count i32[1]): the distinct slots (>= 0) of the tokens, ascending, in the
-    first `count` entries (the rest repeat slot 0, unused); G = min(num_slots, T)."""
+    first `count` entries (the rest 0, unused); G = min(num_slots, T). Only these T integers are
+    sorted; the rows stay where they are."""
     t = token_slots.shape[0]
     g = max(1, min(num_slots, t))
     keys = jnp.sort(jnp.where(token_slots < 0, num_slots, token_slots).astype(jnp.int32))
