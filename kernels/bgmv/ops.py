@@ -69,8 +69,7 @@ def bgmv_shrink(
                           xla.CPU_FORMULATION, layer=lyr)
     bs = block or block_sizes(platform, x.shape[0], x.shape[1], x.dtype)
     if platform == "tpu" and bs.slot_loop:
-        return dispatch.slot_loop_shrink(x.astype(a.dtype), a, lyr, token_slots, slot_scalings, bs=bs,
-                                         interpret=interpret)
+        return dispatch.slot_loop_shrink(x, a, lyr, token_slots, slot_scalings, bs=bs, interpret=interpret)
     meta = dispatch.metadata_from_slots(platform, token_slots, num_slots, bs.tm)
     return dispatch.shrink(
         x, a, lyr, token_slots, slot_scalings, slot_ranks, meta,
