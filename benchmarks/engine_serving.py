@@ -5,7 +5,7 @@ themselves (an accelerator host's case).
     python -m benchmarks.engine_serving [--large] [--adapters 64] [--alpha 1.0] [--slots 8]
         [--adapter-memory-fraction F]
         [--rates R ...] [--requests N] [--duration S] [--input-len LO HI] [--output-len LO HI]
-        [--trace-rate R [--trace-dir DIR]]
+        [--trace-rate R [--trace-window AFTER SECONDS] [--trace-dir DIR]]
 
 The workload is benchmarks/serving_workload.py's (the one `benchmarks.serving` sends over HTTP):
 `--adapters` adapters of Zipf(`--alpha`) popularity, Poisson arrivals at each rate, prompt and
@@ -31,7 +31,9 @@ server that has been up a while): the runs measure the device slots' turnover, n
 
 `--trace-rate R`: the run at rate R of each engine is traced by JAX's profiler (without its Python
 tracer), and a table per engine splits the device's time over the run by program: runs, device time,
-and the idle time just before its runs (benchmarks/serving_trace.py), per decode step.
+and the idle time just before its runs (benchmarks/serving_trace.py), per decode step (the runs of
+the decode program in the trace). `--trace-window AFTER SECONDS` bounds the trace to SECONDS from
+AFTER seconds into the run.
 
 Default shape: a small random Llama for CPU. `--large`: 8 layers of Llama-3-8B widths in bfloat16
 on the demo tokenizer's vocabulary, async decode, for an accelerator.
@@ -62,7 +64,15 @@ from benchmarks.common import (
     synthetic_engine,
     write_random_adapter,
 )
-from benchmarks.serving_trace import TraceSummary, op_lines, read_trace, table_rows, traced, write_summary
+from benchmarks.serving_trace import (
+    TraceSummary,
+    decode_runs,
+    op_lines,
+    read_trace,
+    table_rows,
+    traced,
+    write_summary,
+)
 from benchmarks.serving_workload import (
     RequestRecord,
     RunSummary,
@@ -148,7 +158,10 @@ def run_engine(system: str, engine, specs: Sequence[WorkloadSpec], names: list[s
         items = make_workload(spec)
         before = _counts(engine)
         trace_dir = os.path.join(a.trace_dir, system) if spec.rate == a.trace_rate else None
-        with traced(trace_dir) if trace_dir else contextlib.nullcontext():
+        window = None
+        if trace_dir and a.trace_window:  # starts while requests are still being sent
+            window = (min(a.trace_window[0], 0.5 * items[-1].send_at_s), a.trace_window[1])
+        with traced(trace_dir, window) if trace_dir else contextlib.nullcontext():
             records = send(engine, items, adapters_of(items), timeout_s=a.timeout)
         n = {k: v - before[k] for k, v in _counts(engine).items()}
         summary = summarize(records, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s)
@@ -230,6 +243,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace-rate", type=float, default=None,
                         help="trace each engine's run at this rate (one of --rates) and split its device time "
                         "by program")
+    parser.add_argument("--trace-window", type=float, nargs=2, default=None, metavar=("AFTER", "SECONDS"),
+                        help="trace SECONDS of the run from AFTER seconds into it (at most half its sending time), "
+                        "not the whole run")
     parser.add_argument("--trace-dir", default=None, help="where the traces go, each engine's under its system's name "
                         "with its summary.json (program times, busiest ops' HLO text); default: a temporary directory")
     a = parser.parse_args(argv)
@@ -247,6 +263,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--rates={a.rates} must be positive")
     if a.trace_rate is not None and a.trace_rate not in a.rates:
         parser.error(f"--trace-rate={a.trace_rate} is not one of --rates {a.rates}")
+    if a.trace_window is not None and (a.trace_window[0] < 0 or a.trace_window[1] <= 0):
+        parser.error(f"--trace-window={a.trace_window}: need AFTER >= 0 and SECONDS > 0")
     for name in ("input_len", "output_len"):
         lo, hi = getattr(a, name)
         if not 2 <= lo <= hi:
@@ -304,12 +322,12 @@ def _main(a: argparse.Namespace) -> str:
     for r in runs:
         if r.trace is not None:
             t = r.trace
+            steps = decode_runs(t)
             print(f"\nthe trace of the {r.system} run at {r.spec.rate} req/s: {t.window_ns / 1e9:.2f} s, "
-                  f"the device busy "
-                  f"{100 * t.busy_ns / t.window_ns:.0f}% of it, {r.decode_steps} decode steps (ms a decode step: "
-                  f"its wall time {r.decode_ms:.2f})")
+                  f"the device busy {100 * t.busy_ns / t.window_ns:.0f}% of it, {steps} decode steps (the run: "
+                  f"{r.decode_steps}, {r.decode_ms:.2f} ms a step by the wall clock)")
             print_table(["program", "runs", "a step", "ms a run", "ms a step", "idle before ms a step"],
-                        table_rows(t, r.decode_steps))
+                        table_rows(t, steps))
             print("\n".join(op_lines(t)))
     print(note)
     print(line)

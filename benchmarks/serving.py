@@ -37,7 +37,8 @@ setting and rate, by process and thread (benchmarks/cpu_shares.py): without an a
 client, the HTTP proxy, the ingress and the replicas' serving threads share the cores that
 compute the model. `--pin-replicas` gives each replica's XLA compute threads a core of their
 own, as replicas on devices of their own. `--serve-throughput-optimized` starts the local
-deployments with Ray Serve's `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`.
+deployments with Ray Serve's `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`. The local deployments run their layers unrolled on a
+CPU host (`scan_layers: false`, as a CPU deployment should: see `--scan-layers`).
 
 Last line, for n=64, alpha=1.0 (else the last setting swept), at the highest rate whose `ours`
 p99 TTFT is under `--slo-ttft-s` (else the lowest rate): `lora_over_base_throughput=<f>
@@ -109,7 +110,8 @@ def app_args(a: argparse.Namespace, registry_url: str, *, affinity: bool, admin:
                 admin_actor_name=admin,
                 max_loras_per_batch=a.slots, max_lora_rank=16, max_cpu_loras=a.host_cache, registry_url=registry_url,
                 adapter_affinity_routing=affinity, stream_interval=a.stream_interval,
-                stream_interval_ms=a.stream_interval_ms, ingress_replicas=a.ingress_replicas)
+                stream_interval_ms=a.stream_interval_ms, ingress_replicas=a.ingress_replicas,
+                scan_layers=a.scan_layers)
 
 
 def adapter_names(n: int) -> list[str]:
@@ -391,6 +393,13 @@ def wider_demo(out_dir: str, hidden: int, layers: int) -> str:
     return str(out)
 
 
+def _accelerated() -> bool:
+    """Whether this host's JAX runs on an accelerator (the local deployments' replicas do too)."""
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -434,6 +443,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pin-replicas", action="store_true",
                         help="each local model-server replica's XLA compute threads on a core of their own (replica "
                         "i on core i modulo the cores), as replicas on devices of their own; the rest float")
+    parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
+                        help="app arg scan_layers of every local deployment; auto: false on a CPU host (XLA on CPU "
+                        "copies each layer's weights out of the stack inside the loop: the demo model's decode step "
+                        "took 1.30-1.35 ms unrolled against 1.51-1.70 as a loop), true elsewhere")
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs of each workload on each deployed system, the systems taking turns; each "
                         "counts its round of most requests/s (default 2; PEFT runs once)")
@@ -443,6 +456,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip", nargs="+", default=(), choices=("base", "serve-default", "peft"),
                         help="peers not to run")
     a = parser.parse_args(argv)
+    a.scan_layers = {"true": True, "false": False}.get(a.scan_layers, _accelerated())
     # 192 requests: at 128 req/s a run of 64 lasted about a second, and its throughput moved by a tenth
     # from run to run; 192 take no longer in all (deploying dominates).
     quick = dict(adapters=[64], alpha=[1.0], rates=[8.0, 32.0, 128.0], requests=192, duration=8.0, drain=45.0,

@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -108,10 +109,39 @@ def trace_options() -> jax.profiler.ProfileOptions:
 
 
 @contextmanager
-def traced(directory: str) -> Iterator[None]:
-    """Runs the body under the profiler, writing the trace under `directory`."""
-    with jax.profiler.trace(directory, profiler_options=trace_options()):
+def traced(directory: str, window: tuple[float, float] | None = None) -> Iterator[None]:
+    """Runs the body under the profiler, writing the trace under `directory`: all of it, or with
+    `window` = (after_s, seconds) from `after_s` into the body for `seconds` at most (a bounded
+    trace of a long run; the profiler writes it out in time proportional to its events). A body
+    that ends before `after_s` leaves an empty trace."""
+    if window is None:
+        with jax.profiler.trace(directory, profiler_options=trace_options()):
+            yield
+        return
+    after_s, seconds = window
+    done = threading.Event()  # the body ended
+
+    def trace() -> None:
+        done.wait(after_s)
+        jax.profiler.start_trace(directory, profiler_options=trace_options())
+        try:
+            done.wait(seconds)
+        finally:
+            jax.profiler.stop_trace()
+
+    tracer = threading.Thread(target=trace, name="serving-trace", daemon=True)
+    tracer.start()
+    try:
         yield
+    finally:
+        done.set()
+        tracer.join()
+
+
+def decode_runs(summary: TraceSummary) -> int:
+    """The decode steps the trace holds: the runs of the decode programs (`jit_decode` when read
+    from the engine's program store, `jit__decode_impl` when traced)."""
+    return sum(p.runs for p in summary.programs if "decode" in p.name)
 
 
 def read_trace(directory: str) -> TraceSummary:

@@ -126,7 +126,7 @@ for mode in "${@:-check}"; do
       for slots in "--slots 8" "--adapter-memory-fraction 0.1"; do
         name=$(echo $slots | tr -d ' -')
         timeout 300 python3 -m benchmarks.engine_serving --large $slots --rates 400 --requests 200 --trace-rate 400 \
-          2>&1 | tee "$OUT/engine_serving_trace_$name.log" | grep -v Warn | tail -22
+          --trace-window 1 2 2>&1 | tee "$OUT/engine_serving_trace_$name.log" | grep -v Warn | tail -22
       done
       timeout 120 python3 -m benchmarks.step_profile --large --batch 32 --adapters 16 --slots 64 \
         --out "$OUT/step_profile_32_16_slots64" 2>&1 | tee "$OUT/step_profile_32_16_slots64.log" | grep -v Warn | tail -26 ;;
@@ -136,7 +136,8 @@ for mode in "${@:-check}"; do
         | head -14
       rm -rf "$OUT/step_profile_32_16_slots63/trace" /tmp/serving_trace
       timeout 300 python3 -m benchmarks.engine_serving --large --adapter-memory-fraction 0.1 --rates 400 \
-        --requests 200 --trace-rate 400 --trace-dir /tmp/serving_trace 2>&1 | tee "$OUT/engine_serving_ops.log" \
+        --requests 200 --trace-rate 400 --trace-window 0.5 1.5 --trace-dir /tmp/serving_trace 2>&1 \
+        | tee "$OUT/engine_serving_ops.log" \
         | grep -v Warn | tail -22
       for system in base adapters; do
         cp /tmp/serving_trace/$system/summary.json "$OUT/serving_trace_$system.json"

@@ -43,8 +43,9 @@ def test_it_serves_the_workload_on_both_engines(capsys, tmp_path):
         end = next(j for j in range(i + 2, len(out)) if not out[j].strip() or out[j].startswith(("the ", "last ")))
         table = {row.split()[0]: row.split() for row in out[i + 2:end]}
         run = next(r for r in rows if (r[0], float(r[1])) == (system, rate))
-        steps = int(re.search(r"(\d+) decode steps", out[i]).group(1))
-        assert steps > 0 and int(table["jit_decode"][1]) == steps, (out[i], table)
+        steps, run_steps = map(int, re.search(r"(\d+) decode steps \(the run: (\d+),", out[i]).groups())
+        # the whole run traced: the trace's decode programs are the engine's decode steps
+        assert steps > 0 and int(table["jit_decode"][1]) == steps == run_steps, (out[i], table)
         if system == "adapters":
             assert int(table["jit__set_slot"][1]) == int(run[15]), table
         summary = json.loads((tmp_path / system / "summary.json").read_text())
@@ -74,7 +75,8 @@ def test_the_last_line_is_at_the_highest_rate_within_the_ttft_bound():
 
 
 @pytest.mark.parametrize("bad", [["--rates", "0"], ["--slots", "0"], ["--input-len", "5", "4"],
-                                 ["--output-len", "1", "3"]])
+                                 ["--output-len", "1", "3"], ["--rates", "8", "--trace-rate", "16"],
+                                 ["--trace-window", "1", "0"], ["--trace-window", "-1", "2"]])
 def test_bad_flags_are_refused(bad):
     with pytest.raises(SystemExit):
         engine_serving.parse_args(bad)

@@ -377,3 +377,15 @@ def test_benchmark_runs_end_to_end_at_a_tiny_setting():
     ours, peft = tables[2], tables[1]
     assert "model server" in ours and "ingress" in ours and "client" in ours, ours
     assert "PEFT server" in peft and "model server" not in peft, peft
+
+
+def test_local_deployments_unroll_their_layers_on_a_cpu_host():
+    from deployments.config import AppArgs
+
+    auto = serving.app_args(serving.parse_args(["--quick"]), "r.json", affinity=True)
+    assert auto["scan_layers"] is False  # this host computes on its CPU
+    assert AppArgs(**{k: v for k, v in auto.items() if k != "model"}, model="demo").scan_layers is False
+    on = serving.app_args(serving.parse_args(["--quick", "--scan-layers", "true"]), "r.json", affinity=False)
+    assert on["scan_layers"] is True
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--quick", "--scan-layers", "maybe"])

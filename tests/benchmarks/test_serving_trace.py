@@ -2,7 +2,16 @@
 
 import pytest
 
-from benchmarks.serving_trace import ProgramTime, kept_texts, op_lines, program_name, summarize_ops, table_rows
+from benchmarks.serving_trace import (
+    ProgramTime,
+    kept_texts,
+    op_lines,
+    program_name,
+    read_trace,
+    summarize_ops,
+    table_rows,
+    traced,
+)
 
 
 def _op(program, run, start, end):
@@ -46,6 +55,31 @@ def test_the_summary_keeps_the_texts_of_the_busiest_kinds_and_of_every_data_move
     assert sum(t.startswith("%fusion0.") for t in texts) == 3  # three texts of a kind
     assert len(texts) == 3 + 7 + 1  # fusion0's 3, one each of the 7 next busiest kinds, the move
     assert [ns for _, ns in kept_texts(ops)] == sorted((ns for _, ns in kept_texts(ops)), reverse=True)
+
+
+def test_a_window_traces_only_its_seconds_of_the_body(tmp_path):
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    step = jax.jit(lambda x: jnp.tanh(x @ x))
+    x = jnp.ones((64, 64))
+    step(x).block_until_ready()
+    calls, start = 0, time.perf_counter()
+    with traced(str(tmp_path / "w"), window=(0.4, 0.3)):
+        while time.perf_counter() - start < 1.2:
+            step(x).block_until_ready()
+            calls += 1
+    summary = read_trace(str(tmp_path / "w"))
+    runs = sum(p.runs for p in summary.programs if "lambda" in p.name)
+    assert 0 < runs < calls / 2, (runs, calls)  # 0.3 s of 1.2
+    assert summary.window_ns < 0.6e9
+    # A body that ends before the window opens leaves no op events.
+    with traced(str(tmp_path / "late"), window=(5.0, 1.0)):
+        step(x).block_until_ready()
+    with pytest.raises((ValueError, FileNotFoundError)):
+        read_trace(str(tmp_path / "late"))
 
 
 def test_program_names_drop_the_id_and_an_empty_trace_is_an_error():
