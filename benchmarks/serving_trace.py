@@ -14,9 +14,7 @@ Used by `benchmarks.engine_serving --trace-rate R`.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
-import os
 import re
 import threading
 from collections.abc import Iterator
@@ -25,7 +23,7 @@ from contextlib import contextmanager
 import jax
 from jax.profiler import ProfileData
 
-from benchmarks.step_profile import busy_ns, op_events, per_step
+from benchmarks.step_profile import busy_ns, newest_trace, op_events, per_step
 
 _PROGRAM_ID = re.compile(r"\(\d+\)$")
 TOP_OPS = 8  # op kinds kept per program
@@ -146,10 +144,7 @@ def decode_runs(summary: TraceSummary) -> int:
 
 def read_trace(directory: str) -> TraceSummary:
     """The newest trace written under `directory`, summarized."""
-    files = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    if not files:
-        raise FileNotFoundError(f"no trace written under {directory}")
-    return summarize_ops(op_events(ProfileData.from_file(files[-1])))
+    return summarize_ops(op_events(ProfileData.from_file(newest_trace(directory))))
 
 
 def write_summary(summary: TraceSummary, path: str) -> None:

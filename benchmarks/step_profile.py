@@ -96,6 +96,14 @@ def op_events(profile: ProfileData) -> list[dict]:
     return out
 
 
+def newest_trace(directory: str) -> str:
+    """The newest profiler trace (`*.xplane.pb`) written under `directory`."""
+    files = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no trace written under {directory}")
+    return files[-1]
+
+
 # The engine thread's decode step as the profiler's Python tracer names its calls
 # (`$engine.py:847 _decode`): the parts a step's host time splits into, by function.
 ENGINE_THREAD = "engine-loop"
@@ -243,13 +251,14 @@ def main(argv: list[str] | None = None) -> dict:
                 steps, step_s = decode_batch()
         finally:
             engine.shutdown()
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-    if not files:
-        raise SystemExit(f"no trace written under {trace_dir}")
-    profile = ProfileData.from_file(files[-1])
+    try:
+        trace_file = newest_trace(trace_dir)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
+    profile = ProfileData.from_file(trace_file)
     events = op_events(profile)
     if not events:
-        raise SystemExit(f"the trace {files[-1]} holds no XLA op events")
+        raise SystemExit(f"the trace {trace_file} holds no XLA op events")
     device_ns, kinds, ops = breakdown(events, steps)
     sampler_ns = busy_ns(step_programs(events, "sample")) / steps
     op_ns = sum(ns for _, ns in kinds)  # past device_ns where ops ran on several threads at once
