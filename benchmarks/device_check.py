@@ -243,6 +243,8 @@ def _correctness_cases(smoke: bool):
          {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=2), "ranks": [16, 1, 8, 4, 2, 16, 3, 0]}),
         ("slot_loop_T256_S256_r64_gateup", 256, 256, 64, (inter, inter), hid, bf, "bgmv",
          {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=4)}),
+        ("slot_loop_T32_S63_head259", 32, 63, 16, (259,), hid, bf, "bgmv",  # an lm_head of the demo vocabulary
+         {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=4)}),
     ]
 
 

@@ -34,9 +34,8 @@
 #                (benchmarks/serving_trace.py; about 5 minutes)
 #   serving-pool the serving trace at 400 req/s (200 requests) with 8 slots and with the slots sized from
 #                memory, and a decode step alone at 32 rows of 16 adapters through a 64-slot pool (about 8 minutes)
-#   serving-ops  a decode step alone at 32 rows of 16 adapters through a 63-slot pool (the serving pool's
-#                count), then the serving trace at 400 req/s with the slots sized from memory; each
-#                trace's summary.json (programs, busiest ops with their HLO text) lands in $OUT (about 5 minutes)
+#   serving-ops  the serving trace at 400 req/s (200 requests) with the slots sized from memory; each
+#                engine's summary.json (programs, busiest ops with their HLO text) lands in $OUT (about 5 minutes)
 #   profile-slot-loop  the decode step alone at 32 rows of 16 adapters through 64 slots with the decode
 #                kernels that walk the batch's distinct slots (kernels/bgmv/tpu.py, 4 blocks in flight):
 #                this copy of the tree sets TPU_DECODE_SLOT_LOOP, so the engine's program store and
@@ -131,10 +130,7 @@ for mode in "${@:-check}"; do
       timeout 120 python3 -m benchmarks.step_profile --large --batch 32 --adapters 16 --slots 64 \
         --out "$OUT/step_profile_32_16_slots64" 2>&1 | tee "$OUT/step_profile_32_16_slots64.log" | grep -v Warn | tail -26 ;;
     serving-ops)
-      timeout 120 python3 -m benchmarks.step_profile --large --batch 32 --adapters 16 --slots 63 --top 10 \
-        --out "$OUT/step_profile_32_16_slots63" 2>&1 | tee "$OUT/step_profile_32_16_slots63.log" | grep -v Warn \
-        | head -14
-      rm -rf "$OUT/step_profile_32_16_slots63/trace" /tmp/serving_trace
+      rm -rf /tmp/serving_trace
       timeout 300 python3 -m benchmarks.engine_serving --large --adapter-memory-fraction 0.1 --rates 400 \
         --requests 200 --trace-rate 400 --trace-window 0.5 1.5 --trace-dir /tmp/serving_trace 2>&1 \
         | tee "$OUT/engine_serving_ops.log" \
@@ -145,7 +141,7 @@ for mode in "${@:-check}"; do
     profile-slot-loop)
       sed -i 's/^TPU_DECODE_SLOT_LOOP = 0$/TPU_DECODE_SLOT_LOOP = 4/' kernels/bgmv/tuned_block_sizes.py
       grep -q '^TPU_DECODE_SLOT_LOOP = 4$' kernels/bgmv/tuned_block_sizes.py || { echo "TPU_DECODE_SLOT_LOOP not set" >&2; exit 2; }
-      timeout 150 python3 -m benchmarks.step_profile --large --batch 32 --adapters 16 --slots 64 --top 10 \
+      timeout 170 python3 -m benchmarks.step_profile --large --batch 32 --adapters 16 --slots 64 --top 10 \
         --out "$OUT/step_profile_slot_loop" 2>&1 | tee "$OUT/step_profile_slot_loop.log" | grep -v Warn | head -14 ;;
     load)
       timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \

@@ -94,12 +94,15 @@ def _shrink_kernel(slots_ref, count_ref, layer_ref, tok_ref, x_ref, a_hbm, o_ref
     _walk(count_ref[0], depth, limit, copy, use)
 
 
-def _expand_kernel(slots_ref, count_ref, layer_ref, tok_ref, v_ref, b_hbm, o_ref, buf, sem, *, depth, limit, bn):
+def _expand_kernel(slots_ref, count_ref, layer_ref, tok_ref, v_ref, b_hbm, o_ref, buf, sem, *, depth, limit, bn,
+                   out_features):
     j = pl.program_id(0)
 
     def copy(k):
         b = k % depth
-        src = b_hbm.at[layer_ref[0], slots_ref[k], :, pl.ds(pl.multiple_of(j * bn, bn), bn)]
+        src = b_hbm.at[layer_ref[0], slots_ref[k]]
+        if bn != out_features:  # a column block (bn: a multiple of 128); one whole width (any) is not sliced
+            src = src.at[:, pl.ds(pl.multiple_of(j * bn, 128), bn)]
         return pltpu.make_async_copy(src, buf.at[b], sem.at[b])
 
     o_ref[...] = jnp.zeros_like(o_ref)
@@ -201,6 +204,6 @@ def expand(
         scratch_shapes=[pltpu.VMEM((depth, rank, bn), b.dtype), pltpu.SemaphoreType.DMA((depth,))],
     )
     buffers = 2 * (tp * 128 * 4 + tp * max(rank, 128) * 4 + tp * bn * 4) + depth * rank * bn * item
-    kernel = functools.partial(_expand_kernel, depth=depth, limit=slots.shape[0], bn=bn)
+    kernel = functools.partial(_expand_kernel, depth=depth, limit=slots.shape[0], bn=bn, out_features=out_features)
     return _launch(kernel, spec, out_features, buffers, interpret, "lora_bgmv_expand", slots, count, layer, tok, vp,
                    in_hbm(b))[:t]

@@ -110,7 +110,7 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
     """Bytes of the adapter pool on one device (its layout: lora_runtime/lora/memory_pool.py):
     `num_slots` slots of rank `max_lora_rank`, or the rank `classes` ((rank, slots) pairs),
     as `platform` lays them out (stored_elements)."""
-    from lora_runtime.lora.memory_pool import TENSOR_AXIS as POOL_AXIS, PoolLayout, group_dims
+    from lora_runtime.lora.memory_pool import TENSOR_AXIS as POOL_AXIS, PoolLayout, group_dims, term_slots
 
     if classes is None:
         classes = ((max_lora_rank, num_slots),) if num_slots else ()
@@ -129,7 +129,7 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
             total += per_device((depth, slots, len(outs) * rank, fan_in), a_spec) * itemsize
             total += sum(per_device((depth, slots, rank, o), b_spec) for o in outs) * itemsize
             terms = int(layout.has_scale(g)) + int(shifted)  # f32 scale and shift where held
-            total += terms * sum(per_device((depth, slots, o), s_spec, jnp.float32) for o in outs) * 4
+            total += terms * sum(per_device((depth, term_slots(slots, platform), o), s_spec, jnp.float32) for o in outs) * 4
     return total
 
 
@@ -165,8 +165,8 @@ def pool_classes(model_config: ModelConfig, config: EngineConfig, tp: int) -> tu
     total = sum(spec.values())
     out = []
     for rank, share in sorted(spec.items()):
-        per_slot = adapter_pool_bytes(model_config, tp, 1, rank, **kw)
-        out.append((rank, max(1, int(budget * share / total) // per_slot)))
+        part = int(budget * share / total)
+        out.append((rank, _most(lambda n: adapter_pool_bytes(model_config, tp, n, rank, **kw) <= part, 1)))
     return tuple(out)
 
 
@@ -235,9 +235,14 @@ def adapter_slots(model_config: ModelConfig, config: EngineConfig, tp: int, *, p
     def fits(n: int) -> bool:
         return adapter_pool_bytes(model_config, tp, n, config.max_lora_rank, **kw) <= share
 
-    if not fits(slots + 1):
-        return slots
-    lo, hi = slots + 1, 2 * (slots + 1)  # fits(lo); find a hi that does not
+    return _most(fits, slots)
+
+
+def _most(fits, least: int) -> int:
+    """The largest n >= `least` with fits(n) (fits: true up to some n, false after), or `least`."""
+    if not fits(least + 1):
+        return least
+    lo, hi = least + 1, 2 * (least + 1)  # fits(lo); find a hi that does not
     while fits(hi):
         lo, hi = hi, 2 * hi
     while hi - lo > 1:

@@ -18,8 +18,9 @@ A pool created with `outer=True` also holds the groups "embed_tokens" (A [1, S, 
 B [1, S, R, hidden]; A sharded on vocab like the base embedding) and "lm_head" (A
 [1, S, R, hidden], B [1, S, R, vocab]; column-parallel on vocab like the base head, or
 row-parallel when the mesh does not divide the vocabulary). With `dora=True` it holds
-DoRA's per-output scale of every slot, `scale[c][g]`: n × [L, S_c, out_i] f32 (1 for a
-plain adapter), sharded like the outputs. A per-output shift `shift[c][g]` (same layout, 0
+DoRA's per-output scale of every slot, `scale[c][g]`: n × [L, S_c', out_i] f32 (1 for a
+plain adapter), sharded like the outputs; S_c' is S_c, on TPU rounded up to TERM_SLOT_ALIGN so the
+slot axis fills whole f32 tiles (see there). A per-output shift `shift[c][g]` (same layout, 0
 for an adapter without one) is held for the groups whose base layer has a bias when
 `dora=True` (DoRA's (1 - scale) * bias), and for every group but the embedding when
 `bias=True` (PEFT's lora_bias: lora_B's bias times the module's scaling); the step computes
@@ -344,17 +345,33 @@ def saved_shape(model_config, module: str) -> tuple[int, int]:
 def _class_buffers(model_config, mesh, layout: PoolLayout, rc: RankClass, dtype):
     """(A, B, scale, shift) per group of one empty rank class."""
     a, b, scale, shift = [], [], [], []
+    held = term_slots(rc.num_slots, mesh.devices.flat[0].platform)
     for g, shifted in zip(layout.groups, layout.shifted):
         depth, fan_in, outs = group_dims(model_config, g)
         a_spec, b_spec, s_spec = layout.specs(g)
         a.append(zeros_on((depth, rc.num_slots, len(outs) * rc.rank, fan_in), dtype, NamedSharding(mesh, a_spec)))
         b.append(tuple(zeros_on((depth, rc.num_slots, rc.rank, o), dtype, NamedSharding(mesh, b_spec))
                        for o in outs))
-        scale.append(tuple(_ones_on((depth, rc.num_slots, o), NamedSharding(mesh, s_spec)) for o in outs)
+        scale.append(tuple(_ones_on((depth, held, o), NamedSharding(mesh, s_spec)) for o in outs)
                      if layout.has_scale(g) else ())
-        shift.append(tuple(zeros_on((depth, rc.num_slots, o), jnp.float32, NamedSharding(mesh, s_spec))
+        shift.append(tuple(zeros_on((depth, held, o), jnp.float32, NamedSharding(mesh, s_spec))
                            for o in outs) if shifted else ())
     return tuple(a), tuple(b), tuple(scale), tuple(shift)
+
+
+# The output terms' slot axis is their second-minor one, which TPU tiles by 8 for f32. With a
+# slot count off that tile (63 slots sized from memory), the runtime stores the arrays in a
+# compact layout with the layer axis second-minor instead, and every program that reads them
+# copied each whole array to the default layout first: on TPU v5e, 1.4 ms of a 8.7 ms decode
+# step at 8 layers of Llama-3-8B widths (benchmarks/results/2026-12-07-tpu-v5e-serving-ops.md).
+# The slots past S_c are never written or read.
+TERM_SLOT_ALIGN = 8
+
+
+def term_slots(num_slots: int, platform: str | None) -> int:
+    """The slot axis of a rank class's output terms on `platform`: on TPU `num_slots` rounded up
+    to TERM_SLOT_ALIGN (the tile pads them to that anyway), elsewhere `num_slots`."""
+    return -(-num_slots // TERM_SLOT_ALIGN) * TERM_SLOT_ALIGN if platform == "tpu" else num_slots
 
 
 def _without_slot_axis(spec: P) -> P:

@@ -94,6 +94,17 @@ def test_the_expand_splits_a_width_past_its_vmem_budget_into_column_blocks(monke
         assert_close(g, w, F32)
 
 
+def test_an_output_width_off_the_lane_tile_is_read_whole():
+    # An lm_head over a 259-token vocabulary: one column block, its DMA not sliced (on the chip a
+    # sliced offset must be a provable multiple of 128).
+    assert expand_block(32, 16, 259, 4, 2) == 259
+    d = make_inputs(20, 63, 16, (259,), IN, BF16, seed=11)
+    got = bgmv(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"], d["ranks"],
+               platform="tpu", interpret=True, block=loop_block(4))
+    for g, w in zip(got, naive_lora(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"])):
+        assert_close(g, w, BF16)
+
+
 @pytest.mark.parametrize("tp", [1, 8])
 def test_it_lowers_for_tpu_at_real_shapes(tp):
     """Llama-3-8B's groups over a 32-layer pool: a kernel per group's shrink and per slice's
