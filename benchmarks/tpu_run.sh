@@ -36,10 +36,10 @@
 #                memory, and a decode step alone at 32 rows of 16 adapters through a 64-slot pool (about 8 minutes)
 #   serving-ops  the serving trace at 400 req/s (200 requests) with the slots sized from memory; each
 #                engine's summary.json (programs, busiest ops with their HLO text) lands in $OUT (about 5 minutes)
-#   profile-slot-loop  the decode step alone at 32 rows of 16 adapters through 64 slots with the decode
-#                kernels that walk the batch's distinct slots (kernels/bgmv/tpu.py, 4 blocks in flight):
-#                this copy of the tree sets TPU_DECODE_SLOT_LOOP, so the engine's program store and
-#                compilation cache see new source (run it last in a call; about 2 minutes)
+#   profile-visits  the decode step alone at 32 rows of 16 adapters through 64 slots with the visits
+#                kernels (kernels.sgmv.tpu) instead of the default slot loop: this copy of the tree sets
+#                TPU_DECODE_SLOT_LOOP to 0, so the engine's program store and compilation cache see new
+#                source (run it last in a call; about 2 minutes)
 #   load         a checkpoint of 8 layers of Llama-3-8B widths in bfloat16 read onto the chip
 #                (benchmarks/checkpoint_load.py; about a minute)
 #   smoke        correctness, kv and engine at tiny shapes, interpreted (any machine)
@@ -138,17 +138,17 @@ for mode in "${@:-check}"; do
       for system in base adapters; do
         cp /tmp/serving_trace/$system/summary.json "$OUT/serving_trace_$system.json"
       done ;;
-    profile-slot-loop)
-      sed -i 's/^TPU_DECODE_SLOT_LOOP = 0$/TPU_DECODE_SLOT_LOOP = 4/' kernels/bgmv/tuned_block_sizes.py
-      grep -q '^TPU_DECODE_SLOT_LOOP = 4$' kernels/bgmv/tuned_block_sizes.py || { echo "TPU_DECODE_SLOT_LOOP not set" >&2; exit 2; }
+    profile-visits)
+      sed -i 's/^TPU_DECODE_SLOT_LOOP = [0-9]*$/TPU_DECODE_SLOT_LOOP = 0/' kernels/bgmv/tuned_block_sizes.py
+      grep -q '^TPU_DECODE_SLOT_LOOP = 0$' kernels/bgmv/tuned_block_sizes.py || { echo "TPU_DECODE_SLOT_LOOP not set" >&2; exit 2; }
       timeout 170 python3 -m benchmarks.step_profile --large --batch 32 --adapters 16 --slots 64 --top 10 \
-        --out "$OUT/step_profile_slot_loop" 2>&1 | tee "$OUT/step_profile_slot_loop.log" | grep -v Warn | head -14 ;;
+        --out "$OUT/step_profile_visits" 2>&1 | tee "$OUT/step_profile_visits.log" | grep -v Warn | head -14 ;;
     load)
       timeout 150 python3 -m benchmarks.checkpoint_load --layers 8 --dtype bfloat16 --widths 8b \
         --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
       echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, async, long, starts, restarts, profile," \
-        "profile-rows, serving, serving-slots, serving-trace, serving-pool, serving-ops, profile-slot-loop, load, smoke)" >&2
+        "profile-rows, serving, serving-slots, serving-trace, serving-pool, serving-ops, profile-visits, load, smoke)" >&2
       exit 2 ;;
   esac
 done
