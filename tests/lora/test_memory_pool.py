@@ -46,6 +46,16 @@ def test_layout_and_nbytes(model_config):
     assert all(not np.asarray(x).any() for x in jax.tree_util.tree_leaves(pool))
 
 
+def test_output_terms_fill_whole_f32_tiles_on_tpu(model_config):
+    """On TPU the f32 terms' slot axis (second-minor) is a whole number of 8-row tiles: with 63
+    slots the runtime stored them in another layout and every step copied them whole."""
+    assert [memory_pool.term_slots(n, "tpu") for n in (1, 8, 63, 64, 65)] == [8, 8, 64, 64, 72]
+    assert [memory_pool.term_slots(n, p) for p in ("cpu", "gpu") for n in (1, 63)] == [1, 63, 1, 63]
+    pool = LoRAMemoryPool.create(model_config, make_mesh(1, jax.devices()[:1]), num_slots=3, max_lora_rank=R,
+                                 dtype="float32", dora=True, bias=True)
+    assert {x.shape[1] for x in jax.tree_util.tree_leaves((pool.scale, pool.shift))} == {3}  # CPU: exact
+
+
 def test_sharding_under_tp4(model_config):
     pool = make_pool(model_config, tp=4)
     for g, a, bs in zip(GROUPS, pool.a[0], pool.b[0]):
