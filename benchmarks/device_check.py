@@ -245,6 +245,10 @@ def _correctness_cases(smoke: bool):
          {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=4)}),
         ("slot_loop_T32_S63_head259", 32, 63, 16, (259,), hid, bf, "bgmv",  # an lm_head of the demo vocabulary
          {"block": BlockSizes(16, 1 << 16, 16384, slot_loop=4)}),
+        ("slot_loop_sgmv_T512_S8_qkv", 512, 8, 16, qkv, hid, bf, "sgmv",  # prompt rows in tiles of 128
+         {"block": BlockSizes(128, 1 << 16, 4096, slot_loop=4)}),
+        ("slot_loop_sgmv_T1024_S4_down", 1024, 4, 16, (4096,), inter, bf, "sgmv",
+         {"block": BlockSizes(128, 1 << 16, 4096, slot_loop=4)}),
     ]
 
 

@@ -36,6 +36,9 @@
 #                memory, and a decode step alone at 32 rows of 16 adapters through a 64-slot pool (about 8 minutes)
 #   serving-ops  the serving trace at 400 req/s (200 requests) with the slots sized from memory; each
 #                engine's summary.json (programs, busiest ops with their HLO text) lands in $OUT (about 5 minutes)
+#   serving-prefill-loop  serving-ops with the prompt steps' LoRA through the slot-loop kernels in row tiles
+#                (kernels/bgmv/tpu.py): this copy of the tree sets TPU_PREFILL_SLOT_LOOP to 4 (run it last in a
+#                call; about 5 minutes)
 #   profile-visits  the decode step alone at 32 rows of 16 adapters through 64 slots with the visits
 #                kernels (kernels.sgmv.tpu) instead of the default slot loop: this copy of the tree sets
 #                TPU_DECODE_SLOT_LOOP to 0, so the engine's program store and compilation cache see new
@@ -138,6 +141,10 @@ for mode in "${@:-check}"; do
       for system in base adapters; do
         cp /tmp/serving_trace/$system/summary.json "$OUT/serving_trace_$system.json"
       done ;;
+    serving-prefill-loop)
+      sed -i 's/^TPU_PREFILL_SLOT_LOOP = [0-9]*$/TPU_PREFILL_SLOT_LOOP = 4/' kernels/bgmv/tuned_block_sizes.py
+      grep -q '^TPU_PREFILL_SLOT_LOOP = 4$' kernels/bgmv/tuned_block_sizes.py || { echo "TPU_PREFILL_SLOT_LOOP not set" >&2; exit 2; }
+      OUT=$OUT/prefill_loop bash "$0" serving-ops ;;
     profile-visits)
       sed -i 's/^TPU_DECODE_SLOT_LOOP = [0-9]*$/TPU_DECODE_SLOT_LOOP = 0/' kernels/bgmv/tuned_block_sizes.py
       grep -q '^TPU_DECODE_SLOT_LOOP = 0$' kernels/bgmv/tuned_block_sizes.py || { echo "TPU_DECODE_SLOT_LOOP not set" >&2; exit 2; }
@@ -148,7 +155,7 @@ for mode in "${@:-check}"; do
         --profile "$OUT/checkpoint_load_profile.txt" 2>&1 | tee "$OUT/checkpoint_load.log" | tail -5 ;;
     *)
       echo "unknown mode $mode (check, correctness, kv, engine, steps, steps-pallas, async, long, starts, restarts, profile," \
-        "profile-rows, serving, serving-slots, serving-trace, serving-pool, serving-ops, profile-visits, load, smoke)" >&2
+        "profile-rows, serving, serving-slots, serving-trace, serving-pool, serving-ops, serving-prefill-loop, profile-visits, load, smoke)" >&2
       exit 2 ;;
   esac
 done

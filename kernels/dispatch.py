@@ -86,25 +86,29 @@ def _tpu_expand(v_sorted, b, layer, base_outputs, meta: GroupMetadata, bs: Block
     return tuple(outs)
 
 
-def slot_loop_shrink(x, a, layer, token_slots, slot_scalings, *, bs: BlockSizes, interpret: bool) -> jax.Array:
-    """Shrink through kernels.bgmv.tpu: f32[T, n*R], scaled, zero for slot -1."""
-    v = slot_loop.shrink(x, a, layer, token_slots, depth=bs.slot_loop, interpret=interpret)
+def slot_loop_shrink(x, a, layer, token_slots, slot_scalings, *, bs: BlockSizes, interpret: bool,
+                     tm: int | None = None) -> jax.Array:
+    """Shrink through kernels.bgmv.tpu (rows in tiles of `tm`, None: one tile): f32[T, n*R],
+    scaled, zero for slot -1."""
+    v = slot_loop.shrink(x, a, layer, token_slots, depth=bs.slot_loop, tm=tm, interpret=interpret)
     return v * _token_scale(token_slots, slot_scalings)[:, None]
 
 
-def slot_loop_expand(v, b, layer, base_outputs, token_slots, *, bs: BlockSizes, interpret: bool) -> tuple:
+def slot_loop_expand(v, b, layer, base_outputs, token_slots, *, bs: BlockSizes, interpret: bool,
+                     tm: int | None = None) -> tuple:
     """Expand through kernels.bgmv.tpu into the base outputs."""
     rank = b[0].shape[2]
     return tuple((yi.astype(jnp.float32) + slot_loop.expand(v[:, i * rank:(i + 1) * rank], bi, layer, token_slots,
-                                                            depth=bs.slot_loop, interpret=interpret)).astype(yi.dtype)
+                                                            depth=bs.slot_loop, tm=tm, interpret=interpret)
+                  ).astype(yi.dtype)
                  for i, (bi, yi) in enumerate(zip(b, base_outputs)))
 
 
 def slot_loop_lora(x, a, b, layer, base_outputs, token_slots, slot_scalings, *, bs: BlockSizes,
-                   interpret: bool) -> tuple:
+                   interpret: bool, tm: int | None = None) -> tuple:
     """Fused shrink + expand through kernels.bgmv.tpu."""
-    v = slot_loop_shrink(x, a, layer, token_slots, slot_scalings, bs=bs, interpret=interpret)
-    return slot_loop_expand(v, b, layer, base_outputs, token_slots, bs=bs, interpret=interpret)
+    v = slot_loop_shrink(x, a, layer, token_slots, slot_scalings, bs=bs, interpret=interpret, tm=tm)
+    return slot_loop_expand(v, b, layer, base_outputs, token_slots, bs=bs, interpret=interpret, tm=tm)
 
 
 def shrink(

@@ -15,6 +15,12 @@ rows of that slot. The rows stay in token order, the loop runs as many times as 
 adapters in the batch, and the DMAs overlap each other. The expand walks column blocks of the
 output (grid steps) when the whole width would not fit VMEM.
 
+A prompt step's rows do not fit VMEM whole, and the MXU's cost grows with rows times slots. With
+`tm` the rows are cut into tiles of `tm` (grid steps, x's tile pipelined by Pallas) and each
+tile walks only its own distinct slots: a packed prompt's rows are contiguous, so a tile holds
+one or two adapters, and nothing is sorted or gathered back (the visits kernels sort the rows
+by slot and gather them back, as XLA ops of their own).
+
 Chosen by `BlockSizes.slot_loop` (kernels.bgmv.tuned_block_sizes).
 """
 
@@ -42,13 +48,20 @@ def distinct_slots(token_slots: jax.Array, num_slots: int) -> tuple[jax.Array, j
     """(slots i32[G], count i32[1]): the distinct slots (>= 0) of the tokens, ascending, in the
     first `count` entries (the rest 0, unused); G = min(num_slots, T). Only these T integers are
     sorted; the rows stay where they are."""
+    return tile_slots(token_slots, num_slots, token_slots.shape[0])
+
+
+def tile_slots(token_slots: jax.Array, num_slots: int, tm: int) -> tuple[jax.Array, jax.Array]:
+    """distinct_slots of each tile of `tm` rows (T a multiple of tm): (slots i32[nt * G], tile i's
+    in entries [i*G, i*G + count[i]); count i32[nt]), G = min(num_slots, tm)."""
     t = token_slots.shape[0]
-    g = max(1, min(num_slots, t))
-    keys = jnp.sort(jnp.where(token_slots < 0, num_slots, token_slots).astype(jnp.int32))
-    first = (keys < num_slots) & jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
-    position = jnp.where(first, jnp.cumsum(first) - 1, g)
-    slots = jnp.zeros((g,), jnp.int32).at[position].set(keys, mode="drop")
-    return slots, jnp.sum(first, dtype=jnp.int32).reshape(1)
+    nt, g = t // tm, max(1, min(num_slots, tm))
+    keys = jnp.sort(jnp.where(token_slots < 0, num_slots, token_slots).astype(jnp.int32).reshape(nt, tm), axis=1)
+    first = (keys < num_slots) & jnp.concatenate([jnp.ones((nt, 1), bool), keys[:, 1:] != keys[:, :-1]], axis=1)
+    position = jnp.where(first, jnp.cumsum(first, axis=1) - 1, g)
+    tiles = jnp.broadcast_to(jnp.arange(nt)[:, None], (nt, tm))
+    slots = jnp.zeros((nt, g), jnp.int32).at[tiles, position].set(keys, mode="drop")
+    return slots.reshape(nt * g), jnp.sum(first, axis=1, dtype=jnp.int32)
 
 
 def _walk(n, depth: int, limit: int, copy, use) -> None:
@@ -81,26 +94,29 @@ def _rows_of(tok_ref, slot, shape) -> jax.Array:
 
 
 def _shrink_kernel(slots_ref, count_ref, layer_ref, tok_ref, x_ref, a_hbm, o_ref, buf, sem, *, depth, limit):
+    base = pl.program_id(0) * limit  # this row tile's slot entries
+
     def copy(k):
         b = k % depth
-        return pltpu.make_async_copy(a_hbm.at[layer_ref[0], slots_ref[k]], buf.at[b], sem.at[b])
+        return pltpu.make_async_copy(a_hbm.at[layer_ref[0], slots_ref[base + k]], buf.at[b], sem.at[b])
 
     o_ref[...] = jnp.zeros_like(o_ref)
 
     def use(k, b):  # x is read from VMEM each time: held across the loop it would not fit the registers
         d = mxu_dot(x_ref[...], buf[b], _NT)
-        o_ref[...] = jnp.where(_rows_of(tok_ref, slots_ref[k], d.shape), d, o_ref[...])
+        o_ref[...] = jnp.where(_rows_of(tok_ref, slots_ref[base + k], d.shape), d, o_ref[...])
 
-    _walk(count_ref[0], depth, limit, copy, use)
+    _walk(count_ref[pl.program_id(0)], depth, limit, copy, use)
 
 
 def _expand_kernel(slots_ref, count_ref, layer_ref, tok_ref, v_ref, b_hbm, o_ref, buf, sem, *, depth, limit, bn,
                    out_features):
-    j = pl.program_id(0)
+    i, j = pl.program_id(0), pl.program_id(1)
+    base = i * limit
 
     def copy(k):
         b = k % depth
-        src = b_hbm.at[layer_ref[0], slots_ref[k]]
+        src = b_hbm.at[layer_ref[0], slots_ref[base + k]]
         if bn != out_features:  # a column block (bn: a multiple of 128); one whole width (any) is not sliced
             src = src.at[:, pl.ds(pl.multiple_of(j * bn, 128), bn)]
         return pltpu.make_async_copy(src, buf.at[b], sem.at[b])
@@ -110,28 +126,31 @@ def _expand_kernel(slots_ref, count_ref, layer_ref, tok_ref, v_ref, b_hbm, o_ref
     def use(k, b):
         blk = buf[b]
         d = mxu_dot(v_ref[...].astype(blk.dtype), blk, _NN)
-        o_ref[...] = jnp.where(_rows_of(tok_ref, slots_ref[k], d.shape), d, o_ref[...])
+        o_ref[...] = jnp.where(_rows_of(tok_ref, slots_ref[base + k], d.shape), d, o_ref[...])
 
-    _walk(count_ref[0], depth, limit, copy, use)
+    _walk(count_ref[i], depth, limit, copy, use)
 
 
-def _launch(kernel, spec, out_cols: int, buffer_bytes: int, interpret: bool, name: str, *args) -> jax.Array:
-    """The kernel over `spec`'s one-axis grid, its f32 output [Tp, out_cols] (Tp: the token block
-    of `args[3]`), with a VMEM limit when its buffers and the headroom pass Mosaic's default."""
+def _launch(kernel, spec, rows: int, out_cols: int, buffer_bytes: int, interpret: bool, name: str,
+            *args) -> jax.Array:
+    """The kernel over `spec`'s grid, its f32 output [rows, out_cols], with a VMEM limit when its
+    buffers and the headroom pass Mosaic's default."""
     need = buffer_bytes + VMEM_HEADROOM
-    params = pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+    params = pltpu.CompilerParams(dimension_semantics=("arbitrary",) * len(spec.grid),
                                   vmem_limit_bytes=need if need > DEFAULT_SCOPED_VMEM else None)
-    out_shape = jax.ShapeDtypeStruct((args[3].shape[0], out_cols), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct((rows, out_cols), jnp.float32)
     return pl.pallas_call(kernel, grid_spec=spec, out_shape=out_shape, compiler_params=params,
                           interpret=interpret_params(interpret), name=name)(*args)
 
 
-def _rows(x: jax.Array, token_slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x and the token slots (as i32[Tp, 1]) padded to whole sublane tiles (padded rows: no slot)."""
+def _rows(x: jax.Array, token_slots: jax.Array, tm: int | None) -> tuple[jax.Array, jax.Array, int]:
+    """x and the token slots (as i32[Tp, 1]) padded to whole row tiles (padded rows: no slot), and
+    the tile's rows: `tm`, or None for one tile of the whole batch in sublane tiles."""
     t = x.shape[0]
-    tp = cdiv(t, 16) * 16
+    tm = tm or cdiv(t, 16) * 16
+    tp = cdiv(t, tm) * tm
     tok = jnp.pad(token_slots.astype(jnp.int32), (0, tp - t), constant_values=-1)
-    return jnp.pad(x, ((0, tp - t), (0, 0))), tok.reshape(tp, 1)
+    return jnp.pad(x, ((0, tp - t), (0, 0))), tok.reshape(tp, 1), tm
 
 
 def shrink(
@@ -141,28 +160,29 @@ def shrink(
     token_slots: jax.Array,  # i32[T], -1 = no adapter
     *,
     depth: int,
+    tm: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # f32[T, n*R] unscaled; zero for slot -1
-    """v[t] = x[t] @ A[slot[t]]ᵀ, walking the distinct slots."""
+    """v[t] = x[t] @ A[slot[t]]ᵀ, walking the distinct slots of each tile of `tm` rows (None: the
+    whole batch one tile)."""
     t, in_features = x.shape
     nr, num_slots = a.shape[2], a.shape[1]
-    slots, count = distinct_slots(token_slots, num_slots)
-    xp, tok = _rows(x.astype(a.dtype), token_slots)
-    tp = xp.shape[0]
+    xp, tok, tm = _rows(x.astype(a.dtype), token_slots, tm)
+    slots, count = tile_slots(tok[:, 0], num_slots, tm)
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(1,),
-        in_specs=[pl.BlockSpec((tp, 1), lambda i, *_: (0, 0)),
-                  pl.BlockSpec((tp, in_features), lambda i, *_: (0, 0)),
+        grid=(xp.shape[0] // tm,),
+        in_specs=[pl.BlockSpec((tm, 1), lambda i, *_: (i, 0)),
+                  pl.BlockSpec((tm, in_features), lambda i, *_: (i, 0)),
                   pl.BlockSpec(memory_space=HBM)],
-        out_specs=pl.BlockSpec((tp, nr), lambda i, *_: (0, 0)),
+        out_specs=pl.BlockSpec((tm, nr), lambda i, *_: (i, 0)),
         scratch_shapes=[pltpu.VMEM((depth, nr, in_features), a.dtype), pltpu.SemaphoreType.DMA((depth,))],
     )
     item = jnp.dtype(a.dtype).itemsize
-    buffers = 2 * (tp * 128 * 4 + tp * in_features * item + tp * nr * 4) + depth * nr * in_features * item
-    kernel = functools.partial(_shrink_kernel, depth=depth, limit=slots.shape[0])
-    return _launch(kernel, spec, nr, buffers, interpret, "lora_bgmv_shrink", slots, count, layer, tok, xp,
-                   in_hbm(a))[:t]
+    buffers = 2 * (tm * 128 * 4 + tm * in_features * item + tm * nr * 4) + depth * nr * in_features * item
+    kernel = functools.partial(_shrink_kernel, depth=depth, limit=slots.shape[0] // count.shape[0])
+    return _launch(kernel, spec, xp.shape[0], nr, buffers, interpret, "lora_bgmv_shrink", slots, count, layer, tok,
+                   xp, in_hbm(a))[:t]
 
 
 def expand_block(tp: int, rank: int, out_features: int, depth: int, itemsize: int) -> int:
@@ -184,26 +204,28 @@ def expand(
     token_slots: jax.Array,  # i32[T]
     *,
     depth: int,
+    tm: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # f32[T, out] delta; zero for slot -1
-    """delta[t] = v[t] @ B[slot[t]], walking the distinct slots in each column block."""
+    """delta[t] = v[t] @ B[slot[t]], walking the distinct slots of each tile of `tm` rows (None:
+    the whole batch one tile) in each column block."""
     t, rank = v.shape
     num_slots, out_features = b.shape[1], b.shape[3]
-    slots, count = distinct_slots(token_slots, num_slots)
-    vp, tok = _rows(v.astype(jnp.float32), token_slots)
-    tp = vp.shape[0]
+    vp, tok, tm = _rows(v.astype(jnp.float32), token_slots, tm)
+    slots, count = tile_slots(tok[:, 0], num_slots, tm)
     item = jnp.dtype(b.dtype).itemsize
-    bn = expand_block(tp, rank, out_features, depth, item)
+    bn = expand_block(tm, rank, out_features, depth, item)
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(out_features // bn,),
-        in_specs=[pl.BlockSpec((tp, 1), lambda j, *_: (0, 0)),
-                  pl.BlockSpec((tp, rank), lambda j, *_: (0, 0)),
+        grid=(vp.shape[0] // tm, out_features // bn),
+        in_specs=[pl.BlockSpec((tm, 1), lambda i, j, *_: (i, 0)),
+                  pl.BlockSpec((tm, rank), lambda i, j, *_: (i, 0)),
                   pl.BlockSpec(memory_space=HBM)],
-        out_specs=pl.BlockSpec((tp, bn), lambda j, *_: (0, j)),
+        out_specs=pl.BlockSpec((tm, bn), lambda i, j, *_: (i, j)),
         scratch_shapes=[pltpu.VMEM((depth, rank, bn), b.dtype), pltpu.SemaphoreType.DMA((depth,))],
     )
-    buffers = 2 * (tp * 128 * 4 + tp * max(rank, 128) * 4 + tp * bn * 4) + depth * rank * bn * item
-    kernel = functools.partial(_expand_kernel, depth=depth, limit=slots.shape[0], bn=bn, out_features=out_features)
-    return _launch(kernel, spec, out_features, buffers, interpret, "lora_bgmv_expand", slots, count, layer, tok, vp,
-                   in_hbm(b))[:t]
+    buffers = 2 * (tm * 128 * 4 + tm * max(rank, 128) * 4 + tm * bn * 4) + depth * rank * bn * item
+    kernel = functools.partial(_expand_kernel, depth=depth, limit=slots.shape[0] // count.shape[0], bn=bn,
+                               out_features=out_features)
+    return _launch(kernel, spec, vp.shape[0], out_features, buffers, interpret, "lora_bgmv_expand", slots, count,
+                   layer, tok, vp, in_hbm(b))[:t]

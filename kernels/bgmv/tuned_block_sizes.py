@@ -66,6 +66,11 @@ TPU_DECODE_BN = 16384
 # 0.94 with their sort and gather); serving at 400 req/s, its decode program 5.85 ms against
 # 6.19 (benchmarks/results/2026-12-07-tpu-v5e-serving-ops.md).
 TPU_DECODE_SLOT_LOOP = 4
+# The TPU prompt-step kernels: 0, the visits kernels; d > 0, the slot-loop kernels over row tiles
+# of tm (each tile walking its own distinct slots). The visits stay until the chip has timed a
+# serving run with these (in serving at 400 req/s the LoRA prompt program took 5.96 ms against
+# the base's 4.89, of which the visits' sort and gather 0.27; `tpu_run.sh serving-prefill-loop`).
+TPU_PREFILL_SLOT_LOOP = 0
 
 
 def tpu_block_sizes(dtype, *, prefill: bool) -> BlockSizes:
@@ -81,5 +86,5 @@ def tpu_block_sizes(dtype, *, prefill: bool) -> BlockSizes:
     keeps 4096: its 128-row f32 output block of a 14336-wide pass would take 14 MiB."""
     sub = 16 if jnp.dtype(dtype).itemsize < 4 else 8
     if prefill:
-        return BlockSizes(tm=sub * 8, bk=TPU_WHOLE_K, bn=4096)
+        return BlockSizes(tm=sub * 8, bk=TPU_WHOLE_K, bn=4096, slot_loop=TPU_PREFILL_SLOT_LOOP)
     return BlockSizes(tm=sub, bk=TPU_WHOLE_K, bn=TPU_DECODE_BN, slot_loop=TPU_DECODE_SLOT_LOOP)

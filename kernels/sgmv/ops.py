@@ -3,7 +3,9 @@
 `sgmv` is the public op (fused); `sgmv_shrink` and `sgmv_expand` are its two halves.
 
 Takes the host-computed segments of LoRABatchInfo (sorted_order, segment_starts,
-segment_slots). "tpu": megablox-style grouped kernels (kernels.sgmv.tpu); "gpu": the
+segment_slots). "tpu": megablox-style grouped kernels (kernels.sgmv.tpu), or with
+`BlockSizes.slot_loop` the kernels of kernels.bgmv.tpu with the rows in tiles of `tm`, each tile
+walking its own distinct slots (no sort, no gather; the segments unused); "gpu": the
 Triton tile kernels of kernels.bgmv.gpu on tiles cut from the segments (kernels.dispatch); "cpu": the XLA
 formulation measured fastest there (kernels.xla.CPU_FORMULATION).
 A and B may be stacked over layers with `layer` saying which (as for bgmv).
@@ -54,6 +56,8 @@ def sgmv_shrink(
     if platform == "cpu":
         return xla.shrink(x, a, token_slots, slot_scalings,
                           xla.CPU_FORMULATION, segment_slots, layer=lyr)  # the segments list the distinct slots
+    if platform == "tpu" and bs.slot_loop:
+        return dispatch.slot_loop_shrink(x, a, lyr, token_slots, slot_scalings, bs=bs, interpret=interpret, tm=bs.tm)
     meta = dispatch.metadata(platform, sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
     return dispatch.shrink(
         x, a, lyr, token_slots, slot_scalings, slot_ranks, meta,
@@ -86,6 +90,8 @@ def sgmv_expand(
     if platform == "cpu":
         return xla.expand(v, b, base_outputs, token_slots,
                           xla.CPU_FORMULATION, segment_slots, layer=lyr)  # the segments list the distinct slots
+    if platform == "tpu" and bs.slot_loop:
+        return dispatch.slot_loop_expand(v, b, lyr, base_outputs, token_slots, bs=bs, interpret=interpret, tm=bs.tm)
     meta = dispatch.metadata(platform, sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
     return dispatch.expand(
         v, b, lyr, base_outputs, slot_scalings, slot_ranks, meta, platform=platform, bs=bs, interpret=interpret,
@@ -121,6 +127,9 @@ def sgmv(
     if platform == "cpu":
         return xla.lora(x, a, b, base_outputs, token_slots, slot_scalings,
                         xla.CPU_FORMULATION, segment_slots, layer=lyr)  # the segments list the distinct slots
+    if platform == "tpu" and bs.slot_loop:
+        return dispatch.slot_loop_lora(x, a, b, lyr, base_outputs, token_slots, slot_scalings, bs=bs,
+                                       interpret=interpret, tm=bs.tm)
     meta = dispatch.metadata(platform, sorted_order, segment_starts, segment_slots, num_slots, bs.tm)
     return dispatch.lora(
         x, a, b, lyr, base_outputs, token_slots, slot_scalings, slot_ranks, meta,

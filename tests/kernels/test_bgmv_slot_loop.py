@@ -8,10 +8,12 @@ import pytest
 
 from kernels.bgmv import bgmv, bgmv_expand, bgmv_shrink
 from kernels.bgmv import tpu as slot_loop
-from kernels.bgmv.tpu import VMEM_BUDGET, distinct_slots, expand_block
+from kernels.bgmv.tpu import VMEM_BUDGET, distinct_slots, expand_block, tile_slots
 from kernels.bgmv.tuned_block_sizes import BlockSizes
+from kernels.sgmv import sgmv, sgmv_expand, sgmv_shrink
+from lora_runtime.lora.batch_info import build_batch_info
 from tests.kernels.naive import assert_close, make_inputs, naive_expand, naive_lora, naive_shrink
-from tests.kernels.test_kernel_lowering import lower_bgmv
+from tests.kernels.test_kernel_lowering import lower_bgmv, lower_sgmv
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 OUTS = (128, 64, 64)
@@ -32,6 +34,56 @@ def test_distinct_slots_lists_each_used_slot_once(slots, num_slots, want):
     got, count = distinct_slots(jnp.asarray(slots, jnp.int32), num_slots)
     assert got.shape == (min(num_slots, len(slots)),)
     assert int(count[0]) == len(want) and list(np.asarray(got)[:len(want)]) == want
+
+
+def test_tile_slots_lists_each_tiles_own_slots():
+    tok = jnp.asarray([3, 3, -1, 3, 0, 5, 5, 0, -1, -1, -1, -1], jnp.int32)
+    slots, count = tile_slots(tok, 8, 4)
+    assert slots.shape == (3 * 4,) and list(np.asarray(count)) == [1, 2, 0]
+    g = np.asarray(slots).reshape(3, 4)
+    assert g[0, 0] == 3 and list(g[1, :2]) == [0, 5]
+
+
+def prompt_rows(num_tokens: int, seed: int) -> np.ndarray:
+    """A packed prompt step's slots: runs of one sequence each (some without an adapter)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < num_tokens:
+        out += [int(rng.integers(-1, 6))] * int(rng.integers(1, 40))
+    return np.array(out[:num_tokens])
+
+
+@pytest.mark.parametrize("num_tokens,tm,dtype", [(100, 16, F32), (130, 32, BF16), (16, 16, BF16), (5, 16, F32)])
+def test_prompt_rows_in_tiles_match_naive_loop(num_tokens, tm, dtype):
+    """sgmv through the slot-loop kernels: rows in tiles of tm, each walking its own slots."""
+    d = make_inputs(num_tokens, 6, 16, OUTS, IN, dtype, seed=num_tokens, slots=prompt_rows(num_tokens, num_tokens))
+    info = build_batch_info(np.asarray(d["slots"]), np.asarray(d["scalings"]), np.asarray(d["ranks"]))
+    seg = (info.sorted_order, info.segment_starts, info.segment_slots)
+    block = BlockSizes(tm=tm, bk=1 << 16, bn=1 << 14, slot_loop=2)
+    kw = dict(platform="tpu", interpret=True, block=block)
+    got = sgmv(d["x"], d["a"], d["b"], d["base"], d["slots"], *seg, d["scalings"], d["ranks"], **kw)
+    for g, w in zip(got, naive_lora(d["x"], d["a"], d["b"], d["base"], d["slots"], d["scalings"])):
+        assert g.dtype == dtype and g.shape == w.shape
+        assert_close(g, w, dtype)
+    v = sgmv_shrink(d["x"], d["a"], d["slots"], *seg, d["scalings"], d["ranks"], n_slices=3, **kw)
+    assert_close(v, naive_shrink(d["x"], d["a"], d["slots"], d["scalings"], 3), F32)
+    got = sgmv_expand(v, d["b"], d["base"], d["slots"], *seg, d["scalings"], d["ranks"], **kw)
+    for g, w in zip(got, naive_expand(v, d["b"], d["base"], d["slots"])):
+        assert_close(g, w, dtype)
+
+
+def test_row_tiles_and_column_blocks_together(monkeypatch):
+    d = make_inputs(70, 6, 8, (384, 128), IN, F32, seed=4, slots=prompt_rows(70, 4))
+    monkeypatch.setattr(slot_loop, "VMEM_BUDGET", 2 * 16 * 128 * 4 + 2 * 8 * 128 * 4)  # one 128-column block
+    assert expand_block(16, 8, 384, 2, 4) == 128
+    v = slot_loop.shrink(d["x"], jnp.stack([d["a"]]), jnp.zeros((1,), jnp.int32), d["slots"], depth=2, tm=16,
+                         interpret=True)
+    want = naive_shrink(d["x"], d["a"], d["slots"], jnp.ones_like(d["scalings"]), 2)
+    assert_close(v, want, F32)
+    got = slot_loop.expand(v[:, :8], jnp.stack([d["b"][0]]), jnp.zeros((1,), jnp.int32), d["slots"], depth=2,
+                           tm=16, interpret=True)
+    zero = jnp.zeros((70, 384), F32)
+    assert_close(got, naive_expand(v[:, :8], (d["b"][0],), (zero,), d["slots"])[0], F32)
 
 
 @pytest.mark.parametrize("num_tokens,num_slots,rank,n,dtype,depth", [
@@ -115,9 +167,21 @@ def test_it_lowers_for_tpu_at_real_shapes(tp):
     assert text.count("input_memory_space_colors") == 4 + 7
 
 
+def test_prompt_tiles_lower_for_tpu_at_real_shapes(monkeypatch):
+    """A 512-token prompt step over a 32-layer pool with the tuned prefill sizes set to the slot
+    loop: its kernels, not the visits'."""
+    from kernels.bgmv import tuned_block_sizes as tuned
+    monkeypatch.setattr(tuned, "TPU_PREFILL_SLOT_LOOP", 4)
+    text = lower_sgmv("llama3_8b", 1, num_tokens=512, layers=32)
+    assert text.count("tpu_custom_call") == 4 + 7
+    assert "lora_bgmv_shrink" in text and "lora_bgmv_expand" in text and "lora_sgmv" not in text
+
+
 def test_decode_takes_the_tuned_choice_and_prefill_keeps_the_visits(monkeypatch):
     from kernels.bgmv import tuned_block_sizes as tuned
     assert tuned.tpu_block_sizes(BF16, prefill=False).slot_loop == tuned.TPU_DECODE_SLOT_LOOP
     monkeypatch.setattr(tuned, "TPU_DECODE_SLOT_LOOP", 4)
     assert tuned.tpu_block_sizes(BF16, prefill=False).slot_loop == 4
-    assert tuned.tpu_block_sizes(BF16, prefill=True).slot_loop == 0  # long prompts: rows past VMEM
+    assert tuned.tpu_block_sizes(BF16, prefill=True).slot_loop == tuned.TPU_PREFILL_SLOT_LOOP
+    monkeypatch.setattr(tuned, "TPU_PREFILL_SLOT_LOOP", 2)
+    assert tuned.tpu_block_sizes(BF16, prefill=True) == BlockSizes(tm=128, bk=tuned.TPU_WHOLE_K, bn=4096, slot_loop=2)

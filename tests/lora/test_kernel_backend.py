@@ -97,19 +97,22 @@ def test_backend_matches_naive_loop(kind, group, prefill, tp, num_tokens):
     assert np.all(np.asarray(v)[slots < 0] == 0)
 
 
-@pytest.mark.parametrize("group,tp,num_tokens", [("qkv", 4, 12), ("down", 4, 7), ("gate_up", 1, 16)])
-def test_tpu_decode_through_the_slot_loop_kernels(monkeypatch, group, tp, num_tokens):
-    """The TPU decode kernels that walk the batch's distinct slots (kernels.bgmv.tpu), chosen by
-    the tuned table, under the backend's tensor-parallel layouts (column and row groups)."""
+@pytest.mark.parametrize("group,tp,num_tokens,prefill", [("qkv", 4, 12, False), ("down", 4, 7, False),
+                                                         ("gate_up", 1, 16, False), ("qkv", 4, 150, True),
+                                                         ("down", 1, 70, True)])
+def test_tpu_through_the_slot_loop_kernels(monkeypatch, group, tp, num_tokens, prefill):
+    """The TPU kernels that walk the batch's distinct slots (kernels.bgmv.tpu; a prompt step's
+    rows in tiles), chosen by the tuned table, under the backend's tensor-parallel layouts
+    (column and row groups)."""
     from kernels.bgmv import tuned_block_sizes
-    monkeypatch.setattr(tuned_block_sizes, "TPU_DECODE_SLOT_LOOP", 2)
+    monkeypatch.setattr(tuned_block_sizes, "TPU_PREFILL_SLOT_LOOP" if prefill else "TPU_DECODE_SLOT_LOOP", 2)
     x, a, b, base, slots, scalings, ranks, parallel = make_case(group, num_tokens, seed=num_tokens * 5 + tp)
     backend = make_backend("tpu", mesh_of(tp))
     info = backend.prepare_lora_batch(slots, scalings, ranks)
 
     @jax.jit
     def fused(x, a, b, base, info):
-        return backend.run_lora(x, a, b, base, info, prefill=False, parallel=parallel)
+        return backend.run_lora(x, a, b, base, info, prefill=prefill, parallel=parallel)
 
     text = str(jax.make_jaxpr(fused)(x, a, b, base, info))
     assert "lora_bgmv_shrink" in text and "lora_sgmv" not in text  # the slot loop, not the visits
