@@ -129,7 +129,8 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
             total += per_device((depth, slots, len(outs) * rank, fan_in), a_spec) * itemsize
             total += sum(per_device((depth, slots, rank, o), b_spec) for o in outs) * itemsize
             terms = int(layout.has_scale(g)) + int(shifted)  # f32 scale and shift where held
-            total += terms * sum(per_device((depth, term_slots(slots, platform), o), s_spec, jnp.float32) for o in outs) * 4
+            held = term_slots(slots, platform)
+            total += terms * sum(per_device((depth, held, o), s_spec, jnp.float32) for o in outs) * 4
     return total
 
 
