@@ -293,6 +293,34 @@ def run_correctness_case(run: Run, name, t, s, r, outs, in_f, dtype, op, extra) 
     return row
 
 
+def section_layouts(run: Run) -> dict:
+    """The layouts the device stores an adapter pool's arrays in (rank 4, 8 and 16; 63 and 64
+    slots; bfloat16, with embedding and lm_head groups and DoRA and lora_bias terms), with the pool's rows and term slots exact
+    (row_align 1) and as the engine lays them out on this platform: an array stored with
+    another axis second-minor than its shape's is copied whole by every program that reads it
+    (lora_runtime/lora/memory_pool.py, TPU_ROW_ALIGN)."""
+    from benchmarks.common import LARGE_SHAPE, TINY_SHAPE, synthetic_config
+    from lora_runtime.lora.memory_pool import LoRAMemoryPool
+    from lora_runtime.model.sharding import make_mesh
+
+    shape = dict(TINY_SHAPE if run.smoke else LARGE_SHAPE, layers=2)
+    model_config = synthetic_config(dtype="bfloat16", vocab=259 if run.smoke else 128256, **shape)
+    mesh = make_mesh(1, jax.devices()[:1])
+    rows = []
+    for rank, slots, align in ((4, 63, 1), (4, 63, None), (8, 64, 1), (16, 63, 1), (16, 63, None)):
+        pool = LoRAMemoryPool.create(model_config, mesh, num_slots=slots, max_lora_rank=rank, dtype="bfloat16",
+                                     outer=True, dora=True, bias=True, row_align=align)
+        paths = jax.tree_util.tree_flatten_with_path((pool.a, pool.b, pool.scale, pool.shift))[0]
+        off = [(jax.tree_util.keystr(k), tuple(x.shape), tuple(x.format.layout.major_to_minor)) for k, x in paths
+               if tuple(x.format.layout.major_to_minor) != tuple(range(x.ndim))]
+        row = {"rank": rank, "slots": slots, "rows": pool.classes[0].rows, "arrays": len(paths), "off": off}
+        rows.append(row)
+        print(f"  rank {rank:2d} slots {slots} rows {row['rows']:2d}: {len(off)} of {len(paths)} arrays off the "
+              f"major-to-minor layout {off[:3]}", flush=True)
+        del pool
+    return {"rows": rows}
+
+
 def section_correctness(run: Run) -> dict:
     rows = []
     for case in correctness_cases(run.smoke, run.platform):
@@ -748,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.device_out)")
     p.add_argument("--budget-s", type=float, default=330.0, help="skip sections that would start past this")
     p.add_argument("--sections", default=None,
-                   help="comma-separated subset of env,correctness,attention,sweep,stack,benchmark")
+                   help="comma-separated subset of env,layouts,correctness,attention,sweep,stack,benchmark")
     p.add_argument("--platform", choices=("gpu", "tpu"), default=None,
                    help="whose kernels (default: the machine's; gpu on a CPU-only machine)")
     args = p.parse_args(argv)
@@ -756,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     if not run.smoke and default_platform() != run.platform:
         print(f"warning: backend is {jax.default_backend()!r}, not {run.platform}; use --cpu-smoke there", flush=True)
     wanted = set(args.sections.split(",")) if args.sections else None
-    sections = [("env", section_env, 0), ("correctness", section_correctness, 60),
+    sections = [("env", section_env, 0), ("layouts", section_layouts, 0), ("correctness", section_correctness, 60),
                 ("attention", section_attention, 30), ("sweep", section_sweep, 150), ("stack", section_stack, 60),
                 ("benchmark", section_benchmark, 30)]
     if run.smoke and run.platform == "gpu":

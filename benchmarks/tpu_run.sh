@@ -5,7 +5,7 @@
 #   check        the Mosaic kernels against float64 / dense references, their block sweep, speed
 #                against the XLA formulations and the byte roofline (32-layer stacks of decode
 #                batches; benchmarks/device_check.py; about 4 minutes)
-#   correctness  only the kernels' and paged attention's correctness (about two minutes)
+#   correctness  the adapter pool's stored layouts, the kernels' and paged attention's correctness (about two minutes)
 #   kv           the KV write and page read compiled for the chip (benchmarks/kv_write.py)
 #   engine       the engine on the demo model through the kernels and through XLA
 #                (benchmarks/engine_device_check.py; about 2 minutes)
@@ -76,7 +76,7 @@ for mode in "${@:-check}"; do
       timeout 250 python3 benchmarks/device_check.py --budget-s 215 --out "$OUT" 2>&1 | tee "$OUT/device_check.log" \
         | grep -v "^  BlockSizes" ;;
     correctness)
-      timeout 130 python3 benchmarks/device_check.py --sections env,correctness,attention --budget-s 115 \
+      timeout 130 python3 benchmarks/device_check.py --sections env,layouts,correctness,attention --budget-s 115 \
         --out "$OUT/correctness" 2>&1 | tee "$OUT/device_check_correctness.log" | tail -14 ;;
     kv)
       timeout 120 python3 -m benchmarks.kv_write --cache-gib 2 2>&1 | tee "$OUT/kv_write.log" | tail -8 ;;

@@ -110,7 +110,7 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
     """Bytes of the adapter pool on one device (its layout: lora_runtime/lora/memory_pool.py):
     `num_slots` slots of rank `max_lora_rank`, or the rank `classes` ((rank, slots) pairs),
     as `platform` lays them out (stored_elements)."""
-    from lora_runtime.lora.memory_pool import TENSOR_AXIS as POOL_AXIS, PoolLayout, group_dims, term_slots
+    from lora_runtime.lora.memory_pool import TENSOR_AXIS as POOL_AXIS, PoolLayout, aligned, group_dims, row_align_for
 
     if classes is None:
         classes = ((max_lora_rank, num_slots),) if num_slots else ()
@@ -121,15 +121,16 @@ def adapter_pool_bytes(model_config: ModelConfig, tp: int, num_slots: int, max_l
         local = [n // tp if i < len(spec) and spec[i] == POOL_AXIS else n for i, n in enumerate(shape)]
         return stored_elements(local, dtype, platform)
 
+    align = row_align_for(platform)
     total = 0
     for rank, slots in classes:
+        rows, held = aligned(rank, align), aligned(slots, align)  # as the pool holds them
         for g, shifted in zip(layout.groups, layout.shifted):
             depth, fan_in, outs = group_dims(model_config, g)
             a_spec, b_spec, s_spec = layout.specs(g)
-            total += per_device((depth, slots, len(outs) * rank, fan_in), a_spec) * itemsize
-            total += sum(per_device((depth, slots, rank, o), b_spec) for o in outs) * itemsize
+            total += per_device((depth, slots, len(outs) * rows, fan_in), a_spec) * itemsize
+            total += sum(per_device((depth, slots, rows, o), b_spec) for o in outs) * itemsize
             terms = int(layout.has_scale(g)) + int(shifted)  # f32 scale and shift where held
-            held = term_slots(slots, platform)
             total += terms * sum(per_device((depth, held, o), s_spec, jnp.float32) for o in outs) * 4
     return total
 

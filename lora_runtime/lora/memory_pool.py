@@ -19,12 +19,16 @@ B [1, S, R, hidden]; A sharded on vocab like the base embedding) and "lm_head" (
 [1, S, R, hidden], B [1, S, R, vocab]; column-parallel on vocab like the base head, or
 row-parallel when the mesh does not divide the vocabulary). With `dora=True` it holds
 DoRA's per-output scale of every slot, `scale[c][g]`: n × [L, S_c', out_i] f32 (1 for a
-plain adapter), sharded like the outputs; S_c' is S_c, on TPU rounded up to TERM_SLOT_ALIGN so the
-slot axis fills whole f32 tiles (see there). A per-output shift `shift[c][g]` (same layout, 0
+plain adapter), sharded like the outputs. A per-output shift `shift[c][g]` (same layout, 0
 for an adapter without one) is held for the groups whose base layer has a bias when
 `dora=True` (DoRA's (1 - scale) * bias), and for every group but the embedding when
 `bias=True` (PEFT's lora_bias: lora_B's bias times the module's scaling); the step computes
 y = scale * (base + delta) + shift. These are the slots' output terms (OutputTerms).
+
+Every array's second-minor axis fills whole tiles on TPU (`row_align`, TPU_ROW_ALIGN): A's
+n*R_c' and B's R_c' rows, R_c' being R_c rounded up (the rows past R_c stay zero), and the
+terms' S_c' slots, S_c rounded up (the slots past S_c are never written or read). Elsewhere
+R_c' = R_c and S_c' = S_c.
 
 Adapters whose modules_to_save hold a trained embed_tokens or lm_head get a saved-module
 slot beside their adapter slot: `saved[m]` per module the pool has room for (embed_tokens
@@ -111,11 +115,17 @@ class PoolLayout:
 
 @dataclasses.dataclass(frozen=True)
 class RankClass:
-    """Slots [first_slot, first_slot + num_slots) of the pool, each `rank` rows wide."""
+    """Slots [first_slot, first_slot + num_slots) of the pool, each for adapters up to `rank`,
+    held in `rows` rows (`rank` rounded up to the pool's row_align)."""
 
     rank: int
     num_slots: int
     first_slot: int
+    rows: int = 0  # 0: `rank`
+
+    def __post_init__(self):
+        if not self.rows:
+            object.__setattr__(self, "rows", self.rank)
 
     def holds(self, slot: int) -> bool:
         return self.first_slot <= slot < self.first_slot + self.num_slots
@@ -171,12 +181,13 @@ class LoRAMemoryPool:
     def create(cls, model_config, mesh: jax.sharding.Mesh, *, dtype, num_slots: int | None = None,
                max_lora_rank: int | None = None, classes: Sequence[tuple[int, int]] | None = None,
                outer: bool = False, dora: bool = False, bias: bool = False, saved_modules: Sequence[str] = (),
-               saved_slots: int = 0) -> LoRAMemoryPool:
+               saved_slots: int = 0, row_align: int | None = None) -> LoRAMemoryPool:
         """An empty pool sharded on `mesh`: `num_slots` slots of rank `max_lora_rank`, or the
         rank `classes` ((rank, slots) pairs); `outer`: room for embed_tokens and lm_head
         adapters, `dora`: for DoRA scales, `bias`: for lora_bias shifts; `saved_slots`
         saved-module slots for each of `saved_modules` (modules_to_save copies of embed_tokens
-        and lm_head)."""
+        and lm_head); `row_align`: what the rows and the terms' slots are rounded up to (None:
+        the mesh's platform's, row_align_for)."""
         if classes is None:
             if num_slots is None or max_lora_rank is None:
                 raise ValueError("a pool needs num_slots and max_lora_rank, or rank classes")
@@ -187,7 +198,8 @@ class LoRAMemoryPool:
             classes = ((max_lora_rank, num_slots),)
         elif num_slots is not None or max_lora_rank is not None:
             raise ValueError("give rank classes or num_slots and max_lora_rank, not both")
-        classes = rank_classes(classes)
+        align = row_align_for(mesh.devices.flat[0].platform) if row_align is None else row_align
+        classes = tuple(dataclasses.replace(rc, rows=aligned(rc.rank, align)) for rc in rank_classes(classes))
         tp = mesh.shape.get(TENSOR_AXIS, 1)
         if saved_modules and saved_slots <= 0:
             raise ValueError(f"saved modules {list(saved_modules)} need saved_slots > 0, got {saved_slots}")
@@ -204,7 +216,7 @@ class LoRAMemoryPool:
                     raise ValueError(f"group {g!r} dimension {dim} is not divisible by tensor parallel size {tp}")
         a, b, scale, shift = [], [], [], []
         for rc in classes:
-            parts = _class_buffers(model_config, mesh, layout, rc, dtype)
+            parts = _class_buffers(model_config, mesh, layout, rc, dtype, align)
             a.append(parts[0])
             b.append(parts[1])
             scale.append(parts[2])
@@ -342,15 +354,15 @@ def saved_shape(model_config, module: str) -> tuple[int, int]:
     return (v, h) if module == EMBED else (h, v)
 
 
-def _class_buffers(model_config, mesh, layout: PoolLayout, rc: RankClass, dtype):
+def _class_buffers(model_config, mesh, layout: PoolLayout, rc: RankClass, dtype, align: int):
     """(A, B, scale, shift) per group of one empty rank class."""
     a, b, scale, shift = [], [], [], []
-    held = term_slots(rc.num_slots, mesh.devices.flat[0].platform)
+    held = aligned(rc.num_slots, align)
     for g, shifted in zip(layout.groups, layout.shifted):
         depth, fan_in, outs = group_dims(model_config, g)
         a_spec, b_spec, s_spec = layout.specs(g)
-        a.append(zeros_on((depth, rc.num_slots, len(outs) * rc.rank, fan_in), dtype, NamedSharding(mesh, a_spec)))
-        b.append(tuple(zeros_on((depth, rc.num_slots, rc.rank, o), dtype, NamedSharding(mesh, b_spec))
+        a.append(zeros_on((depth, rc.num_slots, len(outs) * rc.rows, fan_in), dtype, NamedSharding(mesh, a_spec)))
+        b.append(tuple(zeros_on((depth, rc.num_slots, rc.rows, o), dtype, NamedSharding(mesh, b_spec))
                        for o in outs))
         scale.append(tuple(_ones_on((depth, held, o), NamedSharding(mesh, s_spec)) for o in outs)
                      if layout.has_scale(g) else ())
@@ -359,20 +371,25 @@ def _class_buffers(model_config, mesh, layout: PoolLayout, rc: RankClass, dtype)
     return tuple(a), tuple(b), tuple(scale), tuple(shift)
 
 
-# The output terms' slot axis is their second-minor one, which TPU tiles by 8 for f32. With a
-# slot count off that tile (63 slots sized from memory), the runtime stores the arrays in a
-# compact layout with the layer axis second-minor instead, and every program that reads them
-# copied each whole array to the default layout first: on TPU v5e at 8 layers of Llama-3-8B
-# widths the LoRA decode program took 8.8 ms with these copies and 6.2 without
-# (benchmarks/results/2026-12-07-tpu-v5e-serving-ops.md).
-# The slots past S_c are never written or read.
-TERM_SLOT_ALIGN = 8
+# A pooled array's second-minor axis is tiled by 8 on TPU (f32 (8, 128) tiles, bf16 (8, 128)(2, 1)).
+# Off that tile the runtime stores the array in a compact layout with another axis second-minor,
+# and every program that reads it copies the whole array back first: the f32 output terms of 63
+# slots sized from memory (layer axis second-minor) cost the LoRA decode program 8.8 ms a run
+# against 6.2 without (TPU v5e, 8 layers of Llama-3-8B widths;
+# benchmarks/results/2026-12-07-tpu-v5e-serving-ops.md), as a KV cache of 64-wide heads did
+# (kernels.common.page_head_dim). A's n*R and B's R rows are the same kind of axis (rank 4: 12
+# rows of qkv), so they are rounded up too.
+TPU_ROW_ALIGN = 8
 
 
-def term_slots(num_slots: int, platform: str | None) -> int:
-    """The slot axis of a rank class's output terms on `platform`: on TPU `num_slots` rounded up
-    to TERM_SLOT_ALIGN (the tile pads them to that anyway), elsewhere `num_slots`."""
-    return -(-num_slots // TERM_SLOT_ALIGN) * TERM_SLOT_ALIGN if platform == "tpu" else num_slots
+def row_align_for(platform: str | None) -> int:
+    """What a pool's rows and terms' slots are rounded up to on `platform`."""
+    return TPU_ROW_ALIGN if platform == "tpu" else 1
+
+
+def aligned(n: int, align: int) -> int:
+    """`n` rounded up to a multiple of `align`."""
+    return -(-n // align) * align
 
 
 def _without_slot_axis(spec: P) -> P:
@@ -568,7 +585,7 @@ def write_slot(pool: LoRAMemoryPool, slot: int,
         raise ValueError(f"slot weights of rank {rank} do not fit {slot=}, whose rank class holds rank {rc.rank}")
     if arrays is None:
         arrays = put_slot_weights(pool, weights, terms)
-    fn = updater("write", rc.rank, _part_shardings(pool, c))
+    fn = updater("write", rc.rows, _part_shardings(pool, c))
     part = fn(_part(pool, c), jnp.int32(slot - rc.first_slot), *arrays)
     return _with_part(pool, c, part)
 
@@ -577,7 +594,7 @@ def clear_slot(pool: LoRAMemoryPool, slot: int) -> LoRAMemoryPool:
     """A pool with `slot` all zero; its class's buffers are donated."""
     c = pool.class_of(slot)
     rc = pool.classes[c]
-    fn = updater("clear", rc.rank, _part_shardings(pool, c))
+    fn = updater("clear", rc.rows, _part_shardings(pool, c))
     return _with_part(pool, c, fn(_part(pool, c), jnp.int32(slot - rc.first_slot)))
 
 

@@ -12,6 +12,9 @@ def test_device_check_cpu_smoke(tmp_path):
     record = json.loads((tmp_path / "device_check.json").read_text())
     sections = record["sections"]
     assert sections["env"]["add_kernel_ok"] is True
+    layouts = sections["layouts"]["rows"]  # the pool arrays' stored layouts (on CPU: rows exact, none off)
+    assert [(r["rank"], r["rows"]) for r in layouts] == [(4, 4), (4, 4), (8, 8), (16, 16), (16, 16)]
+    assert all(r["arrays"] > 0 and r["off"] == [] for r in layouts)
     lowering = sections["cuda_lowering"]
     assert lowering["passed"] == lowering["total"] > 0, [r for r in lowering["rows"] if not r["ok"]]
     correctness = sections["correctness"]
@@ -26,9 +29,10 @@ def test_device_check_cpu_smoke(tmp_path):
     }
 
 
-def test_tpu_stack_runs_decode_through_the_visits(tmp_path):
-    """On TPU the stack's kernel column is the decode batch through the Mosaic kernels' visits
-    of shared m-tiles (bgmv's TPU path), with the same result as the XLA formulations."""
+def test_tpu_stack_runs_decode_through_the_tuned_kernels(tmp_path):
+    """On TPU the stack's kernel column is the decode batch through bgmv's TPU path as tuned
+    (kernels.bgmv.tuned_block_sizes: the slot-loop kernels), with the same result as the XLA
+    formulations."""
     assert device_check.main(["--cpu-smoke", "--platform", "tpu", "--sections", "env,stack", "--budget-s", "200",
                               "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "device_check.json").read_text())["sections"]["stack"]["rows"]

@@ -3,6 +3,7 @@
 import threading
 import time
 
+import jax
 import pytest
 
 from lora_runtime.engine.config import EngineConfig
@@ -145,6 +146,29 @@ def test_rank_classes_serve_mixed_ranks_like_peft(checkpoint, adapters, peft_gre
         for (name, prompt), out in zip(jobs, outs):
             assert out.token_ids == peft_greedy[name, prompt], (name, prompt)
         assert engine.lora_manager.stats().evictions > 0
+        assert engine.compiles_after_warmup == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+def test_rows_aligned_as_on_tpu_serve_like_peft(monkeypatch, checkpoint, adapters, peft_greedy, backend):
+    """A pool laid out as on TPU (rows and the terms' slots rounded up to 8: rank 4 held in 8
+    rows, 3 slots' terms in 8): writes, DoRA-ready terms and every step give PEFT's tokens."""
+    from lora_runtime.lora import memory_pool
+    monkeypatch.setattr(memory_pool, "row_align_for", lambda platform: memory_pool.TPU_ROW_ALIGN)
+    engine = _engine(checkpoint, adapters, lora_backend=backend, max_loras_per_batch=3,
+                     lora_rank_classes=[4, 16], max_wait_steps=4)
+    try:
+        pool = engine.lora_manager.pool
+        assert [(c.rank, c.rows) for c in pool.classes] == [(4, 8), (16, 16)]
+        a, (b, *_) = pool.stacked_group("qkv", 0)
+        assert a.shape[2] == 3 * 8 and b.shape[2] == 8
+        assert {x.shape[1] for x in jax.tree_util.tree_leaves(pool.scale)} == {8}
+        jobs = [(n, p) for n in [None, *adapters] for p in PROMPTS[:2]]
+        outs = engine.generate_batch([p for _, p in jobs], GREEDY, [n for n, _ in jobs])
+        for (name, prompt), out in zip(jobs, outs):
+            assert out.token_ids == peft_greedy[name, prompt], (name, prompt)
         assert engine.compiles_after_warmup == 0
     finally:
         engine.shutdown()

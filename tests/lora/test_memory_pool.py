@@ -46,14 +46,21 @@ def test_layout_and_nbytes(model_config):
     assert all(not np.asarray(x).any() for x in jax.tree_util.tree_leaves(pool))
 
 
-def test_output_terms_fill_whole_f32_tiles_on_tpu(model_config):
-    """On TPU the f32 terms' slot axis (second-minor) is a whole number of 8-row tiles: with 63
-    slots the runtime stored them in another layout and every step copied them whole."""
-    assert [memory_pool.term_slots(n, "tpu") for n in (1, 8, 63, 64, 65)] == [8, 8, 64, 64, 72]
-    assert [memory_pool.term_slots(n, p) for p in ("cpu", "gpu") for n in (1, 63)] == [1, 63, 1, 63]
-    pool = LoRAMemoryPool.create(model_config, make_mesh(1, jax.devices()[:1]), num_slots=3, max_lora_rank=R,
-                                 dtype="float32", dora=True, bias=True)
-    assert {x.shape[1] for x in jax.tree_util.tree_leaves((pool.scale, pool.shift))} == {3}  # CPU: exact
+def test_rows_and_term_slots_fill_whole_tiles_on_tpu(model_config):
+    """On TPU a pooled array's second-minor axis fills whole 8-row tiles (A's n*R, B's R, the
+    terms' slots): off the tile, the runtime stored the terms of 63 slots in another layout and
+    every step copied them whole. Elsewhere the shapes are exact."""
+    assert memory_pool.row_align_for("tpu") == 8 and memory_pool.row_align_for("gpu") == 1
+    assert [memory_pool.aligned(n, 8) for n in (1, 8, 63, 64, 65)] == [8, 8, 64, 64, 72]
+    mesh = make_mesh(1, jax.devices()[:1])
+    kw = dict(num_slots=3, max_lora_rank=4, dtype="float32", dora=True, bias=True)
+    exact, tiled = LoRAMemoryPool.create(model_config, mesh, **kw), LoRAMemoryPool.create(model_config, mesh,
+                                                                                          row_align=8, **kw)
+    assert exact.classes[0].rows == 4 and tiled.classes[0].rows == 8 and tiled.max_lora_rank == 4
+    for pool, rows, slots in ((exact, 4, 3), (tiled, 8, 8)):
+        a, bs = pool.stacked_group("qkv", 0)
+        assert a.shape[1:3] == (3, 3 * rows) and {b.shape[1:3] for b in bs} == {(3, rows)}
+        assert {x.shape[1] for x in jax.tree_util.tree_leaves((pool.scale, pool.shift))} == {slots}
 
 
 def test_sharding_under_tp4(model_config):
