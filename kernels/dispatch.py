@@ -11,9 +11,9 @@ here with the platform's metadata (`metadata`):
        row of a shared tile rather than a padded tile of its own. On TPU v5e, decode batches
        of 16 to 256 tokens over 8 to 256 slots ran 4-35% faster this way than through one
        padded tile per slot (benchmarks/results/2026-12-06-tpu-v5e-decode-visits.md).
-A TPU decode batch with `BlockSizes.slot_loop` skips the metadata: kernels.bgmv.tpu walks its
-distinct slots with the rows in token order (`slot_loop_shrink`, `slot_loop_expand`,
-`slot_loop_lora`).
+A TPU batch with `BlockSizes.slot_loop` skips the metadata: kernels.bgmv.tpu walks its distinct
+slots with the rows in token order, a decode batch as one tile, a prompt step's rows in tiles of
+`tm` each walking its own (`slot_loop_shrink`, `slot_loop_expand`, `slot_loop_lora`).
 A and B are stacked over layers ([L, S, ...], see kernels.common.stacked_pool) and
 `layer` (i32[1]) says which layer the kernels read.
 """
