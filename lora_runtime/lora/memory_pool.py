@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from kernels.common import cdiv
 from lora_runtime.lora.adapter import EMBED, HEAD, OUTER_MODULES, group_shapes, outer_shapes
 from lora_runtime.model.lora_hook import GROUPS
 from lora_runtime.model.sharding import zeros_on
@@ -389,7 +390,7 @@ def row_align_for(platform: str | None) -> int:
 
 def aligned(n: int, align: int) -> int:
     """`n` rounded up to a multiple of `align`."""
-    return -(-n // align) * align
+    return cdiv(n, align) * align
 
 
 def _without_slot_axis(spec: P) -> P:
